@@ -1,0 +1,67 @@
+"""Helpers for tests and benchmarks: poisoning outputs, error figures, random inputs.
+
+Public so that forks can check their own kernels against ours the same way.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+#: value written into float outputs before a kernel runs: any unwritten element stays NaN
+POISON_FLOAT = float("nan")
+#: byte written into uint8 outputs/caches: unlikely to be produced by any encoder
+POISON_BYTE = 0xA5
+POISON_INT = -123456789
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill ``t`` in place with a value no kernel produces (NaN, 0xA5, -123456789)."""
+    if t.dtype.is_floating_point:
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            t.view(torch.uint8).fill_(0x7F)  # e4m3 NaN
+        else:
+            t.fill_(POISON_FLOAT)
+    elif t.dtype == torch.uint8:
+        t.fill_(POISON_BYTE)
+    elif t.dtype == torch.bool:
+        t.fill_(True)
+    else:
+        t.fill_(POISON_INT)
+    return t
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative Frobenius error ``||out - ref|| / ||ref||`` in float64 (``inf`` on NaN)."""
+    o, r = out.double(), ref.double()
+    if torch.isnan(o).any():
+        return float("inf")
+    den = r.norm().item()
+    num = (o - r).norm().item()
+    return num / den if den > 0 else num
+
+
+def max_abs_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Max |out - ref| treating equal infinities as equal; ``inf`` on NaN."""
+    o, r = out.double(), ref.double()
+    if torch.isnan(o).any() or torch.isnan(r).any():
+        return float("inf")
+    same = o == r  # covers +inf == +inf
+    d = torch.where(same, torch.zeros_like(o), (o - r).abs())
+    return d.max().item() if d.numel() else 0.0
+
+
+def random_bf16(*shape: int, device="cpu", scale: float = 1.0, generator: Optional[torch.Generator] = None):
+    """Random normal bf16 with a few outliers per row, never zeros."""
+    x = torch.randn(*shape, device=device, generator=generator) * scale
+    return x.to(torch.bfloat16)
+
+
+def random_block_table(
+    num_reqs: int, max_blocks: int, num_blocks: int, device="cpu", generator=None
+) -> torch.Tensor:
+    """``[num_reqs, max_blocks]`` int32 of distinct random block ids in ``[0, num_blocks)``."""
+    if num_reqs * max_blocks > num_blocks:
+        raise ValueError("num_blocks too small for distinct blocks")
+    perm = torch.randperm(num_blocks, generator=generator)[: num_reqs * max_blocks]
+    return perm.view(num_reqs, max_blocks).to(torch.int32).to(device)
