@@ -81,3 +81,55 @@ def f32_to_e2m1_code(y):
          + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
          + (a > 5.0).to(tl.int32))
     return m | ((y < 0).to(tl.int32) << 3)
+
+
+@triton.jit
+def bf16_to_f32(x, SW: tl.constexpr):
+    """bf16 -> fp32, exact. The interpreter's cast flushes bf16 subnormals to zero; the SW path
+    widens the bits instead."""
+    if SW:
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def ue8m0_to_f32(b):
+    """UE8M0 scale byte (any int dtype, 0..255) -> fp32 ``2**(b - 127)``, exact for every byte:
+    byte 0 gives the subnormal ``2**-127``, byte 255 gives ``inf`` (as ``torch.ldexp`` does)."""
+    bi = b.to(tl.int32)
+    return tl.where(bi == 0, 0x00400000, bi << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def ue8m0_quantize_groups(x, AMAX_FLOOR: tl.constexpr, SW: tl.constexpr):
+    """Per-group UE8M0 quantization of an fp32 tile ``x [A, G, S]`` (one group = the last axis).
+
+    Returns ``(bits, e)``: e4m3 bits uint8 ``[A, G, S]`` of ``clamp(x * 2**-e, -448, 448)``
+    (nearest even) and the int32 exponents ``e [A, G]`` with
+    ``e = ceil(log2(max(max|x|, AMAX_FLOOR) / 448))``; the scale byte is ``e + 127``.
+    """
+    amax = tl.maximum(tl.max(tl.abs(x), axis=2), AMAX_FLOOR)
+    e = ue8m0_exponent(amax)
+    y = x * exp2_int(-e)[:, :, None]
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    return f32_to_e4m3_bits(y, SW), e
+
+
+@triton.jit
+def nvfp4_quantize_groups(x, SW: tl.constexpr):
+    """NVFP4 quantization of an fp32 tile ``x [A, G, S]`` (S even; one group = the last axis).
+
+    ``s = e4m3(clamp(max|x| / 6, 2**-9, 448))``, codes ``e2m1(x / s)`` (IEEE divisions).
+    Returns ``(packed, s_bits)``: uint8 ``[A, G, S // 2]`` with the even element in the low
+    nibble, and the e4m3 scale bits uint8 ``[A, G]``.
+    """
+    amax = tl.max(tl.abs(x), axis=2)
+    s = tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32))
+    s = tl.minimum(tl.maximum(s, 0.001953125), 448.0)  # 2**-9 .. 448
+    s_bits = f32_to_e4m3_bits(s, SW)
+    sf = e4m3_bits_to_f32(s_bits)
+    y = tl.math.div_rn(x, tl.broadcast_to(sf[:, :, None], x.shape))
+    c = f32_to_e2m1_code(y)
+    lo, hi = tl.split(tl.reshape(c, [x.shape[0], x.shape[1], x.shape[2] // 2, 2]))
+    return (lo | (hi << 4)).to(tl.uint8), s_bits

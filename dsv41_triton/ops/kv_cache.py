@@ -1,0 +1,314 @@
+"""The two KV-cache ops of SPEC §5 in Triton: quantize-insert and dequant-gather.
+
+Both handle the three records of SPEC §4 (584 ``fp8_ds_mla``, 528 ``mxfp8``, 288 ``nvfp4``) in
+the block-split layout (``page`` data rows, then ``page`` scale rows, block stride
+``cache.stride(0)``). ``kv_cache_ref.py`` holds the PyTorch reference of each op; both share the
+argument checks, so bad input raises before anything is launched. All cache and workspace
+addresses are computed in int64.
+
+Shapes of the kernel tiles, per token (insert) or per position (gather):
+
+=============  ===================  ====================================================
+record         data tile            scales
+=============  ===================  ====================================================
+fp8_ds_mla     [8, 64] (group 7 =   8 bytes: 7 UE8M0 + a zero byte; the RoPE dims are
+               the 64 RoPE dims)    copied as raw bf16
+mxfp8          [16, 32]             16 UE8M0
+nvfp4          [32, 16] -> [32, 8]  32 e4m3
+=============  ===================  ====================================================
+
+Tuning knobs (constants below) are the tokens per insert program, the positions per gather
+program and the warps of each; they were chosen for correctness and a sane grid, not yet
+measured on the GPU.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .._utils import cdiv, is_interpreter
+from . import _codecs as C
+from .kv_cache_ref import check_gather_args, check_insert_args
+from .records import FP8_DS_MLA, MXFP8, NVFP4
+
+__all__ = ["quantize_and_insert_k_cache", "dequantize_and_gather_k_cache"]
+
+# ---- tuning knobs --------------------------------------------------------------------------
+#: tokens per program of the insert kernels, by record width
+INSERT_BLOCK_T = {584: 8, 528: 8, 288: 8}
+INSERT_NUM_WARPS = 4
+#: positions (out rows) per program of the gather kernels, by record width
+GATHER_BLOCK_P = {584: 16, 528: 16, 288: 16}
+GATHER_NUM_WARPS = 4
+
+_AMAX_FLOOR = tl.constexpr(1e-4)  # SPEC §4 record scales (records.UE8M0_AMAX_FLOOR)
+
+
+# ============================================================================================
+# insert
+# ============================================================================================
+@triton.jit
+def _insert_rows(slot_ptr, stride_slot, T, page, num_slots, stride_blk, scale_base,
+                 DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Tokens of this program -> (token ids int64, valid mask, data row offset, scale row
+    offset), offsets in bytes from the cache base, int64."""
+    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_range = tok < T
+    slot = tl.load(slot_ptr + tok * stride_slot, mask=in_range, other=-1).to(tl.int64)
+    valid = in_range & (slot >= 0) & (slot < num_slots)
+    slot = tl.where(valid, slot, 0)
+    blk = slot // page
+    off = slot - blk * page
+    base = blk * stride_blk
+    return tok, valid, base + off * DATA_BYTES, base + scale_base + off * SCALE_BYTES
+
+
+@triton.jit
+def _insert_fp8_ds_mla_kernel(k_ptr, stride_kt, cache_ptr, stride_blk, scale_base,
+                              slot_ptr, stride_slot, T, page, num_slots,
+                              BLOCK_T: tl.constexpr, SW: tl.constexpr):
+    tok, valid, d_off, s_off = _insert_rows(slot_ptr, stride_slot, T, page, num_slots,
+                                            stride_blk, scale_base, 576, 8, BLOCK_T)
+    g = tl.arange(0, 8)
+    j = tl.arange(0, 64)
+    col = g[:, None] * 64 + j[None, :]  # [8, 64]; group 7 = dims 448..511 (RoPE)
+    m3 = valid[:, None, None]
+    x = tl.load(k_ptr + tok[:, None, None] * stride_kt + col[None, :, :], mask=m3, other=0.0)
+    bits, e = C.ue8m0_quantize_groups(C.bf16_to_f32(x, SW), _AMAX_FLOOR, SW)
+    tl.store(cache_ptr + d_off[:, None, None] + col[None, :, :], bits,
+             mask=m3 & (g < 7)[None, :, None])
+    # RoPE dims: raw bf16 bytes at data + 448
+    rope = tl.load(k_ptr + tok[:, None] * stride_kt + 448 + j[None, :], mask=valid[:, None])
+    rope_ptr = (cache_ptr + d_off + 448).to(tl.pointer_type(tl.bfloat16))
+    tl.store(rope_ptr[:, None] + j[None, :], rope, mask=valid[:, None])
+    sb = tl.where(g[None, :] < 7, e + 127, 0).to(tl.uint8)
+    tl.store(cache_ptr + s_off[:, None] + g[None, :], sb, mask=valid[:, None])
+
+
+@triton.jit
+def _insert_mxfp8_kernel(k_ptr, stride_kt, cache_ptr, stride_blk, scale_base,
+                         slot_ptr, stride_slot, T, page, num_slots,
+                         BLOCK_T: tl.constexpr, SW: tl.constexpr):
+    tok, valid, d_off, s_off = _insert_rows(slot_ptr, stride_slot, T, page, num_slots,
+                                            stride_blk, scale_base, 512, 16, BLOCK_T)
+    g = tl.arange(0, 16)
+    col = g[:, None] * 32 + tl.arange(0, 32)[None, :]  # [16, 32]
+    m3 = valid[:, None, None]
+    x = tl.load(k_ptr + tok[:, None, None] * stride_kt + col[None, :, :], mask=m3, other=0.0)
+    bits, e = C.ue8m0_quantize_groups(C.bf16_to_f32(x, SW), _AMAX_FLOOR, SW)
+    tl.store(cache_ptr + d_off[:, None, None] + col[None, :, :], bits, mask=m3)
+    tl.store(cache_ptr + s_off[:, None] + g[None, :], (e + 127).to(tl.uint8), mask=valid[:, None])
+
+
+@triton.jit
+def _insert_nvfp4_kernel(k_ptr, stride_kt, cache_ptr, stride_blk, scale_base,
+                         slot_ptr, stride_slot, T, page, num_slots,
+                         BLOCK_T: tl.constexpr, SW: tl.constexpr):
+    tok, valid, d_off, s_off = _insert_rows(slot_ptr, stride_slot, T, page, num_slots,
+                                            stride_blk, scale_base, 256, 32, BLOCK_T)
+    g = tl.arange(0, 32)
+    col = g[:, None] * 16 + tl.arange(0, 16)[None, :]  # [32, 16] dims
+    bcol = g[:, None] * 8 + tl.arange(0, 8)[None, :]  # [32, 8] packed bytes
+    m3 = valid[:, None, None]
+    x = tl.load(k_ptr + tok[:, None, None] * stride_kt + col[None, :, :], mask=m3, other=0.0)
+    packed, s_bits = C.nvfp4_quantize_groups(C.bf16_to_f32(x, SW), SW)
+    tl.store(cache_ptr + d_off[:, None, None] + bcol[None, :, :], packed, mask=m3)
+    tl.store(cache_ptr + s_off[:, None] + g[None, :], s_bits, mask=valid[:, None])
+
+
+_INSERT_KERNELS = {
+    FP8_DS_MLA.record_bytes: _insert_fp8_ds_mla_kernel,
+    MXFP8.record_bytes: _insert_mxfp8_kernel,
+    NVFP4.record_bytes: _insert_nvfp4_kernel,
+}
+
+
+def quantize_and_insert_k_cache(
+    k: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Quantize ``k [T, 512]`` bf16 (already RoPE'd; any row stride, contiguous last dim) into
+    the record format of ``k_cache`` (uint8 ``[num_blocks, page, bytes]`` or
+    ``[num_blocks, page, 1, bytes]``, bytes = 584 / 528 / 288) and write the data row and scale
+    row of token ``t`` at ``slot_mapping[t]`` (int32 or int64 ``[T]``). Slots ``< 0`` (and past
+    the cache) are skipped; no other byte of the cache is written. ``T = 0`` is a no-op."""
+    fmt, cache = check_insert_args(k, k_cache, slot_mapping)
+    T = k.shape[0]
+    if T == 0:
+        return
+    nb, page = cache.shape[0], cache.shape[1]
+    rb = fmt.record_bytes
+    block_t = INSERT_BLOCK_T[rb]
+    _INSERT_KERNELS[rb][(cdiv(T, block_t),)](
+        k, k.stride(0), cache, cache.stride(0), page * fmt.data_bytes,
+        slot_mapping, slot_mapping.stride(0), T, page, nb * page,
+        BLOCK_T=block_t, SW=is_interpreter(), num_warps=INSERT_NUM_WARPS,
+    )
+
+
+# ============================================================================================
+# gather
+# ============================================================================================
+@triton.jit
+def _gather_rows(b, seq, g, i, bt_ptr, stride_bt0, stride_bt1, max_blocks, num_blocks, page,
+                 n_rows, stride_blk, scale_base,
+                 DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
+    """Positions ``i`` (int32, rows relative to ``offset``) of request ``b`` -> (valid mask,
+    data row offset, scale row offset), offsets int64 bytes from the cache base."""
+    pos = seq - g + i
+    ok = (i < g) & (i < n_rows) & (pos >= 0)
+    pos = tl.where(ok, pos, 0)
+    col = pos // page
+    ok = ok & (col < max_blocks)
+    col = tl.where(ok, col, 0)
+    blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt0 + col.to(tl.int64) * stride_bt1,
+                  mask=ok, other=-1)
+    ok = ok & (blk >= 0) & (blk < num_blocks)
+    blk = tl.where(ok, blk, 0).to(tl.int64)
+    off = (pos - col * page).to(tl.int64)
+    base = blk * stride_blk
+    return ok, base + off * DATA_BYTES, base + scale_base + off * SCALE_BYTES
+
+
+@triton.jit
+def _gather_fp8_ds_mla_kernel(out_ptr, stride_ob, stride_om, cache_ptr, stride_blk, scale_base,
+                              seq_ptr, stride_seq, gl_ptr, stride_gl,
+                              bt_ptr, stride_bt0, stride_bt1, max_blocks, num_blocks, page,
+                              offset, n_rows,
+                              HAS_GL: tl.constexpr, BLOCK_P: tl.constexpr, SW: tl.constexpr):
+    b = tl.program_id(1)
+    seq = tl.load(seq_ptr + b.to(tl.int64) * stride_seq)
+    if HAS_GL:
+        g = tl.load(gl_ptr + b.to(tl.int64) * stride_gl)
+    else:
+        g = seq
+    start = tl.program_id(0) * BLOCK_P
+    if start >= g:
+        return
+    i = start + tl.arange(0, BLOCK_P)
+    ok, d_off, s_off = _gather_rows(b, seq, g, i, bt_ptr, stride_bt0, stride_bt1, max_blocks,
+                                    num_blocks, page, n_rows, stride_blk, scale_base, 576, 8)
+    gr = tl.arange(0, 8)
+    j = tl.arange(0, 64)
+    col = gr[:, None] * 64 + j[None, :]  # [8, 64]; group 7 = dims 448..511 (RoPE, bf16)
+    m3 = ok[:, None, None]
+    # the whole 512-byte head of the data row: bytes 448..511 are part of the bf16 tail and
+    # are replaced below; one wide load is cheaper than a masked one
+    q = tl.load(cache_ptr + d_off[:, None, None] + col[None, :, :], mask=m3, other=0)
+    sc = tl.load(cache_ptr + s_off[:, None] + gr[None, :], mask=ok[:, None], other=127)
+    v = C.f32_to_bf16(C.e4m3_bits_to_f32(q) * C.ue8m0_to_f32(sc)[:, :, None], SW)
+    rope_ptr = (cache_ptr + d_off + 448).to(tl.pointer_type(tl.bfloat16))
+    rope = tl.load(rope_ptr[:, None] + j[None, :], mask=ok[:, None])
+    v = tl.where((gr == 7)[None, :, None], rope[:, None, :], v)
+    o_off = b.to(tl.int64) * stride_ob + (offset + i).to(tl.int64) * stride_om
+    tl.store(out_ptr + o_off[:, None, None] + col[None, :, :], v, mask=m3)
+
+
+@triton.jit
+def _gather_mxfp8_kernel(out_ptr, stride_ob, stride_om, cache_ptr, stride_blk, scale_base,
+                         seq_ptr, stride_seq, gl_ptr, stride_gl,
+                         bt_ptr, stride_bt0, stride_bt1, max_blocks, num_blocks, page,
+                         offset, n_rows,
+                         HAS_GL: tl.constexpr, BLOCK_P: tl.constexpr, SW: tl.constexpr):
+    b = tl.program_id(1)
+    seq = tl.load(seq_ptr + b.to(tl.int64) * stride_seq)
+    if HAS_GL:
+        g = tl.load(gl_ptr + b.to(tl.int64) * stride_gl)
+    else:
+        g = seq
+    start = tl.program_id(0) * BLOCK_P
+    if start >= g:
+        return
+    i = start + tl.arange(0, BLOCK_P)
+    ok, d_off, s_off = _gather_rows(b, seq, g, i, bt_ptr, stride_bt0, stride_bt1, max_blocks,
+                                    num_blocks, page, n_rows, stride_blk, scale_base, 512, 16)
+    gr = tl.arange(0, 16)
+    col = gr[:, None] * 32 + tl.arange(0, 32)[None, :]  # [16, 32]
+    m3 = ok[:, None, None]
+    q = tl.load(cache_ptr + d_off[:, None, None] + col[None, :, :], mask=m3, other=0)
+    sc = tl.load(cache_ptr + s_off[:, None] + gr[None, :], mask=ok[:, None], other=127)
+    v = C.f32_to_bf16(C.e4m3_bits_to_f32(q) * C.ue8m0_to_f32(sc)[:, :, None], SW)
+    o_off = b.to(tl.int64) * stride_ob + (offset + i).to(tl.int64) * stride_om
+    tl.store(out_ptr + o_off[:, None, None] + col[None, :, :], v, mask=m3)
+
+
+@triton.jit
+def _gather_nvfp4_kernel(out_ptr, stride_ob, stride_om, cache_ptr, stride_blk, scale_base,
+                         seq_ptr, stride_seq, gl_ptr, stride_gl,
+                         bt_ptr, stride_bt0, stride_bt1, max_blocks, num_blocks, page,
+                         offset, n_rows,
+                         HAS_GL: tl.constexpr, BLOCK_P: tl.constexpr, SW: tl.constexpr):
+    b = tl.program_id(1)
+    seq = tl.load(seq_ptr + b.to(tl.int64) * stride_seq)
+    if HAS_GL:
+        g = tl.load(gl_ptr + b.to(tl.int64) * stride_gl)
+    else:
+        g = seq
+    start = tl.program_id(0) * BLOCK_P
+    if start >= g:
+        return
+    i = start + tl.arange(0, BLOCK_P)
+    ok, d_off, s_off = _gather_rows(b, seq, g, i, bt_ptr, stride_bt0, stride_bt1, max_blocks,
+                                    num_blocks, page, n_rows, stride_blk, scale_base, 256, 32)
+    gr = tl.arange(0, 32)
+    bcol = gr[:, None] * 8 + tl.arange(0, 8)[None, :]  # [32, 8] packed bytes
+    col = gr[:, None] * 16 + tl.arange(0, 16)[None, :]  # [32, 16] dims
+    m3 = ok[:, None, None]
+    q = tl.load(cache_ptr + d_off[:, None, None] + bcol[None, :, :], mask=m3, other=0).to(tl.int32)
+    sc = tl.load(cache_ptr + s_off[:, None] + gr[None, :], mask=ok[:, None], other=0)
+    s = C.e4m3_bits_to_f32(sc)[:, :, None]
+    lo = C.e2m1_code_to_f32(q & 15) * s
+    hi = C.e2m1_code_to_f32(q >> 4) * s
+    v = tl.reshape(tl.join(lo, hi), [BLOCK_P, 32, 16])  # even element = low nibble
+    v = C.f32_to_bf16(v, SW)
+    o_off = b.to(tl.int64) * stride_ob + (offset + i).to(tl.int64) * stride_om
+    tl.store(out_ptr + o_off[:, None, None] + col[None, :, :], v, mask=m3)
+
+
+_GATHER_KERNELS = {
+    FP8_DS_MLA.record_bytes: _gather_fp8_ds_mla_kernel,
+    MXFP8.record_bytes: _gather_mxfp8_kernel,
+    NVFP4.record_bytes: _gather_nvfp4_kernel,
+}
+
+
+def dequantize_and_gather_k_cache(
+    out: torch.Tensor,
+    k_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    gather_lens: Optional[torch.Tensor],
+    block_table: torch.Tensor,
+    block_size: int,
+    offset: int,
+) -> None:
+    """Dequantize the last ``g`` positions of each request into a bf16 workspace.
+
+    ``out [B, M, 512]`` bf16 (any strides on dims 0-1, contiguous last dim); ``k_cache`` as in
+    :func:`quantize_and_insert_k_cache`; ``seq_lens [B]``, ``gather_lens [B]`` (or None:
+    ``g = seq_lens[b]``) and ``block_table [B, max_blocks]`` int32; ``block_size`` must equal
+    the cache page. Positions ``seq_lens[b] - g .. seq_lens[b] - 1`` are read at
+    ``block_table[b, pos // block_size] * block_size + pos % block_size`` and written to
+    ``out[b, offset : offset + g]``. Rows ``>= M`` are never written (masked in the kernel,
+    no host sync); a negative block id, a block-table column past its end, or a negative
+    position leave the row untouched; every other row of ``out`` is untouched.
+    """
+    fmt, cache, num_reqs, rows = check_gather_args(
+        out, k_cache, seq_lens, gather_lens, block_table, block_size, offset
+    )
+    n_rows = rows - offset
+    if num_reqs == 0 or n_rows == 0:
+        return
+    rb = fmt.record_bytes
+    block_p = GATHER_BLOCK_P[rb]
+    has_gl = gather_lens is not None
+    gl = gather_lens if has_gl else seq_lens
+    page = cache.shape[1]
+    _GATHER_KERNELS[rb][(cdiv(n_rows, block_p), num_reqs)](
+        out, out.stride(0), out.stride(1), cache, cache.stride(0), page * fmt.data_bytes,
+        seq_lens, seq_lens.stride(0), gl, gl.stride(0),
+        block_table, block_table.stride(0), block_table.stride(1), block_table.shape[1],
+        cache.shape[0], page, offset, n_rows,
+        HAS_GL=has_gl, BLOCK_P=block_p, SW=is_interpreter(), num_warps=GATHER_NUM_WARPS,
+    )
