@@ -1,0 +1,244 @@
+"""The case matrix: what the harness runs, per preset and machine.
+
+A :class:`Case` is one problem of one *family* (SPEC §5/§6):
+
+==================  ============================================================
+family              what runs
+==================  ============================================================
+``decode``          ``sparse_mla_decode`` over paged caches (one token/request)
+``prefill``         ``sparse_mla_prefill`` over a bf16 workspace
+``insert``          ``quantize_and_insert_k_cache``
+``gather``          ``dequantize_and_gather_k_cache``
+``combine_indices`` ``combine_topk_swa_indices`` (prefill index rows)
+``global_topk``     ``compute_global_topk_indices_and_lens`` (decode slots)
+==================  ============================================================
+
+Presets carry the model numbers (heads, top-k, compress ratio, records); the matrix is then
+shrunk for ``--quick`` and for machines without a GPU (where the Triton kernels run in the
+interpreter and only tiny shapes finish in minutes).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Dict, List, Optional, Sequence, Tuple
+
+ATTENTION_FAMILIES = ("decode", "prefill")
+OP_FAMILIES = ("insert", "gather", "combine_indices", "global_topk")
+FAMILIES = ATTENTION_FAMILIES + OP_FAMILIES
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark problem.
+
+    tokens: query tokens (decode/prefill/index ops), tokens written (insert), or positions
+    gathered per request (gather). ratio 0 = window-only layer (no compressed cache, no top-k).
+    keys per query = window + topk (compressed layer) or window (window-only).
+    """
+
+    family: str
+    tokens: int
+    heads: int = 0
+    swa_record: int = 584  # decode: window cache record; insert/gather: the record
+    extra_record: Optional[int] = None  # decode: compressed cache record (None = window-only)
+    window: int = 128
+    topk: int = 512
+    ratio: int = 1
+    page: int = 64
+    requests: int = 1
+    preset: str = ""
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"family: expected one of {FAMILIES}, got {self.family!r}")
+        if self.tokens < 1:
+            raise ValueError(f"tokens: expected >= 1, got {self.tokens}")
+        if self.family in ATTENTION_FAMILIES and self.heads < 1:
+            raise ValueError(f"heads: expected >= 1 for {self.family}, got {self.heads}")
+
+    @property
+    def layer(self) -> str:
+        """``"swa"`` (window-only) or ``"c<r>"`` (compressed, ratio r)."""
+        return "swa" if self.ratio == 0 else f"c{self.ratio}"
+
+    @property
+    def keys(self) -> int:
+        """Keys attended per query token (attention) or index row width (index ops)."""
+        return self.window + (self.topk if self.ratio > 0 else 0)
+
+    @property
+    def records(self) -> str:
+        if self.family == "decode":
+            return f"{self.swa_record}+{self.extra_record}" if self.extra_record else f"{self.swa_record}"
+        if self.family in ("insert", "gather"):
+            return str(self.swa_record)
+        return ""
+
+    @property
+    def case_id(self) -> str:
+        """Stable identifier (used to join runs in ``--compare``)."""
+        f = self.family
+        if f == "decode":
+            return f"decode/H{self.heads}/T{self.tokens}/{self.layer}/k{self.keys}/r{self.records}"
+        if f == "prefill":
+            return f"prefill/H{self.heads}/T{self.tokens}/{self.layer}/k{self.keys}"
+        if f == "insert":
+            return f"insert/T{self.tokens}/r{self.swa_record}/p{self.page}"
+        if f == "gather":
+            return f"gather/B{self.requests}/T{self.tokens}/r{self.swa_record}/p{self.page}"
+        if f == "combine_indices":
+            return f"combine_indices/T{self.tokens}/B{self.requests}/{self.layer}/k{self.keys}"
+        return f"global_topk/T{self.tokens}/k{self.topk}/p{self.page}"
+
+    def params(self) -> Dict[str, object]:
+        """The columns this case contributes to a result row."""
+        d = asdict(self)
+        d.update(case_id=self.case_id, layer=self.layer, keys=self.keys, records=self.records)
+        return d
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Model numbers. heads: per-rank head counts to sweep (TP1 first)."""
+
+    name: str
+    heads: Tuple[int, ...]
+    topk: int
+    ratios: Tuple[int, ...]  # compressed-layer ratios of the model (first one is used for decode)
+    decode_records: Tuple[Tuple[int, Optional[int]], ...]  # (swa, extra) pairs; extra None = swa-only
+    op_records: Tuple[int, ...]
+    window: int = 128
+    description: str = ""
+
+
+PRESETS: Dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset(
+            "v41-flash", heads=(64, 16, 8), topk=512, ratios=(1, 2),
+            decode_records=((584, 584), (528, 528), (528, 288), (584, None), (528, None)),
+            op_records=(584, 528, 288),
+            description="DeepSeek V4.1-Flash: 64 heads (TP1/4/8: 64/16/8), top-k 512, ratios 1/2",
+        ),
+        Preset(
+            "v4-flash", heads=(64, 16, 8), topk=512, ratios=(4,),
+            decode_records=((584, 584), (584, None)), op_records=(584,),
+            description="DeepSeek V4-Flash: 64 heads, top-k 512, ratio 4, 584-byte records",
+        ),
+        Preset(
+            "v4-pro", heads=(128, 16), topk=1024, ratios=(4,),
+            decode_records=((584, 584), (584, None)), op_records=(584,),
+            description="DeepSeek V4-Pro: 128 heads (TP8: 16), top-k 1024, ratio 4, 584-byte records",
+        ),
+        Preset(
+            "tp8", heads=(8,), topk=512, ratios=(1, 2),
+            decode_records=((584, 584), (528, 288), (584, None)), op_records=(584, 528, 288),
+            description="V4.1-Flash at TP8: 8 local heads",
+        ),
+    )
+}
+DEFAULT_PRESET = "v41-flash"
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {name!r}")
+    return PRESETS[name]
+
+
+def build_cases(
+    preset: str = DEFAULT_PRESET,
+    *,
+    gpu: bool = True,
+    quick: bool = False,
+    families: Optional[Sequence[str]] = None,
+) -> List[Case]:
+    """The case list for a preset. ``gpu=False`` gives the tiny interpreter matrix (CPU)."""
+    p = get_preset(preset)
+    if families is not None:
+        bad = [f for f in families if f not in FAMILIES]
+        if bad:
+            raise ValueError(f"families: unknown {bad}; expected some of {list(FAMILIES)}")
+    make = _gpu_cases if gpu else _cpu_cases
+    cases = make(p, quick)
+    if families is not None:
+        cases = [c for c in cases if c.family in families]
+    # de-duplicate (keeping order), stamp the preset
+    seen, out = set(), []
+    for c in cases:
+        c = replace(c, preset=p.name)
+        if c.case_id not in seen:
+            seen.add(c.case_id)
+            out.append(c)
+    return out
+
+
+def _gpu_cases(p: Preset, quick: bool) -> List[Case]:
+    r = p.ratios[0]
+    W, K = p.window, p.topk
+    cases: List[Case] = []
+    if quick:
+        heads = sorted({max(p.heads), min(p.heads)}, reverse=True)
+        swa, extra = p.decode_records[0]
+        for h in heads:
+            for t in (1, 128):
+                cases.append(Case("decode", t, h, swa, extra, W, K, r if extra else 0, requests=t))
+        cases.append(Case("prefill", 4096, max(p.heads), window=W, topk=K, ratio=r))
+        rec = p.op_records[0]
+        cases += [
+            Case("insert", 32768, swa_record=rec),
+            Case("gather", 32768, swa_record=rec, requests=4),
+            Case("combine_indices", 8192, window=W, topk=K, ratio=r, requests=4),
+            Case("global_topk", 8192, topk=K),
+        ]
+        return cases
+    for swa, extra in p.decode_records:
+        for h in p.heads:
+            for t in (1, 32, 128, 512):
+                cases.append(Case("decode", t, h, swa, extra, W, K, r if extra else 0, requests=t))
+    for h in p.heads:
+        for t in (1024, 4096):
+            cases.append(Case("prefill", t, h, window=W, topk=K, ratio=r))
+        cases.append(Case("prefill", 4096, h, window=W, topk=K, ratio=0))
+    for rec in p.op_records:
+        cases.append(Case("insert", 32768, swa_record=rec))
+        for b, t in ((4, 8192), (4, 32768)):
+            cases.append(Case("gather", t, swa_record=rec, requests=b))
+    for ratio in p.ratios + (0,):
+        cases.append(Case("combine_indices", 8192, window=W, topk=K, ratio=ratio, requests=4))
+    for t in (1024, 8192):
+        cases.append(Case("global_topk", t, topk=K))
+    return cases
+
+
+# Interpreter shapes: small windows/top-k and pages keep the CPU run to a few minutes on 2
+# cores while still crossing page boundaries and using odd head/token counts.
+CPU_WINDOW, CPU_TOPK, CPU_PAGE = 16, 32, 16
+
+
+def _cpu_cases(p: Preset, quick: bool) -> List[Case]:
+    r = p.ratios[0]
+    W, K, P = CPU_WINDOW, CPU_TOPK, CPU_PAGE
+    h = min(p.heads)
+    swa, extra = p.decode_records[0]
+    cases = [Case("decode", 1, h, swa, extra, W, K, r, P, requests=1)]
+    if not quick:
+        cases.append(Case("decode", 3, 3, swa, extra, W, K, r, P, requests=3))
+        for s2, e2 in p.decode_records[1:]:
+            if e2 is None:
+                cases.append(Case("decode", 2, h, s2, None, W, K, 0, P, requests=2))
+                break
+        others = [(s2, e2) for s2, e2 in p.decode_records[1:] if e2 is not None]
+        others.sort(key=lambda se: se[1] != 288)  # prefer the NVFP4 compressed cache
+        for s2, e2 in others[:1]:
+            cases.append(Case("decode", 2, h, s2, e2, W, K, r, P, requests=2))
+    cases.append(Case("prefill", 5, h, window=W, topk=K, ratio=r, page=P))
+    if not quick:
+        cases.append(Case("prefill", 3, 3, window=W, topk=K, ratio=0, page=P))
+    recs = p.op_records if not quick else p.op_records[:1]
+    for rec in recs:
+        cases.append(Case("insert", 7, swa_record=rec, page=P))
+    cases.append(Case("gather", 21, swa_record=p.op_records[0], page=P, requests=2))
+    cases.append(Case("combine_indices", 7, window=W, topk=K, ratio=r, page=P, requests=2))
+    cases.append(Case("global_topk", 7, topk=K, page=P))
+    return cases
