@@ -65,3 +65,27 @@ def random_block_table(
         raise ValueError("num_blocks too small for distinct blocks")
     perm = torch.randperm(num_blocks, generator=generator)[: num_reqs * max_blocks]
     return perm.view(num_reqs, max_blocks).to(torch.int32).to(device)
+
+
+def random_k_cache(
+    num_blocks: int,
+    page_size: int,
+    record,
+    device="cpu",
+    *,
+    scale: float = 1.0,
+    block_stride: Optional[int] = None,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """A paged cache whose every slot holds a real record (``records.encode_records_ref`` of
+    random bf16 rows times ``scale``), padding bytes random: no slot decodes to NaN/inf."""
+    from .ops.records import allocate_k_cache, encode_records_ref, get_record_format, record_views
+
+    fmt = get_record_format(record)
+    cache = allocate_k_cache(num_blocks, page_size, fmt, device, block_stride=block_stride)
+    k = random_bf16(num_blocks * page_size, 512, device=device, scale=scale, generator=generator)
+    data, scales = encode_records_ref(k, fmt)
+    dv, sv = record_views(cache, fmt)
+    dv.copy_(data.view(num_blocks, page_size, fmt.data_bytes))
+    sv.copy_(scales.view(num_blocks, page_size, fmt.scale_bytes))
+    return cache

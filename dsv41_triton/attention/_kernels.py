@@ -1,0 +1,493 @@
+"""The one Triton attention template behind ``sparse_mla_decode`` and ``sparse_mla_prefill``.
+
+One program owns ``BLOCK_H`` heads of one query token and one key split. It walks up to two
+key sets (the window cache, then the extra / compressed cache; prefill has one) ``BLOCK_N``
+keys at a time with one online softmax (exp2 domain, fp32 state). Where the keys come from is
+a constexpr ``SRC``:
+
+=====  ==================================================================================
+SRC    key source (``k_ptr``)
+=====  ==================================================================================
+0      bf16 rows of a workspace ``kv [S, 512]`` (prefill); ``bstride`` = row stride
+584    paged ``fp8_ds_mla`` records: 448 e4m3 (UE8M0 per 64) + 64 raw bf16
+528    paged ``mxfp8`` records: 512 e4m3 (UE8M0 per 32)
+288    paged ``nvfp4`` records: 512 e2m1 (e4m3 scale per 16)
+=====  ==================================================================================
+
+Records are dequantized in registers (block-split page layout of SPEC §4, int64 byte offsets,
+block stride ``cache.stride(0)``). The 512 dims are handled as four pieces
+``[0,256) [256,384) [384,448) [448,512)`` so that the RoPE tail of a 584 record (raw bf16) and
+every scale group line up with a piece; each piece has its own ``[BLOCK_H, width]`` fp32
+accumulator. Dots take bf16 operands with fp32 accumulation (fp32 operands under the
+interpreter, whose bf16 dot is wrong).
+
+With ``NUM_SPLITS > 1`` each program writes a normalized partial output and its log2-sum-exp
+to fp32 workspaces, and ``_merge_kernel`` combines the splits and applies the sink. With one
+split the attention kernel applies the sink and writes ``out``/``lse`` itself. No host sync and
+no data-dependent shapes anywhere: the launches are CUDA-graph capturable.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .._utils import (HEAD_DIM, INT_DTYPES, cdiv, check_shape, check_tensor, is_interpreter,
+                      next_power_of_2)
+from ..ops._codecs import e4m3_bits_to_f32, exp2_int, f32_to_bf16
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+SRC_BF16 = 0
+#: SRC -> (data_bytes, scale_bytes); bf16 rows have neither
+_SRC_BYTES = {SRC_BF16: (0, 0), 584: (576, 8), 528: (512, 16), 288: (256, 32)}
+
+
+# ------------------------------------------------------------------------------------------
+# device helpers
+# ------------------------------------------------------------------------------------------
+@triton.jit
+def _load_k_piece(k_ptr, data_off, scale_off, valid, D0: tl.constexpr, DW: tl.constexpr,
+                  SRC: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr):
+    """Dims ``[D0, D0 + DW)`` of ``BN`` keys -> ``[BN, DW]`` bf16 (fp32 when DOT_F32).
+
+    ``data_off``/``scale_off`` [BN] int64: byte offsets of each key's data and scale rows
+    (element offset of the row for bf16 rows). Invalid keys read nothing and give 0.
+    """
+    vm = valid[:, None]
+    if SRC == 0:
+        d = D0 + tl.arange(0, DW)
+        x = tl.load(k_ptr + data_off[:, None] + d[None, :], mask=vm, other=0.0)
+        if DOT_F32:
+            x = x.to(tl.float32)
+    elif SRC == 584 and D0 >= 448:
+        # RoPE tail: 64 raw bf16 at byte 448 of the data row
+        d = tl.arange(0, DW)
+        rp = (k_ptr + (data_off + 448))[:, None].to(tl.pointer_type(tl.bfloat16))
+        x = tl.load(rp + (D0 - 448 + d)[None, :], mask=vm, other=0.0)
+        if DOT_F32:
+            x = x.to(tl.float32)
+    elif SRC == 288:
+        NG: tl.constexpr = DW // 16
+        j = tl.arange(0, DW // 2)
+        b = tl.load(k_ptr + data_off[:, None] + (D0 // 2 + j)[None, :], mask=vm, other=0)
+        c = tl.join(b & 15, b >> 4).reshape(BN, DW).to(tl.int32)  # even element = low nibble
+        # e2m1 code -> fp16 bits (magnitude bits at 9..11, sign at 15) is the value * 2**-14,
+        # subnormal 0.5 included; the 2**14 is folded into the scale.
+        bits = ((c & 7) << 9) | ((c & 8) << 12)
+        v = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        g = tl.arange(0, NG)
+        sb = tl.load(k_ptr + scale_off[:, None] + (D0 // 16 + g)[None, :], mask=vm, other=0)
+        s = e4m3_bits_to_f32(sb) * 16384.0
+        x = tl.reshape(tl.reshape(v, (BN, NG, 16)) * s[:, :, None], (BN, DW))
+        if not DOT_F32:
+            x = x.to(tl.bfloat16)  # exact: <= 6 significant bits
+    else:
+        # e4m3 data with power-of-two UE8M0 scales: 64 dims per scale (584) or 32 (528)
+        GS: tl.constexpr = 64 if SRC == 584 else 32
+        NG: tl.constexpr = DW // GS
+        d = D0 + tl.arange(0, DW)
+        b = tl.load(k_ptr + data_off[:, None] + d[None, :], mask=vm, other=0)
+        g = tl.arange(0, NG)
+        sb = tl.load(k_ptr + scale_off[:, None] + (D0 // GS + g)[None, :], mask=vm, other=0)
+        s = exp2_int(sb.to(tl.int32) - 127)  # byte 0 (masked) -> 0.0
+        v = e4m3_bits_to_f32(b)
+        x = tl.reshape(tl.reshape(v, (BN, NG, GS)) * s[:, :, None], (BN, DW))
+        if not DOT_F32:
+            x = x.to(tl.bfloat16)  # exact: e4m3 * 2**e fits bf16
+    return x
+
+
+@triton.jit
+def _attend_keyset(acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3,
+                   k_ptr, idx_row_ptr, lo, hi, bstride, page, nrows, qk_scale,
+                   SRC: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
+                   BN: tl.constexpr, DOT_F32: tl.constexpr):
+    """Online softmax over key columns ``[lo, hi)`` of one index row; returns the new state."""
+    for start in range(lo, hi, BN):
+        cols = start + tl.arange(0, BN)
+        cm = cols < hi
+        idx = tl.load(idx_row_ptr + cols, mask=cm, other=-1)
+        valid = cm & (idx >= 0) & (idx < nrows)
+        idx = tl.where(valid, idx, 0)
+        if SRC == 0:
+            data_off = idx.to(tl.int64) * bstride
+            scale_off = data_off
+        else:
+            blk = idx // page
+            off = idx - blk * page
+            base = blk.to(tl.int64) * bstride
+            data_off = tl.multiple_of(base + off.to(tl.int64) * DATA_BYTES, 16)
+            scale_off = tl.multiple_of(base + page * DATA_BYTES + off.to(tl.int64) * SCALE_BYTES, 8)
+        k0 = _load_k_piece(k_ptr, data_off, scale_off, valid, 0, 256, SRC, BN, DOT_F32)
+        k1 = _load_k_piece(k_ptr, data_off, scale_off, valid, 256, 128, SRC, BN, DOT_F32)
+        k2 = _load_k_piece(k_ptr, data_off, scale_off, valid, 384, 64, SRC, BN, DOT_F32)
+        k3 = _load_k_piece(k_ptr, data_off, scale_off, valid, 448, 64, SRC, BN, DOT_F32)
+        s = tl.dot(q0, tl.trans(k0))
+        s = tl.dot(q1, tl.trans(k1), s)
+        s = tl.dot(q2, tl.trans(k2), s)
+        s = tl.dot(q3, tl.trans(k3), s)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_F32:
+            pk = p
+        else:
+            pk = p.to(tl.bfloat16)
+        acc0 = tl.dot(pk, k0, acc0 * alpha[:, None])
+        acc1 = tl.dot(pk, k1, acc1 * alpha[:, None])
+        acc2 = tl.dot(pk, k2, acc2 * alpha[:, None])
+        acc3 = tl.dot(pk, k3, acc3 * alpha[:, None])
+        m_i = m_new
+    return acc0, acc1, acc2, acc3, m_i, l_i
+
+
+@triton.jit
+def _store_piece(ptr_row, acc, hmask, scale, D0: tl.constexpr, DW: tl.constexpr,
+                 TO_BF16: tl.constexpr, SW: tl.constexpr):
+    d = D0 + tl.arange(0, DW)
+    v = acc * scale[:, None]
+    if TO_BF16:
+        v = f32_to_bf16(v, SW)
+    tl.store(ptr_row + d[None, :], v, mask=hmask[:, None])
+
+
+# ------------------------------------------------------------------------------------------
+# kernels
+# ------------------------------------------------------------------------------------------
+@triton.jit
+def _sparse_mla_fwd_kernel(
+    q_ptr, stride_qt, stride_qh,
+    a_ptr, a_idx_ptr, a_idx_st, a_len_ptr, a_len_st, a_width, a_bstride, a_page, a_rows,
+    b_ptr, b_idx_ptr, b_idx_st, b_len_ptr, b_len_st, b_width, b_bstride, b_page, b_rows,
+    sink_ptr, sink_st,
+    out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
+    po_ptr, pl_ptr,
+    H, qk_scale,
+    SRC_A: tl.constexpr, DATA_A: tl.constexpr, SCALE_A: tl.constexpr,
+    SRC_B: tl.constexpr, DATA_B: tl.constexpr, SCALE_B: tl.constexpr,
+    HAS_B: tl.constexpr, HAS_LEN_A: tl.constexpr, HAS_LEN_B: tl.constexpr,
+    HAS_SINK: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_HT: tl.constexpr,
+    BH: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr, SW: tl.constexpr,
+):
+    """Grid: ``T * NUM_SPLITS * NUM_HT`` programs (head tile fastest, then split, then token).
+
+    q ``[T, H, 512]`` bf16; key set A (and B when HAS_B): cache/workspace pointer, index rows
+    ``[T, width]`` (int32/int64), lens ``[T]``; out ``[T, H, 512]`` bf16, lse ``[T, H]`` fp32
+    (NUM_SPLITS == 1) or partials ``po [T, NS, H, 512]`` / ``pl [T, NS, H]`` fp32 (log2 domain).
+    """
+    pid = tl.program_id(0)
+    ht = pid % NUM_HT
+    rest = pid // NUM_HT
+    split = rest % NUM_SPLITS
+    t = (rest // NUM_SPLITS).to(tl.int64)
+
+    h = ht * BH + tl.arange(0, BH)
+    hmask = h < H
+    h64 = h.to(tl.int64)
+    qrow = q_ptr + t * stride_qt + h64[:, None] * stride_qh
+    q0 = tl.load(qrow + tl.arange(0, 256)[None, :], mask=hmask[:, None], other=0.0)
+    q1 = tl.load(qrow + (256 + tl.arange(0, 128))[None, :], mask=hmask[:, None], other=0.0)
+    q2 = tl.load(qrow + (384 + tl.arange(0, 64))[None, :], mask=hmask[:, None], other=0.0)
+    q3 = tl.load(qrow + (448 + tl.arange(0, 64))[None, :], mask=hmask[:, None], other=0.0)
+    if DOT_F32:
+        # the interpreter's bf16 dot is wrong (see module doc); fp32 operands are exact there
+        q0 = q0.to(tl.float32)
+        q1 = q1.to(tl.float32)
+        q2 = q2.to(tl.float32)
+        q3 = q3.to(tl.float32)
+
+    if HAS_LEN_A:
+        len_a = tl.load(a_len_ptr + t * a_len_st).to(tl.int32)
+        len_a = tl.minimum(tl.maximum(len_a, 0), a_width)
+    else:
+        len_a = a_width + 0
+    len_b = len_a * 0
+    if HAS_B:
+        if HAS_LEN_B:
+            len_b = tl.load(b_len_ptr + t * b_len_st).to(tl.int32)
+            len_b = tl.minimum(tl.maximum(len_b, 0), b_width)
+        else:
+            len_b = len_b + b_width
+    # this split's share of the combined column space [0, len_a + len_b)
+    total = len_a + len_b
+    if NUM_SPLITS == 1:
+        lo = total * 0
+        hi = total
+    else:
+        chunk = tl.cdiv(tl.cdiv(total, NUM_SPLITS), BN) * BN
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, total)
+
+    m_i = tl.full([BH], float("-inf"), tl.float32)
+    l_i = tl.zeros([BH], tl.float32)
+    acc0 = tl.zeros([BH, 256], tl.float32)
+    acc1 = tl.zeros([BH, 128], tl.float32)
+    acc2 = tl.zeros([BH, 64], tl.float32)
+    acc3 = tl.zeros([BH, 64], tl.float32)
+
+    acc0, acc1, acc2, acc3, m_i, l_i = _attend_keyset(
+        acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3,
+        a_ptr, a_idx_ptr + t * a_idx_st, lo, tl.minimum(hi, len_a), a_bstride, a_page, a_rows,
+        qk_scale, SRC_A, DATA_A, SCALE_A, BN, DOT_F32)
+    if HAS_B:
+        b_lo = tl.maximum(lo, len_a) - len_a
+        acc0, acc1, acc2, acc3, m_i, l_i = _attend_keyset(
+            acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3,
+            b_ptr, b_idx_ptr + t * b_idx_st, b_lo, hi - len_a, b_bstride, b_page, b_rows,
+            qk_scale, SRC_B, DATA_B, SCALE_B, BN, DOT_F32)
+
+    has = l_i > 0.0
+    l_safe = tl.where(has, l_i, 1.0)
+    if NUM_SPLITS == 1:
+        den = l_safe
+        if HAS_SINK:
+            m_safe = tl.where(has, m_i, 0.0)
+            sink = tl.load(sink_ptr + h64 * sink_st, mask=hmask, other=float("-inf"))
+            den = den + tl.exp2(sink * 1.4426950408889634 - m_safe)  # inf for a huge sink -> 0
+        inv = tl.where(has, 1.0 / den, 0.0)
+        orow = out_ptr + t * stride_ot + h64[:, None] * stride_oh
+        _store_piece(orow, acc0, hmask, inv, 0, 256, True, SW)
+        _store_piece(orow, acc1, hmask, inv, 256, 128, True, SW)
+        _store_piece(orow, acc2, hmask, inv, 384, 64, True, SW)
+        _store_piece(orow, acc3, hmask, inv, 448, 64, True, SW)
+        lse = tl.where(has, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("inf"))
+        tl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
+    else:
+        inv = tl.where(has, 1.0 / l_safe, 0.0)
+        prow_idx = (t * NUM_SPLITS + split) * H + h64
+        orow = po_ptr + prow_idx[:, None] * 512
+        _store_piece(orow, acc0, hmask, inv, 0, 256, False, SW)
+        _store_piece(orow, acc1, hmask, inv, 256, 128, False, SW)
+        _store_piece(orow, acc2, hmask, inv, 384, 64, False, SW)
+        _store_piece(orow, acc3, hmask, inv, 448, 64, False, SW)
+        lse2 = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(pl_ptr + prow_idx, lse2, mask=hmask)
+
+
+@triton.jit
+def _merge_kernel(po_ptr, pl_ptr, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh,
+                  lse_ptr, stride_lt, stride_lh, H,
+                  NUM_SPLITS: tl.constexpr, NSP: tl.constexpr, BH: tl.constexpr,
+                  NUM_HT: tl.constexpr, HAS_SINK: tl.constexpr, SW: tl.constexpr):
+    """Combine split partials: ``po [T, NS, H, 512]`` (each normalized by its own sum) and
+    ``pl [T, NS, H]`` (log2-sum-exp, -inf = empty) -> out bf16, lse fp32 (natural log), with
+    the sink in the denominator. Empty rows: out 0, lse +inf. Grid ``T * NUM_HT``."""
+    pid = tl.program_id(0)
+    ht = pid % NUM_HT
+    t = (pid // NUM_HT).to(tl.int64)
+    h = ht * BH + tl.arange(0, BH)
+    hmask = h < H
+    h64 = h.to(tl.int64)
+    sp = tl.arange(0, NSP)
+    lrow = (t * NUM_SPLITS + sp[:, None]) * H + h64[None, :]
+    lse2 = tl.load(pl_ptr + lrow, mask=(sp[:, None] < NUM_SPLITS) & hmask[None, :],
+                   other=float("-inf"))
+    m = tl.max(lse2, 0)
+    has = m > float("-inf")
+    m_safe = tl.where(has, m, 0.0)
+    w = tl.exp2(lse2 - m_safe[None, :])
+    l_sum = tl.sum(w, 0)
+    den = tl.where(has, l_sum, 1.0)
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + h64 * sink_st, mask=hmask, other=float("-inf"))
+        den = den + tl.exp2(sink * 1.4426950408889634 - m_safe)
+    inv = tl.where(has, 1.0 / den, 0.0)
+    d = tl.arange(0, 512)
+    acc = tl.zeros([BH, 512], tl.float32)
+    for s in range(NUM_SPLITS):
+        prow = (t * NUM_SPLITS + s) * H + h64
+        ls = tl.load(pl_ptr + prow, mask=hmask, other=float("-inf"))
+        ws = tl.exp2(ls - m_safe)
+        o = tl.load(po_ptr + prow[:, None] * 512 + d[None, :], mask=hmask[:, None], other=0.0)
+        acc += ws[:, None] * o
+    o = f32_to_bf16(acc * inv[:, None], SW)
+    tl.store(out_ptr + t * stride_ot + h64[:, None] * stride_oh + d[None, :], o,
+             mask=hmask[:, None])
+    lse = tl.where(has, (m + tl.log2(tl.where(has, l_sum, 1.0))) * 0.6931471805599453,
+                   float("inf"))
+    tl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
+
+
+# ------------------------------------------------------------------------------------------
+# host side
+# ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KeySet:
+    """One key source for the template. ``src``: 0 (bf16 rows), 584, 528 or 288.
+    ``k``: the cache ``[nb, page, bytes]`` uint8 or the workspace ``[S, 512]`` bf16;
+    ``indices [T, width]``; ``lens [T]`` or None; ``bstride``: block stride in bytes (rows:
+    row stride in elements); ``rows``: number of valid slots / rows."""
+
+    src: int
+    k: torch.Tensor
+    indices: torch.Tensor
+    lens: Optional[torch.Tensor]
+    bstride: int
+    page: int
+    rows: int
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch shape: heads per program, keys per step, key splits, warps, pipeline stages."""
+
+    block_h: int
+    block_n: int
+    num_splits: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+_SM_COUNT = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SM_COUNT:
+        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SM_COUNT[i]
+
+
+def default_config(T: int, H: int, total_width: int, device: torch.device, *,
+                   paged: bool) -> KernelConfig:
+    """The launch shape used when the caller passes none (a pure function of the shapes, so a
+    captured graph replays the same launch)."""
+    if device.type != "cuda" or is_interpreter():
+        # the interpreter: few, large steps; split only when asked
+        return KernelConfig(block_h=min(64, max(16, next_power_of_2(H))), block_n=64,
+                            num_splits=1, num_warps=4, num_stages=1)
+    bh = 16 if H <= 16 else (32 if H <= 32 else 64)
+    bn = 64 if bh <= 16 else 32
+    warps = 4 if bh <= 32 else 8
+    n_ht = cdiv(H, bh)
+    progs = max(1, T * n_ht)
+    target = 2 * _sm_count(device)
+    max_splits = max(1, total_width // (2 * bn))
+    splits = 1 if progs >= target else min(max_splits, cdiv(target, progs), 16)
+    return KernelConfig(block_h=bh, block_n=bn, num_splits=max(1, splits), num_warps=warps,
+                        num_stages=2)
+
+
+def launch(q: torch.Tensor, a: KeySet, b: Optional[KeySet], sink: Optional[torch.Tensor],
+           softmax_scale: float, out: torch.Tensor, lse: torch.Tensor,
+           config: Optional[KernelConfig] = None) -> None:
+    """Run the template on validated arguments (no checks here; see decode.py/prefill.py)."""
+    T, H, _ = q.shape
+    if T == 0 or H == 0:
+        return
+    cfg = config or default_config(T, H, a.indices.shape[1] + (b.indices.shape[1] if b else 0),
+                                   q.device, paged=a.src != SRC_BF16)
+    bh, ns = cfg.block_h, cfg.num_splits
+    n_ht = cdiv(H, bh)
+    interp = is_interpreter()
+    bb = b if b is not None else a
+    if ns > 1:
+        po = torch.empty((T, ns, H, HEAD_DIM), dtype=torch.float32, device=q.device)
+        pl = torch.empty((T, ns, H), dtype=torch.float32, device=q.device)
+    else:
+        po = pl = lse  # unused
+    sink_arg = sink if sink is not None else lse
+    sink_st = sink.stride(0) if sink is not None else 0
+
+    def _lens(ks):
+        return (ks.lens if ks.lens is not None else ks.indices,
+                ks.lens.stride(0) if ks.lens is not None else 0)
+
+    a_len, a_len_st = _lens(a)
+    b_len, b_len_st = _lens(bb)
+    da, sa = _SRC_BYTES[a.src]
+    db, sbb = _SRC_BYTES[bb.src]
+    grid = (T * ns * n_ht,)
+    _sparse_mla_fwd_kernel[grid](
+        q, q.stride(0), q.stride(1),
+        a.k, a.indices, a.indices.stride(0), a_len, a_len_st, a.indices.shape[1], a.bstride,
+        a.page, a.rows,
+        bb.k, bb.indices, bb.indices.stride(0), b_len, b_len_st, bb.indices.shape[1],
+        bb.bstride, bb.page, bb.rows,
+        sink_arg, sink_st,
+        out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1),
+        po, pl,
+        H, float(softmax_scale) * LOG2E,
+        SRC_A=a.src, DATA_A=da, SCALE_A=sa,
+        SRC_B=bb.src, DATA_B=db, SCALE_B=sbb,
+        HAS_B=b is not None, HAS_LEN_A=a.lens is not None,
+        HAS_LEN_B=bb.lens is not None, HAS_SINK=sink is not None,
+        NUM_SPLITS=ns, NUM_HT=n_ht, BH=bh, BN=cfg.block_n, DOT_F32=interp, SW=interp,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if ns > 1:
+        mbh = min(16, next_power_of_2(H))
+        m_ht = cdiv(H, mbh)
+        _merge_kernel[(T * m_ht,)](
+            po, pl, sink_arg, sink_st, out, out.stride(0), out.stride(1),
+            lse, lse.stride(0), lse.stride(1), H,
+            NUM_SPLITS=ns, NSP=next_power_of_2(ns), BH=mbh, NUM_HT=m_ht,
+            HAS_SINK=sink is not None, SW=interp, num_warps=4,
+        )
+
+
+def check_common(q, attn_sink, softmax_scale, out, what: str):
+    """Validate ``q``, ``attn_sink``, ``softmax_scale`` and ``out`` (shared by decode and
+    prefill); return ``(T, H, scale, out or None)``."""
+    check_tensor("q", q, dtypes=(torch.bfloat16,), ndims=3)
+    if q.shape[-1] != HEAD_DIM:
+        raise ValueError(f"q: expected head_dim {HEAD_DIM} (last dim), got shape {tuple(q.shape)}")
+    check_tensor("q", q, last_dim=HEAD_DIM)
+    T, H = int(q.shape[0]), int(q.shape[1])
+    if attn_sink is not None:
+        check_tensor("attn_sink", attn_sink, dtypes=(torch.float32,), ndims=1,
+                     contiguous_last=False)
+        if attn_sink.shape[0] != H:
+            raise ValueError(f"attn_sink: expected shape [{H}] (one per head of q), got "
+                             f"{tuple(attn_sink.shape)}")
+    if softmax_scale is None:
+        scale = HEAD_DIM ** -0.5
+    else:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise TypeError(f"softmax_scale: expected a float or None, got "
+                            f"{type(softmax_scale).__name__}")
+        scale = float(softmax_scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"softmax_scale: expected a finite number, got {scale}")
+    if out is not None:
+        check_tensor("out", out, dtypes=(torch.bfloat16,), ndims=3, last_dim=HEAD_DIM)
+        check_shape("out", out, (T, H, HEAD_DIM))
+    return T, H, scale
+
+
+def check_lens(name: str, lens, T: int):
+    if lens is None:
+        return
+    check_tensor(name, lens, dtypes=INT_DTYPES, ndims=1, contiguous_last=False)
+    if lens.shape[0] != T:
+        raise ValueError(f"{name}: expected shape [{T}] (one per query token), got "
+                         f"{tuple(lens.shape)}")
+
+
+def check_indices(name: str, idx, T: int):
+    check_tensor(name, idx, dtypes=INT_DTYPES, ndims=2)
+    if idx.shape[0] != T:
+        raise ValueError(f"{name}: expected {T} rows (one per query token), got "
+                         f"{tuple(idx.shape)}")
+
+
+def new_outputs(q: torch.Tensor, out: Optional[torch.Tensor]):
+    T, H = q.shape[0], q.shape[1]
+    if out is None:
+        out = torch.empty((T, H, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+__all__ = ["KeySet", "KernelConfig", "default_config", "launch", "SRC_BF16"]
