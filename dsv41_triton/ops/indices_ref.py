@@ -45,8 +45,10 @@ def combine_topk_swa_indices_ref(
     topk: int,
     M: int,
     N: int,
+    out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Reference of :func:`dsv41_triton.ops.indices.combine_topk_swa_indices`.
+    """Reference of :func:`dsv41_triton.ops.indices.combine_topk_swa_indices` (``out``, when
+    given, is filled and returned, as there).
 
     For token ``t`` of request ``b`` at position ``pos = seq_len - query_len + i``:
     ``topk_len = min((pos+1) // r, topk)`` (0 if ``r == 0``); columns ``< topk_len`` hold
@@ -55,6 +57,13 @@ def combine_topk_swa_indices_ref(
     ``M*b + N + p - (seq_len - gather_len)``; ``-1`` elsewhere. Tokens past the last request
     get a ``-1`` row and length 0. Returns ``(indices [T, width] int32, lens [T] int32)``.
     """
+    if out is not None:
+        idx, lens = combine_topk_swa_indices_ref(
+            topk_indices, query_start_loc, seq_lens, gather_lens, window_size, compress_ratio,
+            topk, M, N)
+        out[0].copy_(idx)
+        out[1].copy_(lens)
+        return out[0], out[1]
     T = topk_indices.shape[0]
     dev = topk_indices.device
     width = combined_width(topk, window_size)

@@ -70,7 +70,9 @@ def _check_combine(device, ti, qsl, seq, gl, W, r, topk, M, N, loop=True):
     dev = lambda x: None if x is None else x.to(device)  # noqa: E731
     idx, lens = combine_topk_swa_indices(dev(ti), dev(qsl), dev(seq), dev(gl), W, r, topk, M, N, out=out)
     assert idx is out[0] and lens is out[1]
-    ref_idx, ref_lens = combine_topk_swa_indices_ref(ti, qsl, seq, gl, W, r, topk, M, N)
+    ref_out = (torch.empty(T, width, dtype=torch.int32), torch.empty(T, dtype=torch.int32))
+    ref_idx, ref_lens = combine_topk_swa_indices_ref(ti, qsl, seq, gl, W, r, topk, M, N, out=ref_out)
+    assert ref_idx is ref_out[0]
     assert torch.equal(idx.cpu(), ref_idx)
     assert torch.equal(lens.cpu(), ref_lens)
     if loop:

@@ -10,7 +10,7 @@ from dsv41_triton.testing import poison_
 
 def _ordinal(t: torch.Tensor) -> torch.Tensor:
     """Monotone integer ordinal of bf16/fp32 bit patterns (+0 and -0 both 0)."""
-    if t.dtype == torch.bfloat16:
+    if t.dtype in (torch.bfloat16, torch.float16):
         b = t.view(torch.int16).to(torch.int64)
         mag = b & 0x7FFF
         return torch.where(b < 0, -mag, mag)
@@ -68,10 +68,11 @@ def test_apply_rope_fp64_oracle(device):
     assert (err <= ref.abs() * 2.0**-8 + 1e-30).all()
 
 
-def test_apply_rope_int32_positions_fp32_input(device):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_apply_rope_int32_positions_other_dtypes(device, dtype):
     T, H = 3, 2
     cs = make_cos_sin_cache(50, device=device)
-    x = torch.randn(T, H, 512, device=device)
+    x = torch.randn(T, H, 512, device=device).to(dtype)
     pos = torch.tensor([7, 0, 49], dtype=torch.int32, device=device)
     out = apply_rope(x, pos, cs, inverse=True)
     ref = apply_rope_ref(x, pos, cs, inverse=True)
