@@ -17,6 +17,14 @@ mxfp8          [16, 32]             16 UE8M0
 nvfp4          [32, 16] -> [32, 8]  32 e4m3
 =============  ===================  ====================================================
 
+Exactness: the insert writes the same bytes as ``quantize_and_insert_k_cache_ref`` for every
+finite bf16 input (interpreter: through the software codecs of ``_codecs.py``; GPU: hardware
+conversions and IEEE divisions). One GPU caveat, not tested there: if the division flushes
+subnormals, an NVFP4 element with ``|x| < 2**-126 * s`` may get a zero code of the other sign.
+The gather is bit-exact for every record byte pattern (UE8M0 bytes 0 and 255 included) wherever
+the reference is not NaN. Where it is NaN (e4m3 NaN bytes 0x7F/0xFF, or a UE8M0 byte 255 times
+zero) the GPU gives a NaN of another payload, and the CPU interpreter reads 0x7F as 480.
+
 Tuning knobs (constants below) are the tokens per insert program, the positions per gather
 program and the warps of each; they were chosen for correctness and a sane grid, not yet
 measured on the GPU.
@@ -111,11 +119,12 @@ def _insert_nvfp4_kernel(k_ptr, stride_kt, cache_ptr, stride_blk, scale_base,
                                             stride_blk, scale_base, 256, 32, BLOCK_T)
     g = tl.arange(0, 32)
     col = g[:, None] * 16 + tl.arange(0, 16)[None, :]  # [32, 16] dims
-    bcol = g[:, None] * 8 + tl.arange(0, 8)[None, :]  # [32, 8] packed bytes
-    m3 = valid[:, None, None]
-    x = tl.load(k_ptr + tok[:, None, None] * stride_kt + col[None, :, :], mask=m3, other=0.0)
-    packed, s_bits = C.nvfp4_quantize_groups(C.bf16_to_f32(x, SW), SW)
-    tl.store(cache_ptr + d_off[:, None, None] + bcol[None, :, :], packed, mask=m3)
+    x = tl.load(k_ptr + tok[:, None, None] * stride_kt + col[None, :, :], mask=valid[:, None, None],
+                other=0.0)
+    packed, s_bits = C.nvfp4_quantize_groups(C.bf16_to_f32(x, SW), SW)  # [BLOCK_T, 32, 8]
+    # store the 256 data bytes as one flat row (wider vector stores than [32, 8])
+    packed = tl.reshape(packed, [BLOCK_T, 256])
+    tl.store(cache_ptr + d_off[:, None] + tl.arange(0, 256)[None, :], packed, mask=valid[:, None])
     tl.store(cache_ptr + s_off[:, None] + g[None, :], s_bits, mask=valid[:, None])
 
 
@@ -253,18 +262,17 @@ def _gather_nvfp4_kernel(out_ptr, stride_ob, stride_om, cache_ptr, stride_blk, s
     ok, d_off, s_off = _gather_rows(b, seq, g, i, bt_ptr, stride_bt0, stride_bt1, max_blocks,
                                     num_blocks, page, n_rows, stride_blk, scale_base, 256, 32)
     gr = tl.arange(0, 32)
-    bcol = gr[:, None] * 8 + tl.arange(0, 8)[None, :]  # [32, 8] packed bytes
-    col = gr[:, None] * 16 + tl.arange(0, 16)[None, :]  # [32, 16] dims
-    m3 = ok[:, None, None]
-    q = tl.load(cache_ptr + d_off[:, None, None] + bcol[None, :, :], mask=m3, other=0).to(tl.int32)
+    # the 256 data bytes as one flat row (wider vector loads than [32, 8]), then per group
+    q = tl.load(cache_ptr + d_off[:, None] + tl.arange(0, 256)[None, :], mask=ok[:, None], other=0)
+    q = tl.reshape(q.to(tl.int32), [BLOCK_P, 32, 8])
     sc = tl.load(cache_ptr + s_off[:, None] + gr[None, :], mask=ok[:, None], other=0)
     s = C.e4m3_bits_to_f32(sc)[:, :, None]
     lo = C.e2m1_code_to_f32(q & 15) * s
     hi = C.e2m1_code_to_f32(q >> 4) * s
-    v = tl.reshape(tl.join(lo, hi), [BLOCK_P, 32, 16])  # even element = low nibble
+    v = tl.reshape(tl.join(lo, hi), [BLOCK_P, 512])  # even element = low nibble
     v = C.f32_to_bf16(v, SW)
     o_off = b.to(tl.int64) * stride_ob + (offset + i).to(tl.int64) * stride_om
-    tl.store(out_ptr + o_off[:, None, None] + col[None, :, :], v, mask=m3)
+    tl.store(out_ptr + o_off[:, None] + tl.arange(0, 512)[None, :], v, mask=ok[:, None])
 
 
 _GATHER_KERNELS = {
