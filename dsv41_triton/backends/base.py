@@ -2,22 +2,45 @@
 
 A backend is one file plus one registry line (``backends/registry.py``). It answers
 ``probe(problem) -> Availability`` without ever raising, and implements the entry points of
-SPEC §6 with the same signatures as ``dsv41_triton.attention``.
+SPEC §6 with the same signatures as ``dsv41_triton.attention``:
+
+* ``sparse_mla_decode(q, swa_cache, swa_indices, swa_lens, extra_cache=None, extra_indices=None,
+  extra_lens=None, attn_sink=None, softmax_scale=None, out=None) -> (out, lse)``
+* ``sparse_mla_prefill(q, kv, indices, lens=None, attn_sink=None, softmax_scale=None, out=None)
+  -> (out, lse)``
+* the fused ("mega") contract, ``sparse_mla_decode_fused`` / ``sparse_mla_prefill_fused``:
+  the same arguments plus ``positions`` and ``cos_sin_cache`` (``q`` NOT RoPE'd), an optional
+  per-head Q RMSNorm (``q_norm_eps``), a ``layout`` ("standard" or "interleaved", for Q and the
+  output together) and the output MXFP8 pair ``(data, scale)`` instead of ``out``; they return
+  ``(data, scale, lse)``.
 """
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 import torch
 
+#: the kinds of work a backend can be probed for
+KINDS = ("decode", "prefill", "decode_fused", "prefill_fused")
+LAYOUTS = ("standard", "interleaved")
+#: heads per output-projection group in the fused contract (FlashMLA's WV_GROUP_SIZE)
+WV_GROUP_SIZE = 8
+
 
 @dataclass(frozen=True)
 class Availability:
-    """Whether a backend can serve a problem, and why (or why not)."""
+    """Whether a backend can serve a problem, and why (or why not).
+
+    ``auto``: whether ``select_backend("auto")`` may pick it (False for backends that work but
+    should only run when asked for, e.g. Triton in the CPU interpreter).
+    """
 
     available: bool
     reason: str
+    auto: bool = True
 
     def __bool__(self) -> bool:
         return self.available
@@ -30,6 +53,9 @@ class Problem:
     kind: "decode" | "prefill" | "decode_fused" | "prefill_fused".
     swa_record / extra_record: record widths of the window and compressed caches (decode);
     extra_record None = no compressed cache.
+    capability: override of the device's compute capability ``(major, minor)`` (probe a
+    hypothetical device; None = ask the device).
+    layout: the fused contract's Q/output layout ("standard" or "interleaved").
     """
 
     kind: str
@@ -38,6 +64,8 @@ class Problem:
     swa_record: int = 584
     extra_record: Optional[int] = None
     head_dim: int = 512
+    capability: Optional[Tuple[int, int]] = None
+    layout: str = "standard"
 
 
 class AttentionBackend:
@@ -59,8 +87,66 @@ class AttentionBackend:
                            out=None) -> Tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError(f"{self.name}: prefill")
 
-    def sparse_mla_decode_fused(self, *args, **kwargs):
+    def sparse_mla_decode_fused(self, q, positions, cos_sin_cache, swa_cache, swa_indices,
+                                swa_lens, extra_cache=None, extra_indices=None, extra_lens=None,
+                                attn_sink=None, softmax_scale=None, q_norm_eps=None,
+                                layout="standard", data=None, scale=None):
         raise NotImplementedError(f"{self.name}: fused decode")
 
-    def sparse_mla_prefill_fused(self, *args, **kwargs):
+    def sparse_mla_prefill_fused(self, q, positions, cos_sin_cache, kv, indices, lens=None,
+                                 attn_sink=None, softmax_scale=None, q_norm_eps=None,
+                                 layout="standard", data=None, scale=None):
         raise NotImplementedError(f"{self.name}: fused prefill")
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
+
+
+# --------------------------------------------------------------------------------------------
+# helpers for probes (never raise)
+# --------------------------------------------------------------------------------------------
+def module_available(name: str) -> bool:
+    """Whether ``import name`` would find the module (without importing it)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError, AttributeError):
+        return False
+
+
+def device_capability(problem: Problem) -> Optional[Tuple[int, int]]:
+    """``problem.capability`` or the CUDA device's ``(major, minor)``; None off CUDA."""
+    if problem.capability is not None:
+        return tuple(problem.capability)  # type: ignore[return-value]
+    dev = torch.device(problem.device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return None
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    return tuple(torch.cuda.get_device_capability(idx))  # type: ignore[return-value]
+
+
+def is_rocm() -> bool:
+    return getattr(torch.version, "hip", None) is not None
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_problem(problem: Problem) -> Optional[str]:
+    """A reason string when the problem itself is malformed, else None."""
+    if problem.kind not in KINDS:
+        return f"unknown kind {problem.kind!r} (expected one of {KINDS})"
+    if not isinstance(problem.num_heads, int) or problem.num_heads < 1:
+        return f"num_heads must be a positive int, got {problem.num_heads!r}"
+    if problem.head_dim != 512:
+        return f"head_dim must be 512, got {problem.head_dim}"
+    if problem.swa_record not in (584, 528, 288):
+        return f"unknown window record width {problem.swa_record}"
+    if problem.extra_record not in (None, 584, 528, 288):
+        return f"unknown compressed record width {problem.extra_record}"
+    if problem.layout not in LAYOUTS:
+        return f"layout must be one of {LAYOUTS}, got {problem.layout!r}"
+    if problem.kind.endswith("_fused") and problem.num_heads % WV_GROUP_SIZE:
+        return (f"the fused contract needs the head count to be a multiple of {WV_GROUP_SIZE}, "
+                f"got {problem.num_heads}")
+    return None

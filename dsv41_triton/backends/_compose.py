@@ -1,0 +1,93 @@
+"""The fused ("mega") contract built from separate steps, for backends without a fused kernel.
+
+``q`` (standard or interleaved layout, NOT RoPE'd) -> optional per-head Q RMSNorm -> RoPE at
+``positions`` -> the backend's bf16 sparse attention -> inverse RoPE + MXFP8 cast into the
+``(data, scale)`` pair (SPEC §6). ``impl`` selects the step implementations: ``"triton"`` (the
+project's kernels) or ``"torch"`` (the references).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple
+
+import torch
+
+from .._utils import HEAD_DIM, check_tensor
+from .base import LAYOUTS, WV_GROUP_SIZE
+
+
+def check_fused_common(q, positions, cos_sin_cache, layout, q_norm_eps) -> Tuple[int, int]:
+    """Validate the fused-only arguments; return ``(T, H)``."""
+    check_tensor("q", q, dtypes=(torch.bfloat16,), ndims=3, last_dim=HEAD_DIM)
+    T, H = q.shape[0], q.shape[1]
+    if H % WV_GROUP_SIZE:
+        raise ValueError(f"q: the fused contract needs heads to be a multiple of "
+                         f"{WV_GROUP_SIZE}, got {H}")
+    check_tensor("positions", positions, dtypes=(torch.int32, torch.int64), ndims=1)
+    if positions.shape[0] != T:
+        raise ValueError(f"positions: expected {T} entries (one per token), got {positions.shape[0]}")
+    check_tensor("cos_sin_cache", cos_sin_cache, dtypes=(torch.float32,), ndims=2, last_dim=64)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    if q_norm_eps is not None and not (isinstance(q_norm_eps, float) and q_norm_eps >= 0):
+        raise ValueError(f"q_norm_eps: expected None or a float >= 0, got {q_norm_eps!r}")
+    return T, H
+
+
+def q_to_standard(q: torch.Tensor, layout: str) -> torch.Tensor:
+    """``q [T, H, 512]`` in ``layout`` -> standard (head-major) ``[T, H, 512]``."""
+    if layout == "standard":
+        return q
+    from ..ops import layouts
+
+    return layouts.q_from_interleaved(q)
+
+
+def q_head_rmsnorm(q: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-head RMSNorm without weight (fp32 math, bf16 out)."""
+    qf = q.float()
+    return (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + eps)).to(q.dtype)
+
+
+def fused_via_steps(
+    attn: Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor]],
+    q: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_norm_eps: Optional[float],
+    layout: str,
+    data: Optional[torch.Tensor],
+    scale: Optional[torch.Tensor],
+    impl: str,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run ``attn(q_roped_standard) -> (out bf16 [T, H, 512], lse)`` between the fused
+    contract's prologue and epilogue; return ``(data, scale, lse)``."""
+    T, H = check_fused_common(q, positions, cos_sin_cache, layout, q_norm_eps)
+    if data is not None or scale is not None:
+        from ..ops import mxfp8
+
+        mxfp8.check_mxfp8_output(data, scale, T, H // WV_GROUP_SIZE)
+    qs = q_to_standard(q, layout)
+    if q_norm_eps is not None:
+        qs = q_head_rmsnorm(qs, q_norm_eps)
+    if impl == "triton":
+        from ..ops.mxfp8 import rope_mxfp8_epilogue
+        from ..ops.rope import apply_rope
+
+        q_roped = apply_rope(qs, positions, cos_sin_cache)
+        out, lse = attn(q_roped)
+        data, scale = rope_mxfp8_epilogue(out, positions, cos_sin_cache, layout=layout,
+                                          data=data, scale=scale)
+    else:
+        from ..ops.mxfp8_ref import rope_mxfp8_epilogue_ref
+        from ..ops.rope_ref import apply_rope_ref
+
+        q_roped = apply_rope_ref(qs, positions, cos_sin_cache)
+        out, lse = attn(q_roped)
+        d, s = rope_mxfp8_epilogue_ref(out, positions, cos_sin_cache, layout=layout)
+        if data is None:
+            from ..ops.mxfp8 import alloc_mxfp8_output
+
+            data, scale = alloc_mxfp8_output(T, H // WV_GROUP_SIZE, q.device)
+        data.copy_(d)
+        scale.copy_(s)
+    return data, scale, lse

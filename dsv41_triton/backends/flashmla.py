@@ -1,0 +1,155 @@
+"""The ``flashmla`` backend: FlashMLA's sparse kernels (SM90a and SM100).
+
+Decode is ``flash_mla_with_kvcache`` with ``indices`` (the window cache) plus the extra
+(compressed) cache, its indices and both ``topk_length``s; prefill is ``flash_mla_sparse_fwd``
+over the gathered bf16 workspace. FlashMLA takes 64 or 128 query heads only: fewer heads are
+zero-padded (the sink with ``-inf``) and the padding is sliced off the output; index rows are
+padded with ``-1`` to the block multiple its kernels assume. The fused contract runs FlashMLA's
+bf16 attention between the project's Triton RoPE and inverse-RoPE/MXFP8 epilogue kernels.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from . import _checks
+from ._flashmla_common import (
+    arch_reason,
+    as_cache4,
+    has_params,
+    lens_i32,
+    load_flashmla,
+    new_sched_meta,
+    pad_heads,
+    pad_indices,
+    pad_sink,
+    padded_heads,
+)
+from .base import Availability, AttentionBackend, Problem, device_capability, module_available
+
+_DECODE_TOPK_MULTIPLE = 64
+_PREFILL_TOPK_MULTIPLE = 128
+
+
+class FlashMLABackend(AttentionBackend):
+    name = "flashmla"
+    description = "FlashMLA sparse decode/prefill kernels (SM90a, SM100), heads padded to 64/128"
+
+    def probe(self, problem: Problem) -> Availability:
+        bad = arch_reason(problem, (9, 10), "FlashMLA's sparse kernels")
+        if bad:
+            return Availability(False, bad)
+        if problem.num_heads > 128:
+            return Availability(False, f"{problem.num_heads} heads: FlashMLA takes at most 128")
+        major = device_capability(problem)[0]
+        if problem.kind.startswith("decode"):
+            ok = (584,) if major == 9 else (584, 528)
+            if problem.swa_record not in ok:
+                return Availability(False, f"window record {problem.swa_record} is not read by "
+                                           f"FlashMLA's sparse decode on sm_{major}x (reads {ok})")
+            if problem.extra_record is not None and problem.extra_record != problem.swa_record:
+                return Availability(
+                    False, f"FlashMLA's sparse decode needs both caches in one record "
+                           f"({problem.swa_record} window, {problem.extra_record} compressed)")
+        if problem.kind.endswith("_fused"):
+            for mod in ("dsv41_triton.ops.rope", "dsv41_triton.ops.mxfp8"):
+                if not module_available(mod):
+                    return Availability(False, f"{mod} (the fused epilogue) is missing")
+        ops, why = load_flashmla()
+        if ops is None:
+            return Availability(False, why)
+        if problem.kind.startswith("decode"):
+            if ops.with_kvcache is None:
+                return Availability(False, f"{ops.source} has no flash_mla_with_kvcache")
+            if not has_params(ops.with_kvcache, "indices", "attn_sink", "extra_k_cache",
+                              "topk_length", "extra_topk_length"):
+                return Availability(False, f"{ops.source}'s flash_mla_with_kvcache predates the "
+                                           "V4 sparse decode (no attn_sink/extra cache/topk_length)")
+        elif ops.sparse_fwd is None:
+            return Availability(False, f"{ops.source} has no flash_mla_sparse_fwd")
+        hp = padded_heads(problem.num_heads)
+        pad = "" if hp == problem.num_heads else f", {problem.num_heads} heads padded to {hp}"
+        return Availability(True, f"FlashMLA ({ops.source}) on sm_{major}x{pad}")
+
+    # ---------------------------------------------------------------------------------------
+    def sparse_mla_decode(self, q, swa_cache, swa_indices, swa_lens, extra_cache=None,
+                          extra_indices=None, extra_lens=None, attn_sink=None,
+                          softmax_scale=None, out=None) -> Tuple[torch.Tensor, torch.Tensor]:
+        _checks.check_decode(q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices,
+                             extra_lens, attn_sink, out)
+        ops, why = load_flashmla()
+        if ops is None:
+            raise RuntimeError(f"FlashMLA is not available: {why}")
+        T, H, D = q.shape
+        scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+        if out is None:
+            out = torch.empty_like(q)
+        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+        if T == 0:
+            return out, lse
+        hp = padded_heads(H)
+        qp = pad_heads(q, hp).unsqueeze(1)  # [T, 1, hp, 512]: each token its own "batch"
+        idx = pad_indices(swa_indices, _DECODE_TOPK_MULTIPLE).unsqueeze(1)
+        extra = None if extra_cache is None else as_cache4(extra_cache)
+        eidx = None
+        if extra is not None:
+            eidx = pad_indices(extra_indices, _DECODE_TOPK_MULTIPLE).unsqueeze(1)
+        o, l = ops.with_kvcache(
+            qp, as_cache4(swa_cache), None, None, 512, new_sched_meta(ops.get_metadata), None,
+            softmax_scale=scale, causal=False, is_fp8_kvcache=True, indices=idx,
+            attn_sink=pad_sink(attn_sink, H, hp), extra_k_cache=extra,
+            extra_indices_in_kvcache=eidx, topk_length=lens_i32(swa_lens),
+            extra_topk_length=lens_i32(extra_lens) if extra is not None else None,
+        )
+        out.copy_(o.reshape(T, hp, D)[:, :H])
+        lse.copy_(l.reshape(T, hp)[:, :H])  # s_q == 1: [b, h, 1] and [b, 1, h] agree
+        return out, lse
+
+    def sparse_mla_prefill(self, q, kv, indices, lens=None, attn_sink=None, softmax_scale=None,
+                           out=None) -> Tuple[torch.Tensor, torch.Tensor]:
+        _checks.check_prefill(q, kv, indices, lens, attn_sink, out)
+        ops, why = load_flashmla()
+        if ops is None:
+            raise RuntimeError(f"FlashMLA is not available: {why}")
+        T, H, D = q.shape
+        scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+        if out is None:
+            out = torch.empty_like(q)
+        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+        if T == 0:
+            return out, lse
+        hp = padded_heads(H)
+        kv3 = kv.reshape(-1, 1, D)
+        idx = pad_indices(indices.reshape(T, -1), _PREFILL_TOPK_MULTIPLE).unsqueeze(1)
+        res = ops.sparse_fwd(pad_heads(q, hp), kv3, idx, scale, 512,
+                             pad_sink(attn_sink, H, hp), lens_i32(lens))
+        o, l = res[0], res[2]
+        out.copy_(o[:, :H])
+        lse.copy_(l.reshape(T, hp)[:, :H])
+        return out, lse
+
+    # ---------------------------------------------------------------------------------------
+    def sparse_mla_decode_fused(self, q, positions, cos_sin_cache, swa_cache, swa_indices,
+                                swa_lens, extra_cache=None, extra_indices=None, extra_lens=None,
+                                attn_sink=None, softmax_scale=None, q_norm_eps=None,
+                                layout="standard", data=None, scale=None):
+        from ._compose import fused_via_steps
+
+        def attn(qr):
+            return self.sparse_mla_decode(qr, swa_cache, swa_indices, swa_lens, extra_cache,
+                                          extra_indices, extra_lens, attn_sink, softmax_scale)
+
+        return fused_via_steps(attn, q, positions, cos_sin_cache, q_norm_eps, layout, data,
+                               scale, impl="triton")
+
+    def sparse_mla_prefill_fused(self, q, positions, cos_sin_cache, kv, indices, lens=None,
+                                 attn_sink=None, softmax_scale=None, q_norm_eps=None,
+                                 layout="standard", data=None, scale=None):
+        from ._compose import fused_via_steps
+
+        def attn(qr):
+            return self.sparse_mla_prefill(qr, kv, indices, lens, attn_sink, softmax_scale)
+
+        return fused_via_steps(attn, q, positions, cos_sin_cache, q_norm_eps, layout, data,
+                               scale, impl="triton")

@@ -1,0 +1,91 @@
+"""The ``torch`` backend: the plain PyTorch float64 references, on any device (CPU included).
+
+Slow and memory-hungry by design (it materializes every selected key row); it is the oracle
+the other backends are checked against and the fallback where nothing else runs.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .._utils import HEAD_DIM, check_tensor
+from . import _checks
+from .base import Availability, AttentionBackend, Problem, module_available
+
+
+def _write_out(res: torch.Tensor, q: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+    if out is None:
+        return res.to(torch.bfloat16)
+    check_tensor("out", out, dtypes=(torch.bfloat16,), ndims=3, last_dim=HEAD_DIM)
+    if tuple(out.shape) != tuple(q.shape):
+        raise ValueError(f"out: expected shape {tuple(q.shape)}, got {tuple(out.shape)}")
+    out.copy_(res.view(out.shape))
+    return out
+
+
+class TorchBackend(AttentionBackend):
+    name = "torch"
+    description = "plain PyTorch float64 reference (any device, slow)"
+
+    def probe(self, problem: Problem) -> Availability:
+        if not module_available("dsv41_triton.attention.ref"):
+            return Availability(False, "dsv41_triton.attention.ref is missing")
+        if problem.kind.endswith("_fused"):
+            for mod in ("dsv41_triton.ops.rope_ref", "dsv41_triton.ops.mxfp8_ref"):
+                if not module_available(mod):
+                    return Availability(False, f"{mod} is missing (needed by the fused contract)")
+            if problem.layout == "interleaved" and not module_available("dsv41_triton.ops.layouts"):
+                return Availability(False, "dsv41_triton.ops.layouts is missing")
+        dev = torch.device(problem.device)
+        if dev.type == "cuda" and problem.capability is None and not torch.cuda.is_available():
+            return Availability(False, "CUDA is not available")
+        return Availability(True, f"PyTorch reference on {dev.type}")
+
+    # ---------------------------------------------------------------------------------------
+    def sparse_mla_decode(self, q, swa_cache, swa_indices, swa_lens, extra_cache=None,
+                          extra_indices=None, extra_lens=None, attn_sink=None,
+                          softmax_scale=None, out=None) -> Tuple[torch.Tensor, torch.Tensor]:
+        from ..attention.ref import sparse_mla_decode_ref
+
+        _checks.check_decode(q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices,
+                             extra_lens, attn_sink, out)
+        res, lse = sparse_mla_decode_ref(
+            q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices, extra_lens,
+            attn_sink=attn_sink, softmax_scale=softmax_scale,
+        )
+        return _write_out(res, q, out), lse.float()
+
+    def sparse_mla_prefill(self, q, kv, indices, lens=None, attn_sink=None, softmax_scale=None,
+                           out=None) -> Tuple[torch.Tensor, torch.Tensor]:
+        from ..attention.ref import sparse_mla_prefill_ref
+
+        _checks.check_prefill(q, kv, indices, lens, attn_sink, out)
+        res, lse = sparse_mla_prefill_ref(q, kv, indices, lens, attn_sink=attn_sink,
+                                          softmax_scale=softmax_scale)
+        return _write_out(res, q, out), lse.float()
+
+    # ---------------------------------------------------------------------------------------
+    def sparse_mla_decode_fused(self, q, positions, cos_sin_cache, swa_cache, swa_indices,
+                                swa_lens, extra_cache=None, extra_indices=None, extra_lens=None,
+                                attn_sink=None, softmax_scale=None, q_norm_eps=None,
+                                layout="standard", data=None, scale=None):
+        from ._compose import fused_via_steps
+
+        def attn(qr):
+            return self.sparse_mla_decode(qr, swa_cache, swa_indices, swa_lens, extra_cache,
+                                          extra_indices, extra_lens, attn_sink, softmax_scale)
+
+        return fused_via_steps(attn, q, positions, cos_sin_cache, q_norm_eps, layout, data,
+                               scale, impl="torch")
+
+    def sparse_mla_prefill_fused(self, q, positions, cos_sin_cache, kv, indices, lens=None,
+                                 attn_sink=None, softmax_scale=None, q_norm_eps=None,
+                                 layout="standard", data=None, scale=None):
+        from ._compose import fused_via_steps
+
+        def attn(qr):
+            return self.sparse_mla_prefill(qr, kv, indices, lens, attn_sink, softmax_scale)
+
+        return fused_via_steps(attn, q, positions, cos_sin_cache, q_norm_eps, layout, data,
+                               scale, impl="torch")

@@ -1,0 +1,105 @@
+"""The ``triton`` backend: the project's own kernels, on any CUDA or ROCm GPU.
+
+Without a GPU the same kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``): that is
+available (tests use it) but never picked by ``auto``. Any head count works (no padding), every
+record width is read in-kernel. The fused contract uses ``attention.fused`` when present, else
+the Triton RoPE kernel + the bf16 kernels + the Triton inverse-RoPE/MXFP8 epilogue.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from .base import (
+    Availability,
+    AttentionBackend,
+    Problem,
+    interpreter_enabled,
+    is_rocm,
+    module_available,
+)
+
+_WINDOW_RECORDS = (584, 528)
+_EXTRA_RECORDS = (584, 528, 288)
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+    description = "the project's Triton kernels (any CUDA/ROCm GPU; CPU interpreter for tests)"
+
+    def probe(self, problem: Problem) -> Availability:
+        if not module_available("triton"):
+            return Availability(False, "the triton package is not installed")
+        need = {
+            "decode": ("dsv41_triton.attention.decode",),
+            "prefill": ("dsv41_triton.attention.prefill",),
+            "decode_fused": ("dsv41_triton.attention.decode", "dsv41_triton.ops.rope",
+                             "dsv41_triton.ops.mxfp8"),
+            "prefill_fused": ("dsv41_triton.attention.prefill", "dsv41_triton.ops.rope",
+                              "dsv41_triton.ops.mxfp8"),
+        }[problem.kind]
+        if problem.kind.endswith("_fused") and problem.layout == "interleaved":
+            need = need + ("dsv41_triton.ops.layouts",)
+        for mod in need:
+            if not module_available(mod):
+                return Availability(False, f"{mod} is missing")
+        if problem.kind.startswith("decode"):
+            if problem.swa_record not in _WINDOW_RECORDS:
+                return Availability(False, f"window cache record {problem.swa_record} is not "
+                                           f"supported (expected {_WINDOW_RECORDS})")
+            if problem.extra_record is not None and problem.extra_record not in _EXTRA_RECORDS:
+                return Availability(False, f"compressed record {problem.extra_record} unsupported")
+        dev = torch.device(problem.device)
+        if dev.type == "cuda":
+            if not torch.cuda.is_available() and problem.capability is None:
+                return Availability(False, "CUDA is not available")
+            return Availability(True, "Triton kernels on " + ("ROCm" if is_rocm() else "CUDA"))
+        if dev.type == "cpu":
+            if interpreter_enabled():
+                return Availability(True, "Triton CPU interpreter (TRITON_INTERPRET=1; slow)",
+                                    auto=False)
+            return Availability(False, "CPU tensors need TRITON_INTERPRET=1 (Triton interpreter)")
+        return Availability(False, f"device type {dev.type!r} is not supported by Triton here")
+
+    # ---------------------------------------------------------------------------------------
+    def sparse_mla_decode(self, q, swa_cache, swa_indices, swa_lens, extra_cache=None,
+                          extra_indices=None, extra_lens=None, attn_sink=None,
+                          softmax_scale=None, out=None) -> Tuple[torch.Tensor, torch.Tensor]:
+        from ..attention.decode import sparse_mla_decode
+
+        return sparse_mla_decode(q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices,
+                                 extra_lens, attn_sink=attn_sink, softmax_scale=softmax_scale,
+                                 out=out)
+
+    def sparse_mla_prefill(self, q, kv, indices, lens=None, attn_sink=None, softmax_scale=None,
+                           out=None) -> Tuple[torch.Tensor, torch.Tensor]:
+        from ..attention.prefill import sparse_mla_prefill
+
+        return sparse_mla_prefill(q, kv, indices, lens, attn_sink=attn_sink,
+                                  softmax_scale=softmax_scale, out=out)
+
+    # ---------------------------------------------------------------------------------------
+    def sparse_mla_decode_fused(self, q, positions, cos_sin_cache, swa_cache, swa_indices,
+                                swa_lens, extra_cache=None, extra_indices=None, extra_lens=None,
+                                attn_sink=None, softmax_scale=None, q_norm_eps=None,
+                                layout="standard", data=None, scale=None):
+        from ._compose import fused_via_steps
+
+        def attn(qr):
+            return self.sparse_mla_decode(qr, swa_cache, swa_indices, swa_lens, extra_cache,
+                                          extra_indices, extra_lens, attn_sink, softmax_scale)
+
+        return fused_via_steps(attn, q, positions, cos_sin_cache, q_norm_eps, layout, data,
+                               scale, impl="triton")
+
+    def sparse_mla_prefill_fused(self, q, positions, cos_sin_cache, kv, indices, lens=None,
+                                 attn_sink=None, softmax_scale=None, q_norm_eps=None,
+                                 layout="standard", data=None, scale=None):
+        from ._compose import fused_via_steps
+
+        def attn(qr):
+            return self.sparse_mla_prefill(qr, kv, indices, lens, attn_sink, softmax_scale)
+
+        return fused_via_steps(attn, q, positions, cos_sin_cache, q_norm_eps, layout, data,
+                               scale, impl="triton")

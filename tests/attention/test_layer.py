@@ -1,0 +1,391 @@
+"""The drop-in attention layer: multi-step runs against a single-shot float64 recomputation.
+
+A scenario runs several steps through one layer (prefills of several requests, a 1-token
+prompt, decode steps, an idle request, CUDA-graph padding, then a mixed step with a second
+prefill chunk of a request with a prefix and a new request) and compares every real token's
+attention output and layer output with an oracle that recomputes each request from scratch:
+projections over the whole sequence at once, the window and the selected compressed keys taken
+from the (record-quantized) keys of the request's own tokens, softmax with the sink in float64,
+inverse RoPE and the grouped output projection in float64. TP=2/4 shards must reproduce TP=1.
+"""
+from __future__ import annotations
+
+import math
+import random
+from typing import Dict, List, Optional, Tuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsv41_triton.attention.config import DeepseekV41AttentionConfig, build_cos_sin_cache
+from dsv41_triton.attention.layer import (
+    DeepseekV41Attention,
+    MXFP8Activation,
+    canonicalize_attention_state_dict,
+    random_attention_state_dict,
+    shard_attention_state_dict,
+)
+from dsv41_triton.attention.metadata import RequestSpec, build_step_metadata
+from dsv41_triton.backends import available_backends, Problem
+from dsv41_triton.ops.records import quantize_dequantize_ref
+from dsv41_triton.ops.rope_ref import apply_rope_ref
+from dsv41_triton.testing import poison_, rel_err
+
+CFG = DeepseekV41AttentionConfig(
+    name="tiny", hidden_size=64, num_attention_heads=8, q_lora_rank=32, o_lora_rank=16,
+    o_groups=4, sliding_window=8, index_topk=4, compress_ratios=(0, 1, 2),
+)
+PAGE, CPAGE, MAX_LEN = 4, 4, 64
+
+
+# --------------------------------------------------------------------------------------------
+# the oracle
+# --------------------------------------------------------------------------------------------
+def _rms(x: torch.Tensor, w: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * w.float() if w is not None else y).to(x.dtype)
+
+
+def oracle_request(sd, cfg, layer_id, hidden, ckv, topk, swa_record=584, c_record=584):
+    """From-scratch float64 attention + projection of one request's whole sequence.
+
+    hidden [L, hidden], ckv [L, 512] (compressor output per token), topk [L, K] local entries.
+    Returns (o [L, H, 512] float64 attention output before the inverse RoPE, y [L, hidden]).
+    """
+    L = hidden.shape[0]
+    H, D, G = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
+    r, W = cfg.compress_ratio(layer_id), cfg.sliding_window
+    cs = build_cos_sin_cache(cfg, r, MAX_LEN)
+    pos = torch.arange(L)
+    qr_kv = F.linear(hidden, sd["fused_wqa_wkv.weight"])
+    qr, kv = qr_kv.split([cfg.q_lora_rank, D], -1)
+    qr = _rms(qr, sd["q_norm.weight"], cfg.rms_norm_eps)
+    kv = _rms(kv, sd["kv_norm.weight"], cfg.rms_norm_eps)
+    q = F.linear(qr, sd["wq_b.weight"]).view(L, H, D)
+    if cfg.q_head_norm:
+        q = _rms(q, None, cfg.rms_norm_eps)
+    q = apply_rope_ref(q, pos, cs).double()
+    kvq = quantize_dequantize_ref(apply_rope_ref(kv[:, None], pos, cs)[:, 0], swa_record).double()
+    ckq = None
+    if r > 0:
+        ck = apply_rope_ref(ckv[:, None], (pos // r) * r, cs)[:, 0]
+        ckq = quantize_dequantize_ref(ck, c_record).double()
+    sink = sd["attn_sink"].double()
+    o = torch.zeros(L, H, D, dtype=torch.float64)
+    for p in range(L):
+        keys = [kvq[j] for j in range(max(p - W + 1, 0), p + 1)]
+        if r > 0:
+            n = min((p + 1) // r, cfg.index_topk)
+            for e in topk[p, :n].tolist():
+                if e >= 0:
+                    keys.append(ckq[e * r + r - 1])  # entry e is completed by token e*r + r - 1
+        K = torch.stack(keys)
+        z = (q[p] @ K.T) * D ** -0.5  # [H, nk]
+        m = z.amax(-1, keepdim=True)
+        e_ = torch.exp(z - m)
+        den = e_.sum(-1, keepdim=True) + torch.exp(sink[:, None] - m)
+        o[p] = (e_ @ K) / den
+    # inverse RoPE (float64), grouped wo_a, wo_b
+    csd = cs.double()[:L]
+    cos, sin = csd[:, None, :32], csd[:, None, 32:]
+    a, b = o[..., 448::2], o[..., 449::2]
+    oi = o.clone()
+    oi[..., 448::2] = a * cos + b * sin
+    oi[..., 449::2] = b * cos - a * sin
+    hpg = H // G
+    wo_a = sd["wo_a.weight"].double().view(G, cfg.o_lora_rank, hpg * D)
+    z = torch.einsum("lgk,gok->lgo", oi.view(L, G, hpg * D), wo_a).reshape(L, -1)
+    y = z @ sd["wo_b.weight"].double().T
+    return o, y
+
+
+# --------------------------------------------------------------------------------------------
+# the scenario
+# --------------------------------------------------------------------------------------------
+class Scenario:
+    """Requests with their history, block tables and per-step inputs."""
+
+    def __init__(self, cfg, layer_id, seed=0, num_blocks=64):
+        self.cfg, self.layer_id = cfg, layer_id
+        self.r = cfg.compress_ratio(layer_id)
+        self.rng = random.Random(seed)
+        self.gen = torch.Generator().manual_seed(seed)
+        pool = list(range(num_blocks))
+        self.rng.shuffle(pool)
+        self.pool = pool
+        self.cpool = list(range(num_blocks))
+        self.rng.shuffle(self.cpool)
+        self.req: Dict[str, dict] = {}
+
+    def _new(self, name):
+        blocks = [self.pool.pop() for _ in range(6)]  # 24 positions
+        cblocks = [self.cpool.pop() for _ in range(6)]
+        self.req[name] = dict(blocks=blocks, cblocks=cblocks, hidden=[], ckv=[], topk=[])
+
+    def _topk_row(self, pos):
+        K = self.cfg.index_topk
+        row = [-1] * K
+        if self.r > 0:
+            avail = (pos + 1) // self.r
+            n = min(avail, K)
+            picks = self.rng.sample(range(avail), n)
+            for j, e in enumerate(picks):
+                row[j] = e if self.rng.random() > 0.2 else -1
+        return row
+
+    def step(self, plan: List[Tuple[str, int]], padding: int = 0, chunk_size: int = 4):
+        """plan: [(request, new tokens)] decodes first. Returns (metadata, hidden, ckv, topk,
+        owners [(name, pos)])."""
+        specs, hid, ckv, tk, owners = [], [], [], [], []
+        for name, n in plan:
+            if name not in self.req:
+                self._new(name)
+            st = self.req[name]
+            prefix = sum(h.shape[0] for h in st["hidden"])
+            h = (torch.randn(n, self.cfg.hidden_size, generator=self.gen)).bfloat16()
+            c = torch.randn(n, 512, generator=self.gen).bfloat16()
+            t = torch.tensor([self._topk_row(prefix + i) for i in range(n)],
+                             dtype=torch.int32).view(n, self.cfg.index_topk)
+            st["hidden"].append(h)
+            st["ckv"].append(c)
+            st["topk"].append(t)
+            hid.append(h)
+            ckv.append(c)
+            tk.append(t)
+            owners += [(name, prefix + i) for i in range(n)]
+            specs.append(RequestSpec(n, prefix, st["blocks"],
+                                     {self.r: st["cblocks"]} if self.r else {}))
+        md = build_step_metadata(specs, window_size=self.cfg.sliding_window, swa_page_size=PAGE,
+                                 compressed_page_sizes={self.r: CPAGE} if self.r else None,
+                                 num_padding_tokens=padding, prefill_chunk_size=chunk_size)
+        hid = torch.cat(hid + [torch.randn(padding, self.cfg.hidden_size).bfloat16()])
+        ckv = torch.cat(ckv + [torch.randn(padding, 512).bfloat16()])
+        tk = torch.cat(tk + [torch.full((padding, self.cfg.index_topk), -1, dtype=torch.int32)])
+        return md, hid, ckv, tk, owners
+
+    def oracle(self, sd, swa_record=584, c_record=584):
+        out = {}
+        for name, st in self.req.items():
+            o, y = oracle_request(sd, self.cfg, self.layer_id, torch.cat(st["hidden"]),
+                                  torch.cat(st["ckv"]), torch.cat(st["topk"]), swa_record, c_record)
+            out[name] = (o, y)
+        return out
+
+
+STEPS = [
+    # (plan, padding): decodes (query_len <= 1) first, then prefills
+    ([("C", 1), ("A", 11), ("B", 6), ("D", 7)], 0),  # a 1-token prompt + three prefills
+    ([("A", 1), ("B", 1), ("C", 1), ("D", 0)], 0),  # decode + an idle request
+    ([("A", 1), ("B", 1), ("C", 1)], 2),  # decode with CUDA-graph padding
+    ([("A", 1), ("C", 1), ("D", 6), ("E", 5)], 0),  # mixed: 2nd chunk of D (prefix 7) + new E
+]
+
+
+def make_layer(cfg, layer_id, backend, sd, tp_rank=0, tp_size=1, **kw):
+    layer = DeepseekV41Attention(cfg, layer_id, tp_rank=tp_rank, tp_size=tp_size, backend=backend,
+                                 device="cpu", max_model_len=MAX_LEN, **kw)
+    layer.load_weights(sd)
+    layer.allocate_kv_caches(64, PAGE, 64, CPAGE)
+
+    orig = layer._alloc_attn_out
+
+    def poisoned(T, hs):  # every element of the attention output must be written
+        out = orig(T, hs)
+        if isinstance(out, MXFP8Activation):
+            poison_(out.data)
+            out.scale.fill_(-1)
+        else:
+            poison_(out)
+        return out
+
+    layer._alloc_attn_out = poisoned
+    return layer
+
+
+def run_scenario(layers, cfg, layer_id, steps=STEPS, chunk_size=4, seed=0):
+    """Run the steps through every layer (same inputs; the layers may be TP shards). Returns
+    the scenario and per step [(md, owners, [(attn_out, y) per layer])]."""
+    sc = Scenario(cfg, layer_id, seed=seed)
+    results = []
+    for plan, padding in steps:
+        md, hid, ckv, tk, owners = sc.step(plan, padding, chunk_size)
+        r = cfg.compress_ratio(layer_id)
+        outs = []
+        for layer in layers:
+            a = layer.compute_attention(None, hid, md, compressed_kv=ckv if r else None,
+                                        topk_indices=tk if r else None)
+            y = layer._o_proj(a, md.positions)
+            outs.append((a, y))
+        results.append((md, owners, outs))
+    return sc, results
+
+
+def _gather_oracle(orc, owners):
+    o = torch.stack([orc[n][0][p] for n, p in owners])
+    y = torch.stack([orc[n][1][p] for n, p in owners])
+    return o, y
+
+
+# --------------------------------------------------------------------------------------------
+# tests
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layer_id", [0, 1, 2], ids=["ratio0", "ratio1", "ratio2"])
+@pytest.mark.parametrize("chunk_size", [4, 1])
+def test_multistep_torch_backend_equals_oracle(layer_id, chunk_size):
+    sd = random_attention_state_dict(CFG, seed=layer_id)
+    layer = make_layer(CFG, layer_id, "torch", sd)
+    sc, results = run_scenario([layer], CFG, layer_id, chunk_size=chunk_size)
+    orc = sc.oracle(sd)
+    for md, owners, [(a, y)] in results:
+        n = len(owners)
+        o_ref, y_ref = _gather_oracle(orc, owners)
+        assert torch.isfinite(a).all()
+        assert rel_err(a[:n], o_ref) <= 1e-2, rel_err(a[:n], o_ref)
+        assert rel_err(y[:n], y_ref) <= 1e-2, rel_err(y[:n], y_ref)
+        if md.num_tokens > n:  # padding tokens: no keys -> exactly zero
+            assert (a[n:] == 0).all() and (y[n:] == 0).all()
+
+
+def test_oracle_detects_a_wrong_window():
+    """The comparison can fail: a layer whose window is one token shorter is caught."""
+    sd = random_attention_state_dict(CFG, seed=5)
+    layer = make_layer(CFG, 0, "torch", sd)
+    sc, results = run_scenario([layer], CFG, 0, steps=STEPS[:1])
+    cfg_short = CFG.replace(sliding_window=CFG.sliding_window - 1)
+    bad = {n: oracle_request(sd, cfg_short, 0, torch.cat(st["hidden"]), None, None)
+           for n, st in sc.req.items()}
+    md, owners, [(a, y)] = results[0]
+    o_bad, _ = _gather_oracle(bad, owners)
+    assert rel_err(a[: len(owners)], o_bad) > 1e-2
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+@pytest.mark.parametrize("layer_id", [0, 2], ids=["ratio0", "ratio2"])
+def test_tensor_parallel_shards_equal_tp1(tp_size, layer_id):
+    sd = random_attention_state_dict(CFG, seed=11)
+    full = make_layer(CFG, layer_id, "torch", sd)
+    shards = [make_layer(CFG, layer_id, "torch", sd, tp_rank=k, tp_size=tp_size)
+              for k in range(tp_size)]
+    assert shards[0].n_local_heads == CFG.num_attention_heads // tp_size
+    _, results = run_scenario([full] + shards, CFG, layer_id, steps=STEPS[:2] + STEPS[3:])
+    for md, owners, outs in results:
+        (a1, y1), rest = outs[0], outs[1:]
+        a_cat = torch.cat([a for a, _ in rest], 1)
+        assert torch.equal(a_cat, a1) or rel_err(a_cat, a1) < 1e-3
+        y_sum = sum(y.float() for _, y in rest)
+        assert rel_err(y_sum, y1) <= 1e-2
+
+
+def test_tp_reduce_hook_sums_partials():
+    sd = random_attention_state_dict(CFG, seed=3)
+    partials = []
+    shards = [make_layer(CFG, 0, "torch", sd, tp_rank=k, tp_size=2,
+                         output_reduce=lambda y: (partials.append(y), y)[1]) for k in range(2)]
+    _, results = run_scenario(shards, CFG, 0, steps=STEPS[:1])
+    assert len(partials) == 2 and partials[0].shape == partials[1].shape
+
+
+def test_shard_state_dict_slices():
+    sd = random_attention_state_dict(CFG, seed=1)
+    s1 = shard_attention_state_dict(sd, CFG, 1, 2)
+    D, R = 512, CFG.o_lora_rank
+    assert torch.equal(s1["wq_b.weight"], sd["wq_b.weight"][4 * D:8 * D])
+    assert torch.equal(s1["attn_sink"], sd["attn_sink"][4:])
+    assert torch.equal(s1["wo_a.weight"], sd["wo_a.weight"][2 * R:4 * R])
+    assert torch.equal(s1["wo_b.weight"], sd["wo_b.weight"][:, 2 * R:4 * R])
+    assert torch.equal(s1["fused_wqa_wkv.weight"], sd["fused_wqa_wkv.weight"])
+
+
+def test_checkpoint_names_and_fp8_weights():
+    """DeepSeek's names (wq_a + wkv, .scale block multipliers on fp8 weights) load like the
+    canonical ones."""
+    sd = random_attention_state_dict(CFG, seed=2)
+    qa, wkv = sd["fused_wqa_wkv.weight"].split([CFG.q_lora_rank, 512], 0)
+    pre = "layers.1.attn."
+    ck = {pre + "wq_a.weight": qa, pre + "wkv.weight": wkv, pre + "attn_sink": sd["attn_sink"],
+          pre + "q_norm.weight": sd["q_norm.weight"], pre + "kv_norm.weight": sd["kv_norm.weight"],
+          pre + "wo_a.weight": sd["wo_a.weight"], pre + "wo_b.weight": sd["wo_b.weight"],
+          pre + "compressor.wkv.weight": torch.zeros(3, 3)}
+    # wq_b as block-fp8 (128x128 blocks) with power-of-two multipliers
+    w = sd["wq_b.weight"].float()
+    s = torch.full((w.shape[0] // 128, 1), 2.0 ** -4)
+    ck[pre + "wq_b.weight"] = (w / 2.0 ** -4).to(torch.float8_e4m3fn)
+    ck[pre + "wq_b.scale"] = s
+    can = canonicalize_attention_state_dict(ck, pre)
+    assert torch.equal(can["fused_wqa_wkv.weight"], sd["fused_wqa_wkv.weight"])
+    assert rel_err(can["wq_b.weight"], sd["wq_b.weight"]) < 0.05
+    layer = DeepseekV41Attention(CFG, 1, backend="torch", device="cpu", max_model_len=MAX_LEN)
+    layer.load_weights(ck, prefix=pre)
+    assert torch.equal(layer.attn_sink, sd["attn_sink"])
+    with pytest.raises(ValueError, match="missing"):
+        layer.load_weights({pre + "wq_a.weight": qa}, prefix=pre)
+
+
+def test_bad_topologies_and_inputs_raise():
+    with pytest.raises(ValueError, match="does not divide o_groups"):
+        DeepseekV41Attention(CFG, 0, tp_rank=0, tp_size=8, backend="torch", device="cpu")
+    with pytest.raises(ValueError, match="tp_rank"):
+        DeepseekV41Attention(CFG, 0, tp_rank=2, tp_size=2, backend="torch", device="cpu")
+    # the fused contract needs 8 heads per wo_a group (this config has 2)
+    with pytest.raises(ValueError, match="8 heads per wo_a group"):
+        DeepseekV41Attention(CFG, 0, backend="torch", fused=True, device="cpu")
+    with pytest.raises(ValueError, match="not available"):
+        DeepseekV41Attention(CFG, 0, backend="flashmla", device="cpu")
+    sd = random_attention_state_dict(CFG, seed=0)
+    layer = make_layer(CFG, 1, "torch", sd)
+    sc = Scenario(CFG, 1)
+    md, hid, ckv, tk, _ = sc.step([("A", 3)])
+    with pytest.raises(ValueError, match="topk_indices"):
+        layer(None, hid, md, compressed_kv=ckv)
+    with pytest.raises(ValueError, match="tokens"):
+        layer(None, hid[:2], md, compressed_kv=ckv[:2], topk_indices=tk[:2])
+    with pytest.raises(ValueError, match="max_model_len"):
+        sc2 = Scenario(CFG, 1)
+        sc2.req["A"] = dict(blocks=list(range(20)), cblocks=list(range(20)), hidden=[
+            torch.zeros(MAX_LEN, 64).bfloat16()], ckv=[], topk=[])
+        md2, h2, c2, t2, _ = sc2.step([("A", 2)])
+        layer(None, h2, md2, compressed_kv=c2, topk_indices=t2)
+
+
+# --------------------------------------------------------------------------------------------
+# fused contract (8 heads per group) and the Triton backend
+# --------------------------------------------------------------------------------------------
+CFG8 = CFG.replace(name="tiny8", o_groups=1)  # 8 heads, one wo_a group of 8
+
+
+@pytest.mark.parametrize("layout", ["standard", "interleaved"])
+def test_fused_contract_torch_backend(layout):
+    """fused=True: the backend RoPEs Q, the MXFP8 pair goes into _o_proj; equals the oracle
+    within the MXFP8 quantization error of the attention output."""
+    sd = random_attention_state_dict(CFG8, seed=7)
+    layer = make_layer(CFG8, 2, "torch", sd, fused=True, layout=layout)
+    assert layer.accepts_unnormed_unroped_query
+    sc, results = run_scenario([layer], CFG8, 2, steps=[STEPS[0], STEPS[3]])
+    orc = sc.oracle(sd)
+    for md, owners, [(a, y)] in results:
+        assert isinstance(a, MXFP8Activation)
+        o_ref, y_ref = _gather_oracle(orc, owners)
+        assert rel_err(y[: len(owners)], y_ref) <= 5e-2  # e4m3 output: ~2^-4 per element
+
+
+def _triton_ok():
+    return "triton" in available_backends([Problem("decode", 8, swa_record=584, extra_record=584),
+                                           Problem("prefill", 8)])
+
+
+@pytest.mark.skipif(not _triton_ok(), reason="the triton backend is not available here")
+def test_multistep_triton_backend_equals_oracle(device):
+    """One small configuration through the Triton kernels (the interpreter on CPU)."""
+    if device != "cpu":
+        pytest.skip("covered by the GPU variant")
+    sd = random_attention_state_dict(CFG, seed=21)
+    layer = make_layer(CFG, 2, "triton", sd)
+    steps = [([("C", 1), ("A", 6), ("B", 3)], 0), ([("A", 1), ("C", 1), ("B", 4)], 0)]
+    sc, results = run_scenario([layer], CFG, 2, steps=steps)
+    orc = sc.oracle(sd)
+    for md, owners, [(a, y)] in results:
+        o_ref, y_ref = _gather_oracle(orc, owners)
+        assert rel_err(a[: len(owners)], o_ref) <= 1e-2
+        assert rel_err(y[: len(owners)], y_ref) <= 1e-2
