@@ -223,6 +223,7 @@ def _cpu_cases(p: Preset, quick: bool) -> List[Case]:
     swa, extra = p.decode_records[0]
     cases = [Case("decode", 1, h, swa, extra, W, K, r, P, requests=1)]
     if not quick:
+        cases.append(Case("decode", 4, h, swa, extra, W, K, r, P, requests=4))
         cases.append(Case("decode", 3, 3, swa, extra, W, K, r, P, requests=3))
         for s2, e2 in p.decode_records[1:]:
             if e2 is None:
@@ -234,6 +235,7 @@ def _cpu_cases(p: Preset, quick: bool) -> List[Case]:
             cases.append(Case("decode", 2, h, s2, e2, W, K, r, P, requests=2))
     cases.append(Case("prefill", 5, h, window=W, topk=K, ratio=r, page=P))
     if not quick:
+        cases.append(Case("prefill", 2, h, window=W, topk=K, ratio=r, page=P))
         cases.append(Case("prefill", 3, 3, window=W, topk=K, ratio=0, page=P))
     recs = p.op_records if not quick else p.op_records[:1]
     for rec in recs:

@@ -368,7 +368,8 @@ def make_plots(df: pd.DataFrame, outdir, meta: Dict[str, object]) -> Tuple[List[
         ax.set_yscale("log")
         ax.set_xlabel("arithmetic intensity (FLOP / byte)")
         ax.set_ylabel("TFLOP/s")
-        ax.set_title(f"roofline: copy {bw:,.0f} GB/s, bf16 mm {mm:,.0f} TFLOP/s{cpu}", fontsize=10)
+        ax.set_title(f"roofline: copy {fmt_sig(bw)} GB/s, bf16 mm {fmt_sig(mm)} TFLOP/s{cpu}",
+                     fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
         fig.tight_layout()
