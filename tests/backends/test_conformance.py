@@ -1,0 +1,353 @@
+"""Every backend against the float64 reference, on the same cases (SPEC §7 tolerances).
+
+Parametrized over every registered backend: one that cannot serve a case here is skipped with
+its probe's reason (FlashMLA without its package, Triton without a GPU or the interpreter).
+The FlashMLA backends' own plumbing (head padding to 64/128, index padding, Q re-layout, output
+slicing and chunk permutation) is also checked on CPU against stand-ins of FlashMLA's kernels
+that enforce its documented constraints and compute with the references.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+import torch
+
+from dsv41_triton import backends as B
+from dsv41_triton.attention.ref import sparse_mla_decode_ref, sparse_mla_prefill_ref
+from dsv41_triton.backends import Problem, _flashmla_common
+from dsv41_triton.ops import layouts
+from dsv41_triton.ops.mxfp8 import alloc_mxfp8_output
+from dsv41_triton.ops.kv_cache_ref import quantize_and_insert_k_cache_ref
+from dsv41_triton.ops.mxfp8_ref import mxfp8_dequantize_ref, rope_mxfp8_epilogue_ref
+from dsv41_triton.ops.records import allocate_k_cache
+from dsv41_triton.ops.rope_ref import apply_rope_ref, make_cos_sin_cache
+from dsv41_triton.testing import max_abs_err, poison_, rel_err
+
+NAMES = B.list_backends()
+PAGE = 4
+
+
+# --------------------------------------------------------------------------------------------
+# cases
+# --------------------------------------------------------------------------------------------
+@dataclass
+class DecodeCase:
+    q: torch.Tensor
+    swa_cache: torch.Tensor
+    swa_indices: torch.Tensor
+    swa_lens: torch.Tensor
+    extra_cache: Optional[torch.Tensor]
+    extra_indices: Optional[torch.Tensor]
+    extra_lens: Optional[torch.Tensor]
+    sink: Optional[torch.Tensor]
+
+    def args(self):
+        return (self.q, self.swa_cache, self.swa_indices, self.swa_lens, self.extra_cache,
+                self.extra_indices, self.extra_lens)
+
+
+def _filled_cache(num_blocks, record, device, g):
+    cache = allocate_k_cache(num_blocks, PAGE, record, device)
+    k = (torch.randn(num_blocks * PAGE, 512, generator=g) * 2).bfloat16().to(device)
+    quantize_and_insert_k_cache_ref(k, cache, torch.arange(num_blocks * PAGE, device=device))
+    return cache
+
+
+def _idx(T, K, nslots, g, device):
+    idx = torch.randint(0, nslots, (T, K), generator=g, dtype=torch.int32)
+    idx[torch.rand(T, K, generator=g) < 0.2] = -1
+    lens = torch.randint(1, K + 1, (T,), generator=g, dtype=torch.int32)
+    return idx.to(device), lens.to(device)
+
+
+def make_decode(T, H, swa_record, extra_record, sink, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, H, 512, generator=g).bfloat16().to(device)
+    swa = _filled_cache(6, swa_record, device, g)
+    si, sl = _idx(T, 8, 6 * PAGE, g, device)
+    ec = ei = el = None
+    if extra_record is not None:
+        ec = _filled_cache(5, extra_record, device, g)
+        ei, el = _idx(T, 6, 5 * PAGE, g, device)
+    if T > 1:  # one token with no key at all
+        sl[1] = 0
+        if el is not None:
+            el[1] = 0
+    s = {"none": None, "rand": torch.randn(H, generator=g).float().to(device),
+         "-inf": torch.full((H,), float("-inf"), device=device)}[sink]
+    return DecodeCase(q, swa, si, sl, ec, ei, el, s)
+
+
+def make_prefill(T, H, S, K, sink, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, H, 512, generator=g).bfloat16().to(device)
+    kv = (torch.randn(S, 512, generator=g) * 2).bfloat16().to(device)
+    idx = torch.randint(-2, S + 3, (T, K), generator=g, dtype=torch.int32).to(device)  # <0, >=S too
+    lens = torch.randint(0, K + 1, (T,), generator=g, dtype=torch.int32).to(device)
+    s = None if sink == "none" else torch.randn(H, generator=g).float().to(device)
+    return q, kv, idx, lens, s
+
+
+def _probe_or_skip(name, problems):
+    a = B.probe(name, problems)
+    if not a.available:
+        pytest.skip(a.reason)
+    return B.get_backend(name)
+
+
+def check_decode(backend, c: DecodeCase):
+    """(out rel err, lse abs err) of a backend's decode vs the float64 reference."""
+    out = poison_(torch.empty_like(c.q))
+    o, lse = backend.sparse_mla_decode(*c.args(), attn_sink=c.sink, out=out)
+    ro, rl = sparse_mla_decode_ref(*c.args(), attn_sink=c.sink)
+    assert o is out and lse.shape == rl.shape and lse.dtype == torch.float32
+    return rel_err(o, ro), max_abs_err(lse, rl)
+
+
+def check_prefill(backend, q, kv, idx, lens, sink):
+    out = poison_(torch.empty_like(q))
+    o, lse = backend.sparse_mla_prefill(q, kv, idx, lens, attn_sink=sink, out=out)
+    ro, rl = sparse_mla_prefill_ref(q, kv, idx, lens, attn_sink=sink)
+    assert o is out
+    return rel_err(o, ro), max_abs_err(lse, rl)
+
+
+# --------------------------------------------------------------------------------------------
+# conformance over the registered backends
+# --------------------------------------------------------------------------------------------
+DECODE_CASES = [
+    # (T, H, swa record, extra record, sink)
+    (3, 3, 584, None, "rand"),
+    (1, 1, 528, 584, "none"),
+    (3, 8, 584, 288, "-inf"),
+    (2, 3, 528, 528, "rand"),
+]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("T,H,swa,extra,sink", DECODE_CASES)
+def test_decode_conformance(name, T, H, swa, extra, sink, device):
+    backend = _probe_or_skip(name, Problem("decode", H, torch.device(device), swa, extra))
+    c = make_decode(T, H, swa, extra, sink, device)
+    e_out, e_lse = check_decode(backend, c)
+    assert e_out <= 1e-2 and e_lse <= 1e-3, (e_out, e_lse)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("T,H,S,K,sink", [(3, 3, 20, 10, "rand"), (1, 1, 5, 3, "none"),
+                                          (4, 8, 30, 16, "rand")])
+def test_prefill_conformance(name, T, H, S, K, sink, device):
+    backend = _probe_or_skip(name, Problem("prefill", H, torch.device(device)))
+    e_out, e_lse = check_prefill(backend, *make_prefill(T, H, S, K, sink, device))
+    assert e_out <= 1e-2 and e_lse <= 1e-3, (e_out, e_lse)
+
+
+def _fused_ref(q_std, positions, cs, attn, layout):
+    """The fused contract from the float64 reference: RoPE(q) -> attention -> inverse RoPE."""
+    out, lse = attn(apply_rope_ref(q_std, positions, cs))
+    o = out.clone()
+    o[..., 448:] = apply_rope_ref(out.float(), positions, cs, inverse=True)[..., 448:].double()
+    return layouts.output_to_groups(o, layout), lse
+
+
+def _check_fused(res, ref_groups, ref_lse, T, H):
+    data, scale, lse = res
+    assert data.shape == (T, H // 8, 4096) and scale.shape == (T, H // 8, 32)
+    deq = mxfp8_dequantize_ref(data, scale)
+    assert rel_err(deq, ref_groups) <= 4e-2  # e4m3 output: ~2^-5 rms per element
+    assert max_abs_err(lse, ref_lse) <= 1e-3
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("layout", ["standard", "interleaved"])
+def test_fused_decode_conformance(name, layout, device):
+    T, H = 3, 8
+    backend = _probe_or_skip(name, Problem("decode_fused", H, torch.device(device), 528, 288,
+                                           layout=layout))
+    c = make_decode(T, H, 528, 288, "rand", device, seed=3)
+    cs = make_cos_sin_cache(64, device=device)
+    pos = torch.tensor([5, 0, 63], device=device)
+    q_in = layouts.q_to_interleaved(c.q) if layout == "interleaved" else c.q
+    data, scale = alloc_mxfp8_output(T, 1, device)
+    poison_(data)
+    res = backend.sparse_mla_decode_fused(q_in, pos, cs, *c.args()[1:], attn_sink=c.sink,
+                                          layout=layout, data=data, scale=scale)
+    assert res[0] is data and res[1] is scale
+    ref, rl = _fused_ref(c.q, pos, cs, lambda qr: sparse_mla_decode_ref(
+        qr, *c.args()[1:], attn_sink=c.sink), layout)
+    _check_fused(res, ref, rl, T, H)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fused_prefill_conformance(name, device):
+    T, H, layout = 4, 16, "interleaved"
+    backend = _probe_or_skip(name, Problem("prefill_fused", H, torch.device(device), layout=layout))
+    q, kv, idx, lens, sink = make_prefill(T, H, 24, 12, "rand", device, seed=4)
+    cs = make_cos_sin_cache(32, device=device)
+    pos = torch.tensor([3, 4, 5, 31], device=device)
+    res = backend.sparse_mla_prefill_fused(layouts.q_to_interleaved(q), pos, cs, kv, idx, lens,
+                                           attn_sink=sink, layout=layout)
+    ref, rl = _fused_ref(q, pos, cs, lambda qr: sparse_mla_prefill_ref(qr, kv, idx, lens,
+                                                                        attn_sink=sink), layout)
+    _check_fused(res, ref, rl, T, H)
+
+
+def test_a_wrong_backend_fails_the_conformance_check(device):
+    class Broken(B.AttentionBackend):
+        name = "broken"
+
+        def sparse_mla_decode(self, q, *a, attn_sink=None, softmax_scale=None, out=None):
+            out.zero_()
+            return out, torch.zeros(q.shape[:2], dtype=torch.float32, device=q.device)
+
+    e_out, e_lse = check_decode(Broken(), make_decode(3, 3, 584, 584, "rand", device))
+    assert e_out > 1e-2 or e_lse > 1e-3
+
+
+def test_bad_inputs_raise_before_any_work():
+    be = B.get_backend("torch")
+    c = make_decode(2, 3, 584, None, "none", "cpu")
+    with pytest.raises(TypeError, match="q"):
+        be.sparse_mla_decode(c.q.float(), *c.args()[1:])
+    with pytest.raises(ValueError, match="swa_indices"):
+        be.sparse_mla_decode(c.q, c.swa_cache, c.swa_indices[:1], c.swa_lens)
+    with pytest.raises(ValueError, match="attn_sink"):
+        be.sparse_mla_decode(*c.args(), attn_sink=torch.zeros(4))
+    with pytest.raises(ValueError, match="extra_indices"):
+        be.sparse_mla_decode(c.q, c.swa_cache, c.swa_indices, c.swa_lens, c.swa_cache)
+    with pytest.raises(ValueError, match="out"):
+        be.sparse_mla_decode(*c.args(), out=torch.empty(2, 4, 512, dtype=torch.bfloat16))
+    q, kv, idx, lens, _ = make_prefill(2, 3, 5, 4, "none", "cpu")
+    with pytest.raises(ValueError, match="lens"):
+        be.sparse_mla_prefill(q, kv, idx, lens[:1])
+    with pytest.raises(TypeError, match="indices"):
+        be.sparse_mla_prefill(q, kv, idx.long())
+
+
+# --------------------------------------------------------------------------------------------
+# FlashMLA plumbing against stand-ins of its kernels
+# --------------------------------------------------------------------------------------------
+class _Sched:
+    pass
+
+
+def _fake_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                       num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=False,
+                       indices=None, attn_sink=None, extra_k_cache=None,
+                       extra_indices_in_kvcache=None, topk_length=None, extra_topk_length=None):
+    b, s_q, h_q, d = q.shape
+    assert h_q in (64, 128) and d == 512 and head_dim_v == 512 and s_q == 1
+    assert isinstance(tile_scheduler_metadata, _Sched) and num_splits is None
+    assert is_fp8_kvcache and not causal and block_table is None and cache_seqlens is None
+    assert k_cache.dim() == 4 and k_cache.shape[2] == 1 and k_cache.stride(1) == k_cache.shape[-1]
+    assert indices.shape[:2] == (b, s_q) and indices.shape[2] % 64 == 0
+    assert attn_sink is None or attn_sink.shape == (h_q,)
+    if extra_k_cache is not None:
+        assert extra_k_cache.shape[-1] == k_cache.shape[-1]  # one record for both caches
+        assert extra_indices_in_kvcache.shape[2] % 64 == 0
+    else:
+        assert extra_indices_in_kvcache is None and extra_topk_length is None
+    o, l = sparse_mla_decode_ref(
+        q[:, 0], k_cache[:, :, 0], indices[:, 0], topk_length,
+        None if extra_k_cache is None else extra_k_cache[:, :, 0],
+        None if extra_k_cache is None else extra_indices_in_kvcache[:, 0], extra_topk_length,
+        attn_sink=attn_sink, softmax_scale=softmax_scale)
+    return o.bfloat16().unsqueeze(1), l.float().unsqueeze(-1)  # lse [b, h_q, s_q]
+
+
+def _fake_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
+    s_q, h_q, d = q.shape
+    assert h_q in (64, 128) and kv.dim() == 3 and kv.shape[1] == 1
+    assert indices.shape[:2] == (s_q, 1) and indices.shape[2] % 128 == 0
+    assert bool((indices >= -1).all())
+    o, l = sparse_mla_prefill_ref(q, kv, indices, topk_length, attn_sink=attn_sink,
+                                  softmax_scale=sm_scale)
+    return o.bfloat16(), torch.zeros_like(l).float(), l.float()
+
+
+def _fake_mega_common(enable_q_norm, eps, positions, neox, rope_dim, cs, n_wv_group, npc, tma,
+                      round_sf, packed, q, attn):
+    assert (neox, rope_dim, npc, tma, round_sf, packed) == (False, 64, 32, True, True, True)
+    T, h_q, _ = q.shape
+    assert h_q in (64, 128) and n_wv_group == h_q // 8 and positions.dtype == torch.int32
+    qs = layouts.q_from_interleaved(q)  # the kernel reads the interleaved layout
+    if enable_q_norm:
+        qf = qs.float()
+        qs = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + eps)).bfloat16()
+    out, lse = attn(apply_rope_ref(qs, positions, cs))
+    data, scale = rope_mxfp8_epilogue_ref(out.bfloat16(), positions, cs, layout="interleaved")
+    return data, scale, lse.float()
+
+
+def _fake_mega_decode(enable_q_norm, eps, positions, neox, rope_dim, cs, n_wv_group, npc, tma,
+                      round_sf, packed, q, k_cache, indices, sm_scale, d_v, attn_sink, topk_length,
+                      extra_k_cache, extra_indices, extra_topk_length):
+    assert indices.dim() == 2 and indices.shape[1] % 128 == 0 and k_cache.shape[-1] == 528
+    return _fake_mega_common(
+        enable_q_norm, eps, positions, neox, rope_dim, cs, n_wv_group, npc, tma, round_sf, packed,
+        q, lambda qr: sparse_mla_decode_ref(
+            qr, k_cache[:, :, 0], indices, topk_length,
+            None if extra_k_cache is None else extra_k_cache[:, :, 0], extra_indices,
+            extra_topk_length, attn_sink=attn_sink, softmax_scale=sm_scale))
+
+
+def _fake_mega_prefill(enable_q_norm, eps, positions, neox, rope_dim, cs, n_wv_group, npc, tma,
+                       round_sf, packed, q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
+    d, s, lse = _fake_mega_common(
+        enable_q_norm, eps, positions, neox, rope_dim, cs, n_wv_group, npc, tma, round_sf, packed,
+        q, lambda qr: sparse_mla_prefill_ref(qr, kv, indices, topk_length, attn_sink=attn_sink,
+                                             softmax_scale=sm_scale))
+    return d, s, torch.zeros_like(lse), lse
+
+
+@pytest.fixture
+def fake_flashmla(monkeypatch):
+    ops = _flashmla_common.FlashMLAOps(
+        "fake", with_kvcache=_fake_with_kvcache, sparse_fwd=_fake_sparse_fwd,
+        get_metadata=lambda *a, **k: (_Sched(), None), mega_decode=_fake_mega_decode,
+        mega_prefill=_fake_mega_prefill)
+    monkeypatch.setattr(_flashmla_common, "_CACHE", {"ops": ops, "why": ""})
+    return ops
+
+
+@pytest.mark.parametrize("T,H,extra", [(3, 3, 584), (2, 64, None), (1, 100, 584)])
+def test_flashmla_plumbing_decode(fake_flashmla, T, H, extra):
+    a = B.probe("flashmla", Problem("decode", H, torch.device("cuda"), 584, extra,
+                                    capability=(9, 0)))
+    assert a.available and "fake" in a.reason
+    e_out, e_lse = check_decode(B.get_backend("flashmla"), make_decode(T, H, 584, extra, "rand", "cpu"))
+    assert e_out <= 1e-2 and e_lse <= 1e-3
+
+
+def test_flashmla_plumbing_prefill(fake_flashmla):
+    e_out, e_lse = check_prefill(B.get_backend("flashmla"),
+                                 *make_prefill(3, 5, 20, 10, "rand", "cpu"))
+    assert e_out <= 1e-2 and e_lse <= 1e-3
+
+
+@pytest.mark.parametrize("layout,H", [("standard", 8), ("interleaved", 16), ("interleaved", 64)])
+def test_flashmla_mega_plumbing(fake_flashmla, layout, H):
+    """Q re-layout to 64 padded heads, output group slicing and (standard) chunk permutation
+    give exactly what the torch backend's fused contract gives."""
+    assert B.probe("flashmla_mega", Problem("decode_fused", H, torch.device("cuda"), 528, 288,
+                                            capability=(10, 0), layout=layout))
+    T = 3
+    c = make_decode(T, H, 528, 288, "rand", "cpu", seed=9)
+    cs = make_cos_sin_cache(16, device="cpu")
+    pos = torch.tensor([1, 15, 7])
+    q_in = layouts.q_to_interleaved(c.q) if layout == "interleaved" else c.q
+    mega, ref = B.get_backend("flashmla_mega"), B.get_backend("torch")
+    kw = dict(attn_sink=c.sink, layout=layout, q_norm_eps=1e-6)
+    d1, s1, l1 = mega.sparse_mla_decode_fused(q_in, pos, cs, *c.args()[1:], **kw)
+    d2, s2, l2 = ref.sparse_mla_decode_fused(q_in, pos, cs, *c.args()[1:], **kw)
+    assert torch.equal(d1.view(torch.uint8), d2.view(torch.uint8)) and torch.equal(s1, s2)
+    assert max_abs_err(l1, l2) == 0
+    q, kv, idx, lens, sink = make_prefill(T, H, 12, 6, "rand", "cpu")
+    q_in = layouts.q_to_interleaved(q) if layout == "interleaved" else q
+    d1, s1, _ = mega.sparse_mla_prefill_fused(q_in, pos, cs, kv, idx, lens, attn_sink=sink,
+                                              layout=layout)
+    d2, s2, _ = ref.sparse_mla_prefill_fused(q_in, pos, cs, kv, idx, lens, attn_sink=sink,
+                                             layout=layout)
+    assert torch.equal(d1.view(torch.uint8), d2.view(torch.uint8)) and torch.equal(s1, s2)
