@@ -13,12 +13,18 @@ Markdown report and plots (see ``cli.py``). The pieces are public for scripts an
 Importing this package imports no kernel: Triton modules load lazily, after the CLI has chosen
 between the GPU and the CPU interpreter.
 """
-from .cases import FAMILIES, PRESETS, Case, Preset, build_cases, get_preset
+from .cases import FAMILIES, PRESET_NAMES, Case, Preset, build_cases, get_preset, presets
 from .ceilings import Ceilings, get_ceilings, measure_ceilings
 from .impls import Impl, backend_impl, default_impls, load_impl
 from .report import add_speedups, compare_runs, markdown_report, write_report
 from .runner import COLUMNS, RunConfig, run_benchmark
 from .timing import Timing, time_call
+
+
+def __getattr__(name):  # ``PRESETS`` is built lazily (see ``cases.presets``)
+    if name == "PRESETS":
+        return presets()
+    raise AttributeError(name)
 
 
 def main(argv=None) -> int:
@@ -29,7 +35,7 @@ def main(argv=None) -> int:
 
 
 __all__ = [
-    "FAMILIES", "PRESETS", "Case", "Preset", "build_cases", "get_preset", "Ceilings",
+    "FAMILIES", "PRESET_NAMES", "presets", "Case", "Preset", "build_cases", "get_preset", "Ceilings",
     "get_ceilings", "measure_ceilings", "Impl", "backend_impl", "default_impls", "load_impl",
     "add_speedups", "compare_runs", "markdown_report", "write_report", "COLUMNS", "RunConfig",
     "run_benchmark", "Timing", "time_call", "main",

@@ -11,6 +11,10 @@ family              what runs
 ``gather``          ``dequantize_and_gather_k_cache``
 ``combine_indices`` ``combine_topk_swa_indices`` (prefill index rows)
 ``global_topk``     ``compute_global_topk_indices_and_lens`` (decode slots)
+``decode_fused``    the fused ("mega") contract of SPEC §6 over paged caches: Q not
+                    RoPE'd in, MXFP8 ``(data, scale)`` out, ``layout`` standard or
+                    interleaved
+``prefill_fused``   the same over a bf16 workspace
 ==================  ============================================================
 
 Presets carry the model numbers (heads, top-k, compress ratio, records); the matrix is then
@@ -22,9 +26,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
-ATTENTION_FAMILIES = ("decode", "prefill")
+ATTENTION_FAMILIES = ("decode", "prefill", "decode_fused", "prefill_fused")
 OP_FAMILIES = ("insert", "gather", "combine_indices", "global_topk")
 FAMILIES = ATTENTION_FAMILIES + OP_FAMILIES
+LAYOUTS = ("standard", "interleaved")
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,8 @@ class Case:
     page: int = 64
     requests: int = 1
     preset: str = ""
+    layout: str = "standard"  # fused families: Q / output layout
+    q_norm: bool = False  # fused families: per-head Q RMSNorm (V4)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -55,6 +62,10 @@ class Case:
             raise ValueError(f"tokens: expected >= 1, got {self.tokens}")
         if self.family in ATTENTION_FAMILIES and self.heads < 1:
             raise ValueError(f"heads: expected >= 1 for {self.family}, got {self.heads}")
+        if self.family.endswith("_fused") and self.heads % 8:
+            raise ValueError(f"heads: the fused contract needs a multiple of 8, got {self.heads}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout: expected one of {LAYOUTS}, got {self.layout!r}")
 
     @property
     def layer(self) -> str:
@@ -68,7 +79,7 @@ class Case:
 
     @property
     def records(self) -> str:
-        if self.family == "decode":
+        if self.family in ("decode", "decode_fused"):
             return f"{self.swa_record}+{self.extra_record}" if self.extra_record else f"{self.swa_record}"
         if self.family in ("insert", "gather"):
             return str(self.swa_record)
@@ -82,6 +93,12 @@ class Case:
             return f"decode/H{self.heads}/T{self.tokens}/{self.layer}/k{self.keys}/r{self.records}"
         if f == "prefill":
             return f"prefill/H{self.heads}/T{self.tokens}/{self.layer}/k{self.keys}"
+        if f.endswith("_fused"):
+            tail = f"/{self.layout[:5]}" + ("/qnorm" if self.q_norm else "")
+            if f == "decode_fused":
+                return (f"decode_fused/H{self.heads}/T{self.tokens}/{self.layer}/k{self.keys}"
+                        f"/r{self.records}{tail}")
+            return f"prefill_fused/H{self.heads}/T{self.tokens}/{self.layer}/k{self.keys}{tail}"
         if f == "insert":
             return f"insert/T{self.tokens}/r{self.swa_record}/p{self.page}"
         if f == "gather":
@@ -99,51 +116,79 @@ class Case:
 
 @dataclass(frozen=True)
 class Preset:
-    """Model numbers. heads: per-rank head counts to sweep (TP1 first)."""
+    """Model numbers. heads: per-rank head counts to sweep (TP1 first).
+
+    decode_records: (window, compressed) record pairs of decode cases; compressed None =
+    window-only layer. fused_records: the pairs of the fused contract's decode cases.
+    q_norm: the model re-normalizes each head of Q (V4), which the fused contract fuses.
+    """
 
     name: str
     heads: Tuple[int, ...]
     topk: int
     ratios: Tuple[int, ...]  # compressed-layer ratios of the model (first one is used for decode)
-    decode_records: Tuple[Tuple[int, Optional[int]], ...]  # (swa, extra) pairs; extra None = swa-only
+    decode_records: Tuple[Tuple[int, Optional[int]], ...]
     op_records: Tuple[int, ...]
     window: int = 128
+    fused_records: Tuple[Tuple[int, Optional[int]], ...] = ()
+    q_norm: bool = False
     description: str = ""
 
 
-PRESETS: Dict[str, Preset] = {
-    p.name: p
-    for p in (
-        Preset(
-            "v41-flash", heads=(64, 16, 8), topk=512, ratios=(1, 2),
-            decode_records=((584, 584), (528, 528), (528, 288), (584, None), (528, None)),
-            op_records=(584, 528, 288),
-            description="DeepSeek V4.1-Flash: 64 heads (TP1/4/8: 64/16/8), top-k 512, ratios 1/2",
-        ),
-        Preset(
-            "v4-flash", heads=(64, 16, 8), topk=512, ratios=(4,),
-            decode_records=((584, 584), (584, None)), op_records=(584,),
-            description="DeepSeek V4-Flash: 64 heads, top-k 512, ratio 4, 584-byte records",
-        ),
-        Preset(
-            "v4-pro", heads=(128, 16), topk=1024, ratios=(4,),
-            decode_records=((584, 584), (584, None)), op_records=(584,),
-            description="DeepSeek V4-Pro: 128 heads (TP8: 16), top-k 1024, ratio 4, 584-byte records",
-        ),
-        Preset(
-            "tp8", heads=(8,), topk=512, ratios=(1, 2),
-            decode_records=((584, 584), (528, 288), (584, None)), op_records=(584, 528, 288),
-            description="V4.1-Flash at TP8: 8 local heads",
-        ),
-    )
-}
+def _from_model(name: str, model: str, tp: Tuple[int, ...], **kw) -> Preset:
+    """A preset whose heads / top-k / window / ratios come from ``attention.config``."""
+    from ..attention.config import DeepseekV41AttentionConfig as Cfg
+
+    cfg = {"v41-flash": Cfg.v41_flash, "v4-flash": Cfg.v4_flash, "v4-pro": Cfg.v4_pro}[model]()
+    H = cfg.num_attention_heads
+    ratios = tuple(sorted({r for r in cfg.compress_ratios if r > 0}))
+    heads = tuple(H // t for t in tp)
+    desc = (f"{cfg.name}: {H} heads (per rank at TP{'/'.join(map(str, tp))}: "
+            f"{'/'.join(map(str, heads))}), top-k {cfg.index_topk}, window {cfg.sliding_window}, "
+            f"compress ratios {'/'.join(map(str, ratios))}")
+    return Preset(name, heads, cfg.index_topk, ratios, window=cfg.sliding_window,
+                  q_norm=cfg.q_head_norm, description=kw.pop("description", desc), **kw)
+
+
+def _presets() -> Dict[str, Preset]:
+    v41 = dict(decode_records=((584, 584), (528, 528), (528, 288), (584, None), (528, None)),
+               op_records=(584, 528, 288), fused_records=((528, 288), (584, 584)))
+    v4 = dict(decode_records=((584, 584), (584, None)), op_records=(584,),
+              fused_records=((584, 584),))
+    return {p.name: p for p in (
+        _from_model("v41-flash", "v41-flash", (1, 4, 8), **v41),
+        _from_model("v4-flash", "v4-flash", (1, 4, 8), **v4),
+        _from_model("v4-pro", "v4-pro", (1, 8), **v4),
+        _from_model("tp8", "v41-flash", (8,), description="V4.1-Flash at TP8: 8 local heads",
+                    **dict(v41, decode_records=((584, 584), (528, 288), (584, None)))),
+    )}
+
+
+_PRESETS: Dict[str, Preset] = {}
+
+
+def presets() -> Dict[str, Preset]:
+    """``{name: Preset}`` (built on first use: the model numbers come from
+    ``attention.config``, imported only once the CLI has set up Triton)."""
+    if not _PRESETS:
+        _PRESETS.update(_presets())
+    return _PRESETS
+
+
+PRESET_NAMES = ("v41-flash", "v4-flash", "v4-pro", "tp8")
+
+
+def __getattr__(name):  # ``cases.PRESETS``, lazily
+    if name == "PRESETS":
+        return presets()
+    raise AttributeError(name)
 DEFAULT_PRESET = "v41-flash"
 
 
 def get_preset(name: str) -> Preset:
-    if name not in PRESETS:
-        raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {name!r}")
-    return PRESETS[name]
+    if name not in PRESET_NAMES:
+        raise ValueError(f"preset: expected one of {sorted(PRESET_NAMES)}, got {name!r}")
+    return presets()[name]
 
 
 def build_cases(
@@ -184,6 +229,9 @@ def _gpu_cases(p: Preset, quick: bool) -> List[Case]:
             for t in (1, 128):
                 cases.append(Case("decode", t, h, swa, extra, W, K, r if extra else 0, requests=t))
         cases.append(Case("prefill", 4096, max(p.heads), window=W, topk=K, ratio=r))
+        fs, fe = (p.fused_records or p.decode_records)[0]
+        cases.append(Case("decode_fused", 128, max(p.heads), fs, fe, W, K, r, requests=128,
+                          layout="interleaved", q_norm=p.q_norm))
         rec = p.op_records[0]
         cases += [
             Case("insert", 32768, swa_record=rec),
@@ -200,6 +248,19 @@ def _gpu_cases(p: Preset, quick: bool) -> List[Case]:
         for t in (1024, 4096):
             cases.append(Case("prefill", t, h, window=W, topk=K, ratio=r))
         cases.append(Case("prefill", 4096, h, window=W, topk=K, ratio=0))
+    big, small = max(p.heads), min(p.heads)
+    for fs, fe in p.fused_records:
+        for h in sorted({big, small}, reverse=True):
+            for t in (1, 32, 128, 512):
+                cases.append(Case("decode_fused", t, h, fs, fe, W, K, r, requests=t,
+                                  layout="interleaved", q_norm=p.q_norm))
+    if p.fused_records:
+        fs, fe = p.fused_records[0]
+        cases.append(Case("decode_fused", 128, big, fs, fe, W, K, r, requests=128,
+                          layout="standard", q_norm=p.q_norm))
+        for h in sorted({big, small}, reverse=True):
+            cases.append(Case("prefill_fused", 4096, h, window=W, topk=K, ratio=r,
+                              layout="interleaved", q_norm=p.q_norm))
     for rec in p.op_records:
         cases.append(Case("insert", 32768, swa_record=rec))
         for b, t in ((4, 8192), (4, 32768)):
@@ -237,6 +298,13 @@ def _cpu_cases(p: Preset, quick: bool) -> List[Case]:
     if not quick:
         cases.append(Case("prefill", 2, h, window=W, topk=K, ratio=r, page=P))
         cases.append(Case("prefill", 3, 3, window=W, topk=K, ratio=0, page=P))
+    if p.fused_records:
+        fs, fe = p.fused_records[0]
+        cases.append(Case("decode_fused", 2, 8, fs, fe, W, K, r, P, requests=2,
+                          layout="interleaved", q_norm=p.q_norm))
+        if not quick:
+            cases.append(Case("prefill_fused", 3, 8, window=W, topk=K, ratio=r, page=P,
+                              layout="standard", q_norm=p.q_norm))
     recs = p.op_records if not quick else p.op_records[:1]
     for rec in recs:
         cases.append(Case("insert", 7, swa_record=rec, page=P))

@@ -28,7 +28,7 @@ GPU_MAX_REF_TOKENS = 128
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .cases import DEFAULT_PRESET, FAMILIES, PRESETS
+    from .cases import DEFAULT_PRESET, FAMILIES, PRESET_NAMES
 
     p = argparse.ArgumentParser(
         prog="dsv41-bench",
@@ -36,9 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "the sparse MLA attention and cache/index ops: correctness vs the reference "
                     "and speed vs the device's measured ceilings.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="presets:\n" + "\n".join(f"  {n:<10} {pr.description}" for n, pr in PRESETS.items()),
+        epilog="presets: " + ", ".join(PRESET_NAMES) + " (see --list for the cases)",
     )
-    p.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS),
+    p.add_argument("--preset", default=DEFAULT_PRESET, choices=PRESET_NAMES,
                    help=f"model numbers to run (default {DEFAULT_PRESET})")
     p.add_argument("--quick", action="store_true", help="a few representative cases only")
     p.add_argument("--families", default=None,

@@ -304,6 +304,144 @@ class PrefillFamily(Family):
 
 
 # ---------------------------------------------------------------------------------------------
+# the fused ("mega") contract
+# ---------------------------------------------------------------------------------------------
+class _Fused:
+    """The fused contract (SPEC §6) around a decode/prefill family: ``q`` in the case's layout
+    and NOT RoPE'd, ``positions`` + an fp32 ``cos_sin_cache``, an optional per-head Q RMSNorm,
+    and the MXFP8 ``(data, scale)`` pair out.
+
+    Check: the output is dequantized and compared with the float64 oracle (Q norm + RoPE as
+    the composition does, oracle attention, inverse RoPE in float64, regrouped in the layout).
+    MXFP8 alone costs some error, so the bound is the SPEC attention tolerance on top of the
+    error of the oracle's own MXFP8 quantization: ``err <= err_q + 1e-2``; ``lse`` as usual.
+    The fraction of UE8M0 scale bytes that differ from the quantized oracle is in the note."""
+
+    base: Family
+    MAX_POS = 1 << 16
+    Q_NORM_EPS = 1e-6
+
+    def build(self, case, device, seed):
+        from ..ops.rope_ref import make_cos_sin_cache
+
+        st = self.base.build(case, device, seed)
+        g = _gen(device, seed + 1)
+        T = case.tokens
+        st["positions"] = torch.randint(case.window, self.MAX_POS, (T,), generator=g,
+                                        device=device).to(torch.int64)
+        st["cos_sin_cache"] = make_cos_sin_cache(self.MAX_POS, device=device)
+        st["q_norm_eps"] = self.Q_NORM_EPS if case.q_norm else None
+        st["layout"] = case.layout
+        return st
+
+    def fresh(self, state):
+        from ..ops.mxfp8 import alloc_mxfp8_output
+
+        c = dict(state)
+        T, H = state["q"].shape[0], state["q"].shape[1]
+        data, scale = alloc_mxfp8_output(T, H // 8, state["q"].device)
+        poison_(data)
+        scale.as_strided((scale.untyped_storage().nbytes() // 4,), (1,), 0).fill_(-1)
+        c.update(data=data, scale=scale)
+        return c
+
+    def _oracle(self, state, rows):
+        """float64 ``[rows, G, 4096]`` reference output (before MXFP8) and its lse."""
+        from ..backends._compose import q_head_rmsnorm, q_to_standard
+        from ..ops.layouts import output_to_groups
+        from ..ops.rope_ref import apply_rope_ref
+
+        pos, cs = state["positions"][rows], state["cos_sin_cache"]
+        qs = q_to_standard(state["q"][rows], state["layout"])
+        if state["q_norm_eps"] is not None:
+            qs = q_head_rmsnorm(qs, state["q_norm_eps"])
+        q_roped = apply_rope_ref(qs, pos, cs)
+        sub = dict(state, q=q_roped)
+        for k in ("swa_indices", "swa_lens", "extra_indices", "extra_lens", "indices", "lens"):
+            if sub.get(k) is not None:
+                sub[k] = state[k][rows]
+        o, lse = self._attend(sub)
+        o = apply_rope_ref(o.double(), pos, cs, inverse=True, compute_dtype=torch.float64)
+        return output_to_groups(o, state["layout"]), lse
+
+    def reference(self, state, max_ref_tokens=None):
+        if reference_fn(self.base.name) is None:
+            return None
+        from ..ops.mxfp8_ref import mxfp8_dequantize_ref, mxfp8_quantize_ref, unpack_ue8m0_words
+
+        rows = _sample_rows(state["q"].shape[0], 0, max_ref_tokens, state["q"].device)
+        ref, lse = self._oracle(state, rows)
+        d, sc = mxfp8_quantize_ref(ref)
+        e_q = rel_err(mxfp8_dequantize_ref(d, sc), ref)
+        return rows, ref, lse, e_q, unpack_ue8m0_words(sc)
+
+    def check(self, state, call, outputs, ref):
+        if ref is None:
+            return Check(None, note="no reference available")
+        from ..ops.mxfp8_ref import mxfp8_dequantize_ref, unpack_ue8m0_words
+
+        rows, rout, rlse, e_q, rbytes = ref
+        data, scale, lse = outputs
+        deq = mxfp8_dequantize_ref(data[rows], scale[rows])
+        e_out = rel_err(deq, rout)
+        e_lse = max_abs_err(lse[rows].reshape(rlse.shape), rlse)
+        tol = e_q + OUT_REL_TOL
+        ok = bool(e_out <= tol and e_lse <= LSE_ABS_TOL)
+        sb = unpack_ue8m0_words(scale[rows])
+        why = [f"MXFP8 alone: {e_q:.2g}; scale bytes differing: "
+               f"{float((sb != rbytes).float().mean()):.2%}"]
+        if rows.numel() != state["q"].shape[0]:
+            why.insert(0, f"checked {rows.numel()} tokens")
+        if not ok:
+            nan = int(torch.isnan(deq).sum())
+            if nan:
+                why.append(f"{nan} NaN in the dequantized output")
+            if not e_out <= tol:
+                why.append(f"out rel err {e_out:.2g} > {tol:.2g}")
+            if not e_lse <= LSE_ABS_TOL:
+                why.append(f"lse err {e_lse:.2g} > {LSE_ABS_TOL:g}")
+        return Check(ok, e_out, e_lse, None, int(rows.numel()), "; ".join(why))
+
+    def work(self, case, state):
+        flops, nbytes = self.base.work(case, state)
+        T, H = case.tokens, case.heads
+        # bf16 out (2 B/elem) replaced by e4m3 data (1 B/elem) + one UE8M0 byte per 32
+        return flops, nbytes - T * H * HEAD_DIM * 2 + T * H * (HEAD_DIM + HEAD_DIM // 32)
+
+
+class FusedDecodeFamily(_Fused, DecodeFamily):
+    name = "decode_fused"
+    base = DecodeFamily()
+
+    def invoke(self, fn, call):
+        return fn(call["q"], call["positions"], call["cos_sin_cache"], call["swa_cache"],
+                  call["swa_indices"], call["swa_lens"], call["extra_cache"],
+                  call["extra_indices"], call["extra_lens"], attn_sink=call["attn_sink"],
+                  softmax_scale=None, q_norm_eps=call["q_norm_eps"], layout=call["layout"],
+                  data=call["data"], scale=call["scale"])
+
+    def _attend(self, s):
+        return reference_fn("decode")(
+            s["q"], s["swa_cache"], s["swa_indices"], s["swa_lens"], s["extra_cache"],
+            s["extra_indices"], s["extra_lens"], attn_sink=s["attn_sink"], softmax_scale=None)
+
+
+class FusedPrefillFamily(_Fused, PrefillFamily):
+    name = "prefill_fused"
+    base = PrefillFamily()
+
+    def invoke(self, fn, call):
+        return fn(call["q"], call["positions"], call["cos_sin_cache"], call["kv"],
+                  call["indices"], call["lens"], attn_sink=call["attn_sink"], softmax_scale=None,
+                  q_norm_eps=call["q_norm_eps"], layout=call["layout"], data=call["data"],
+                  scale=call["scale"])
+
+    def _attend(self, s):
+        return reference_fn("prefill")(s["q"], s["kv"], s["indices"], s["lens"],
+                                       attn_sink=s["attn_sink"], softmax_scale=None)
+
+
+# ---------------------------------------------------------------------------------------------
 # ops
 # ---------------------------------------------------------------------------------------------
 def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -587,8 +725,8 @@ def _check_pair(outputs, ref) -> Check:
 
 FAMILY_OBJECTS: Dict[str, Family] = {
     f.name: f
-    for f in (DecodeFamily(), PrefillFamily(), InsertFamily(), GatherFamily(),
-              CombineIndicesFamily(), GlobalTopkFamily())
+    for f in (DecodeFamily(), PrefillFamily(), FusedDecodeFamily(), FusedPrefillFamily(),
+              InsertFamily(), GatherFamily(), CombineIndicesFamily(), GlobalTopkFamily())
 }
 
 

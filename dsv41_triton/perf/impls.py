@@ -77,10 +77,11 @@ def problem_for(case: Case, device: torch.device):
     """The pinned ``Problem`` a backend is probed with for ``case``."""
     from ..backends.base import Problem
 
-    if case.family == "decode":
-        return Problem("decode", case.heads, torch.device(device), swa_record=case.swa_record,
-                       extra_record=case.extra_record if case.ratio > 0 else None)
-    return Problem(case.family, case.heads, torch.device(device))
+    if case.family in ("decode", "decode_fused"):
+        return Problem(case.family, case.heads, torch.device(device), swa_record=case.swa_record,
+                       extra_record=case.extra_record if case.ratio > 0 else None,
+                       layout=case.layout)
+    return Problem(case.family, case.heads, torch.device(device), layout=case.layout)
 
 
 def backend_impl(backend, name: Optional[str] = None) -> Impl:
@@ -91,8 +92,9 @@ def backend_impl(backend, name: Optional[str] = None) -> Impl:
         a = backend.probe(problem_for(case, device))
         return bool(a.available), str(a.reason)
 
-    return Impl(nm, {"decode": backend.sparse_mla_decode, "prefill": backend.sparse_mla_prefill},
-                getattr(backend, "description", "") or nm, probe,
+    fns = {f: getattr(backend, f"sparse_mla_{f}") for f in ATTENTION_FAMILIES
+           if hasattr(backend, f"sparse_mla_{f}")}
+    return Impl(nm, fns, getattr(backend, "description", "") or nm, probe,
                 graph_safe=nm != "torch")
 
 
@@ -102,11 +104,12 @@ def _registry_impl(name: str) -> Impl:
     def get():
         return registry.get_backend(name)
 
-    def decode(*a, **k):
-        return get().sparse_mla_decode(*a, **k)
+    def entry(family):
+        def call(*a, **k):
+            return getattr(get(), f"sparse_mla_{family}")(*a, **k)
 
-    def prefill(*a, **k):
-        return get().sparse_mla_prefill(*a, **k)
+        call.__name__ = f"sparse_mla_{family}"
+        return call
 
     def probe(case, device):
         a = registry.probe(name, problem_for(case, device))
@@ -117,8 +120,8 @@ def _registry_impl(name: str) -> Impl:
         desc = get().description
     except Exception as e:  # e.g. a backend whose package is missing: its probe says why
         desc = f"({type(e).__name__}: {e})"
-    return Impl(name, {"decode": decode, "prefill": prefill}, desc, probe,
-                graph_safe=name != "torch", max_work=None)
+    return Impl(name, {f: entry(f) for f in ATTENTION_FAMILIES}, desc, probe,
+                graph_safe=name != "torch")
 
 
 def attention_impls() -> List[Impl]:

@@ -15,7 +15,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import pandas as pd
 
-from .cases import FAMILIES
+from .cases import ATTENTION_FAMILIES, FAMILIES
 from .families import LSE_ABS_TOL, OUT_REL_TOL
 
 #: baseline preference when ``baseline="auto"`` (first one with timings in a family)
@@ -25,6 +25,8 @@ TIMED = ("ok", "FAIL", "unchecked")
 FAMILY_TITLES = {
     "decode": "Decode attention (`sparse_mla_decode`, paged caches)",
     "prefill": "Prefill attention (`sparse_mla_prefill`, bf16 workspace)",
+    "decode_fused": "Fused decode (`sparse_mla_decode_fused`: RoPE in, inverse RoPE + MXFP8 out)",
+    "prefill_fused": "Fused prefill (`sparse_mla_prefill_fused`: RoPE in, inverse RoPE + MXFP8 out)",
     "insert": "Cache insert (`quantize_and_insert_k_cache`)",
     "gather": "Cache gather (`dequantize_and_gather_k_cache`)",
     "combine_indices": "Prefill index rows (`combine_topk_swa_indices`)",
@@ -148,6 +150,10 @@ def _case_label(r) -> str:
         return f"H{r['heads']} T{r['tokens']} {r['layer']} {r['records']}"
     if f == "prefill":
         return f"H{r['heads']} T{r['tokens']} {r['layer']} k{r['keys']}"
+    if f in ("decode_fused", "prefill_fused"):
+        rec = f" {r['records']}" if f == "decode_fused" else f" k{r['keys']}"
+        qn = " qnorm" if _bool(r.get("q_norm")) else ""
+        return f"H{r['heads']} T{r['tokens']} {r['layer']}{rec} {r.get('layout') or ''}{qn}"
     if f == "insert":
         return f"T{r['tokens']} r{r['swa_record']}"
     if f == "gather":
@@ -191,7 +197,7 @@ def family_tables(df: pd.DataFrame, family: str, baseline: Optional[str]) -> str
         parts.append("Not available here: " + "; ".join(
             f"`{b}` ({full[full['backend'] == b]['note'].iloc[0]})" for b in absent))
     # details
-    attn = family in ("decode", "prefill")
+    attn = family in ATTENTION_FAMILIES
     dh = ["case", "backend", "status", "time (us)", "TFLOP/s" if attn else "GB/s",
           "% roof", "rel err" if attn else "exact", "lse err" if attn else "mismatch", "note"]
     drows = []
@@ -274,6 +280,10 @@ def markdown_report(df: pd.DataFrame, meta: Dict[str, object],
         f"{LSE_ABS_TOL:g} (SPEC §7). Ops are checked against their exact references: pass = "
         "bit-equal (NVFP4 inserts may round exact ties either way). The `torch` attention "
         "backend is the oracle rounded to bf16: its error is the bf16 rounding floor (~2e-3).",
+        "- fused cases: the MXFP8 output is dequantized and compared with the float64 oracle "
+        "(RoPE, attention, inverse RoPE all in float64) before quantization; MXFP8 alone costs "
+        "~3e-2, so pass = error <= (the oracle's own MXFP8 error) + 1e-2 and lse as above. The "
+        "note gives both and the share of UE8M0 scale bytes that differ from the quantized oracle.",
     ]
     mrt = meta.get("max_ref_tokens")
     if mrt:
@@ -322,11 +332,12 @@ def make_plots(df: pd.DataFrame, outdir, meta: Dict[str, object]) -> Tuple[List[
     cpu = " (CPU: not meaningful)" if meta.get("cpu_run") else ""
     paths: List[str] = []
     timed = df[df["status"].isin(TIMED) & df["time_us"].notna()]
-    for fam in ("decode", "prefill"):
+    for fam in ATTENTION_FAMILIES:
         g = timed[timed["family"] == fam]
         if g.empty:
             continue
-        keycols = ["heads", "layer", "keys", "records"]
+        keycols = ["heads", "layer", "keys", "records"] + (
+            ["layout"] if fam.endswith("_fused") and "layout" in g.columns else [])
         groups = list(g.groupby(keycols, sort=False))[:12]
         n = len(groups)
         cols = min(3, n)
@@ -338,7 +349,8 @@ def make_plots(df: pd.DataFrame, outdir, meta: Dict[str, object]) -> Tuple[List[
                 ax.plot(bg["tokens"], bg["time_us"], marker="o", label=b)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
-            ax.set_title(f"H{key[0]} {key[1]} keys {key[2]} rec {key[3]}", fontsize=9)
+            ax.set_title(f"H{key[0]} {key[1]} keys {key[2]} rec {key[3]} "
+                         + " ".join(str(k) for k in key[4:]), fontsize=9)
             ax.set_xlabel("query tokens")
             ax.set_ylabel("time (us)")
             ax.grid(True, which="both", alpha=0.3)
@@ -360,7 +372,7 @@ def make_plots(df: pd.DataFrame, outdir, meta: Dict[str, object]) -> Tuple[List[
         lo, hi = max(ai.min() / 4, 1e-2), ai.max() * 4
         xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
         ax.plot(xs, [min(mm, bw * x / 1e3) for x in xs], "k-", lw=1.5, label="measured roof")
-        markers = {"decode": "o", "prefill": "s"}
+        markers = {"decode": "o", "prefill": "s", "decode_fused": "D", "prefill_fused": "P"}
         for (fam, b), g in att.groupby(["family", "backend"], sort=False):
             ax.scatter(g["flops"] / g["bytes"], g["tflops"], marker=markers.get(fam, "^"),
                        label=f"{fam} / {b}", alpha=0.8)

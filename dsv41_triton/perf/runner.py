@@ -37,7 +37,8 @@ from .timing import time_call
 #: column order of the results table
 COLUMNS = [
     "case_id", "family", "preset", "heads", "tokens", "requests", "layer", "ratio", "window",
-    "topk", "keys", "page", "records", "swa_record", "extra_record", "backend", "status",
+    "topk", "keys", "page", "records", "swa_record", "extra_record", "layout", "q_norm",
+    "backend", "status",
     "passed", "out_rel_err", "lse_max_err", "bit_exact", "ref_tokens", "time_us", "time_min_us",
     "reps", "timing", "flops", "bytes", "tflops", "gbps", "pct_bw", "pct_mm", "pct_roof",
     "note", "device",
@@ -164,7 +165,7 @@ def _run_one(case, fam, impl: Impl, state, ref, ref_note, cfg: RunConfig, dev) -
     notes = [n for n in (chk.note if chk.passed is not None else (ref_note or chk.note),) if n]
     out["status"] = {True: "ok", False: "FAIL", None: "unchecked"}[chk.passed]
     del outputs
-    use_graph = (case.family == "decode" and case.tokens <= cfg.graph_max_tokens
+    use_graph = (case.family in ("decode", "decode_fused") and case.tokens <= cfg.graph_max_tokens
                  and impl.graph_safe)
     try:
         t = time_call(lambda: fam.invoke(fn, call), dev, use_graph=use_graph,

@@ -52,6 +52,20 @@ class ScaledBackend(AttentionBackend):
         return _emit(o * self.out_scale, out), (lse + self.lse_shift).float()
 
 
+    def sparse_mla_decode_fused(self, q, positions, cos_sin_cache, swa_cache, swa_indices,
+                                swa_lens, extra_cache=None, extra_indices=None, extra_lens=None,
+                                attn_sink=None, softmax_scale=None, q_norm_eps=None,
+                                layout="standard", data=None, scale=None):
+        from dsv41_triton.backends._compose import fused_via_steps
+
+        def attn(qr):
+            return self.sparse_mla_decode(qr, swa_cache, swa_indices, swa_lens, extra_cache,
+                                          extra_indices, extra_lens, attn_sink, softmax_scale)
+
+        return fused_via_steps(attn, q, positions, cos_sin_cache, q_norm_eps, layout, data,
+                               scale, impl="torch")
+
+
 class ExactBackend(ScaledBackend):
     """The oracle rounded to bf16: must pass."""
 

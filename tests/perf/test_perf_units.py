@@ -36,7 +36,12 @@ def test_presets_build_unique_cases(preset, gpu, quick):
         if c.family == "decode":
             assert (c.extra_record is None) == (c.ratio == 0)
     fams = {c.family for c in cases}
-    assert fams == {"decode", "prefill", "insert", "gather", "combine_indices", "global_topk"}
+    assert fams >= {"decode", "prefill", "decode_fused", "insert", "gather", "combine_indices",
+                    "global_topk"}
+    assert "prefill_fused" in fams or quick
+    for c in cases:
+        if c.family.endswith("_fused"):
+            assert c.heads % 8 == 0 and c.q_norm == p.q_norm
     if gpu and not quick:
         dec = [c for c in cases if c.family == "decode"]
         assert {c.tokens for c in dec} == {1, 32, 128, 512}
@@ -63,6 +68,10 @@ def test_case_validation():
         Case("insert", 0)
     with pytest.raises(ValueError, match="heads"):
         Case("decode", 1)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        Case("decode_fused", 1, 12)
+    with pytest.raises(ValueError, match="layout"):
+        Case("prefill_fused", 1, 8, layout="x")
     with pytest.raises(ValueError, match="preset"):
         build_cases("v9")
     with pytest.raises(ValueError, match="families"):
