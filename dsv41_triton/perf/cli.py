@@ -173,7 +173,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         max_reps=args.max_reps if args.max_reps is not None else (50 if args.quick else 200),
         cpu_reps=args.cpu_reps,
         seed=args.seed,
-        max_work={"torch": GPU_TORCH_MAX_WORK} if gpu else {},
+        max_work=({"torch": GPU_TORCH_MAX_WORK >> (4 if args.quick else 0)} if gpu else {}),
         progress=say,
     )
     say(f"{len(cases)} cases x {len(impls)} backends ({', '.join(i.name for i in impls)}) "

@@ -28,7 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import pandas as pd
 import torch
 
-from .cases import Case
+from .cases import ATTENTION_FAMILIES, Case
 from .ceilings import Ceilings
 from .families import Check, get_family
 from .impls import Impl
@@ -56,7 +56,7 @@ class RunConfig:
     max_reps: int = 200
     cpu_reps: int = 2
     seed: int = 0
-    #: per backend name: skip cases with more than this many ``tokens * keys * heads``
+    #: per backend name: skip attention cases with more than this many ``tokens * keys * heads``
     max_work: Dict[str, int] = field(default_factory=dict)
     #: called with one line per event (None = quiet)
     progress: Optional[Callable[[str], None]] = None
@@ -81,7 +81,11 @@ def _sync(device) -> None:
 
 
 def _work_of(case: Case) -> int:
-    return case.tokens * max(case.keys, 1) * max(case.heads, 1)
+    """Size measure for ``RunConfig.max_work``: ``tokens * keys * heads`` of attention cases
+    (0 for the ops, which are never skipped)."""
+    if case.family not in ATTENTION_FAMILIES:
+        return 0
+    return case.tokens * case.keys * case.heads
 
 
 def run_benchmark(

@@ -203,3 +203,20 @@ def test_list_and_module_entry_point(tmp_path):
     assert "decode/H8/" in r.stdout and "global_topk/" in r.stdout
     assert "triton" in r.stdout and "torch" in r.stdout
     assert list(tmp_path.iterdir()) == []  # --list runs and writes nothing
+
+
+def test_module_run_sets_up_triton_itself(tmp_path):
+    """``python -m dsv41_triton.perf`` in a fresh process, TRITON_INTERPRET unset: on a CPU it
+    must switch Triton to the interpreter before any kernel is defined."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root)] + env.get("PYTHONPATH", "").split(os.pathsep))
+    out = tmp_path / "o"
+    r = subprocess.run([sys.executable, "-m", "dsv41_triton.perf", "--quick", "--families",
+                        "global_topk,combine_indices", "--no-plots", "-o", str(out)],
+                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    df = read_csv(out / "results.csv")
+    assert set(df["backend"]) >= {"triton", "torch"}
+    assert (df[df["backend"].isin(["triton", "torch"])]["status"] == "ok").all(), df

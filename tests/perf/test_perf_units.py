@@ -174,31 +174,40 @@ def _impl(name, **fns):
 
 
 def test_runner_rows_errors_skips_and_progress():
+    from dsv41_triton.attention.ref import sparse_mla_prefill_ref
     from dsv41_triton.ops.indices_ref import compute_global_topk_indices_and_lens_ref as gt
 
     def boom(*a):
         raise ValueError("bad input")
 
-    cases = [Case("global_topk", 5, topk=8, page=4), Case("global_topk", 40, topk=8, page=4),
+    def prefill(q, kv, indices, lens=None, attn_sink=None, softmax_scale=None, out=None):
+        return sparse_mla_prefill_ref(q, kv, indices, lens, attn_sink, softmax_scale)
+
+    cases = [Case("prefill", 2, 1, window=4, topk=4, page=4),
+             Case("prefill", 40, 1, window=4, topk=4, page=4),
+             Case("global_topk", 5, topk=8, page=4), Case("global_topk", 40, topk=8, page=4),
              Case("insert", 3, swa_record=584, page=4)]
-    impls = [_impl("good", global_topk=gt), _impl("bad", global_topk=boom),
+    impls = [_impl("good", global_topk=gt, prefill=prefill), _impl("bad", global_topk=boom),
              Impl("never", {"global_topk": gt}, probe=lambda c, d: (False, "no device")),
              Impl("probe_raises", {"global_topk": gt}, probe=lambda c, d: 1 / 0)]
     lines = []
     from dsv41_triton.perf.runner import _work_of
 
     cfg = RunConfig(progress=lines.append, max_work={"good": _work_of(cases[0])})
+    assert _work_of(cases[2]) == 0
     df = run_benchmark(cases, impls, cfg)
     assert list(df.columns) == COLUMNS
-    assert len(df) == 8  # insert has no implementation here: no rows
+    assert len(df) == 10  # insert has no implementation here: no rows
     st = {(r.case_id.split("/")[1], r.backend): r for r in df.itertuples()}
     assert st[("T5", "good")].status == "ok" and st[("T5", "good")].bit_exact is True
-    assert st[("T40", "good")].status == "skipped"
+    assert st[("T40", "good")].status == "ok"  # ops are never skipped for size
+    pre = {r.tokens: r for r in df[df["family"] == "prefill"].itertuples()}
+    assert pre[2].status == "ok" and pre[40].status == "skipped"
     assert st[("T5", "bad")].status == "error" and "ValueError: bad input" in st[("T5", "bad")].note
     assert st[("T5", "never")].status == "unavailable" and st[("T5", "never")].note == "no device"
     assert st[("T5", "probe_raises")].status == "unavailable"
     assert "ZeroDivisionError" in st[("T5", "probe_raises")].note
-    assert len([ln for ln in lines if ln.startswith("[")]) == 8 and lines[-1].startswith("done")
+    assert len([ln for ln in lines if ln.startswith("[")]) == 10 and lines[-1].startswith("done")
 
 
 def test_runner_without_reference_marks_unchecked(monkeypatch):
