@@ -237,14 +237,19 @@ def markdown_report(df: pd.DataFrame, meta: Dict[str, object],
     bad = df[df["status"].isin(["FAIL", "error"])]
     out += ["## Summary", "",
             f"- device: **{env.get('device', '?')}**; command: `{meta.get('command', '')}`",
-            f"- {df['case_id'].nunique()} cases x {df['backend'].nunique()} backends = "
-            f"{len(df)} rows: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())),
+            f"- {df['case_id'].nunique()} cases, {df['backend'].nunique()} backends, {len(df)} "
+            "rows (one per case and backend that implements its family): "
+            + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())),
             ]
     bases = meta.get("baselines") or {}
-    if bases:
-        out.append("- speedups are relative to: " + ", ".join(
-            f"{f} → `{b}`" for f, b in bases.items() if b) + " (baseline time / backend time; "
-            "> 1 = faster than the baseline)")
+    named = {f: b for f, b in bases.items() if b}
+    if named:
+        if len(set(named.values())) == 1:
+            which = f"`{next(iter(named.values()))}` in every family"
+        else:
+            which = ", ".join(f"{f} → `{b}`" for f, b in named.items())
+        out.append(f"- speedups are relative to {which} (baseline time / backend time; > 1 = "
+                   "faster than the baseline)")
     if len(bad):
         out += ["", f"**{len(bad)} failing rows** (wrong numbers or an exception):", "",
                 md_table(["case", "backend", "status", "rel err", "note"],

@@ -86,7 +86,13 @@ def test_default_command_writes_a_checked_report(tmp_path):
     assert "vs torch" in md or "vs flashmla" in md  # speedup columns
     meta = json.loads((out / "meta.json").read_text())
     assert meta["environment"]["torch"] == torch.__version__
-    if not GPU:
+    if GPU:
+        assert "CPU run" not in md and meta["ceilings"]["source"] != "cpu (not meaningful)"
+        small = df[(df["family"] == "decode") & (df["tokens"] <= 128) & (df["backend"] == "triton")
+                   & df["time_us"].notna()]
+        assert len(small) and (small["timing"] == "cuda-graph").all(), small[["case_id", "note"]]
+        assert set(df.loc[df["time_us"].notna(), "timing"]) <= {"cuda-graph", "cuda-events"}
+    else:
         assert "CPU run" in md and "mean nothing" in md
         assert meta["cpu_run"] is True
         assert set(df.loc[df["time_us"].notna(), "timing"]) == {"cpu-wall"}
