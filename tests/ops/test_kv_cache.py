@@ -393,24 +393,26 @@ def test_cache_beyond_2gib(record, device):
 
 @pytest.mark.gpu
 def test_workspace_beyond_2g_elements(device):
-    """``out`` rows past element 2**31 (int64 workspace offsets). Needs ~4 GiB: GPU only."""
+    """``out`` rows past element 2**31 (int64 workspace offsets; the batch stride itself fits in
+    int32, so only int64 math reaches request 2). Needs ~4 GiB: GPU only."""
     page = 64
     _, cache = make_cache(4, page, 584, device)
     rows = fill_cache(cache, device)
-    so = (1 << 31) + 512
-    storage = torch.empty(so + 8 * 512, dtype=torch.bfloat16, device=device)
-    out = storage.as_strided((2, 8, 512), (so, 512, 1))
-    poison_(out[0])
-    poison_(out[1])
-    seq = torch.tensor([70, 130], dtype=torch.int32, device=device)
-    bt = torch.tensor([[3, 1, -1], [0, 2, 1]], dtype=torch.int32, device=device)
-    dequantize_and_gather_k_cache(out, cache, seq, torch.tensor([8, 8], dtype=torch.int32, device=device),
-                                  bt, page, 0)
-    blocks1 = torch.tensor([2] * 6 + [1] * 2, device=device)
-    assert torch.equal(bits(out[1]), bits(rows[torch.arange(122, 130, device=device) % page
-                                               + blocks1 * page]))
-    assert torch.equal(bits(out[0]), bits(rows[torch.arange(62, 70, device=device) % page
-                                                + torch.tensor([3] * 2 + [1] * 6, device=device) * page]))
+    so = (1 << 30) + 512
+    storage = torch.empty(2 * so + 8 * 512, dtype=torch.bfloat16, device=device)
+    out = storage.as_strided((3, 8, 512), (so, 512, 1))
+    for b in range(3):
+        poison_(out[b])
+    seq = torch.tensor([70, 0, 130], dtype=torch.int32, device=device)
+    bt = torch.tensor([[3, 1, -1], [0, 0, 0], [0, 2, 1]], dtype=torch.int32, device=device)
+    gl = torch.tensor([8, 0, 8], dtype=torch.int32, device=device)
+    dequantize_and_gather_k_cache(out, cache, seq, gl, bt, page, 0)
+    ar = torch.arange(8, device=device)
+    want0 = rows[(62 + ar) % page + torch.tensor([3] * 2 + [1] * 6, device=device) * page]
+    want2 = rows[(122 + ar) % page + torch.tensor([2] * 6 + [1] * 2, device=device) * page]
+    assert torch.equal(bits(out[0]), bits(want0))
+    assert torch.isnan(out[1].float()).all()
+    assert torch.equal(bits(out[2]), bits(want2))
 
 
 # ---------------------------------------------------------------------------------------------
