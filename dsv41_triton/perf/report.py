@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
+import numpy as np
 import pandas as pd
 
 from .cases import ATTENTION_FAMILIES, FAMILIES
@@ -82,8 +83,8 @@ def md_table(headers: Sequence[str], rows: Iterable[Sequence[object]],
 
 
 def _bool(v) -> Optional[bool]:
-    if isinstance(v, bool):
-        return v
+    if isinstance(v, (bool, np.bool_)):
+        return bool(v)
     if isinstance(v, str):
         return {"true": True, "false": False}.get(v.lower())
     if _isnum(v):
