@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Everything that needs a GPU, in one go: the whole test suite on the GPU (GPU-marked tests
+# included), the comparison harness (default preset, or the one given), and a short table last.
+#
+#   bash perf/run_gpu.sh [--quick] [extra dsv41-bench args...]
+#
+# Writes logs and the report to $OUT (the device tool's output folder) or ./bench-out.
+# FlashMLA joins the comparison when `import flash_mla` works (e.g. PYTHONPATH pointing at a
+# local build); nothing here builds it.
+set -u
+OUTDIR=${OUT:-bench-out}
+mkdir -p "$OUTDIR"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+
+echo "== device"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv,noheader 2>/dev/null
+$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+$PY -c "import flash_mla; print('flash_mla: importable')" 2>/dev/null || echo "flash_mla: not importable (FlashMLA rows will say so)"
+
+echo "== tests (GPU)"
+t0=$(date +%s)
+XDIST=""
+$PY -c "import xdist" 2>/dev/null && XDIST="-n ${PYTEST_WORKERS:-8}"
+$PY -m pytest tests -q $XDIST -p no:cacheprovider > "$OUTDIR/pytest_gpu.log" 2>&1
+test_rc=$?
+tail -n 25 "$OUTDIR/pytest_gpu.log"
+echo "tests rc=$test_rc in $(( $(date +%s) - t0 )) s"
+
+echo "== harness"
+t0=$(date +%s)
+$PY -m dsv41_triton.perf --out "$OUTDIR/bench" "$@" > "$OUTDIR/bench.log" 2>&1
+bench_rc=$?
+tail -n 5 "$OUTDIR/bench.log"
+echo "harness rc=$bench_rc in $(( $(date +%s) - t0 )) s"
+
+echo "== summary"
+$PY - "$OUTDIR/bench/results.csv" <<'PYEOF'
+import sys
+try:
+    import pandas as pd
+    df = pd.read_csv(sys.argv[1])
+except Exception as e:  # the harness failed before writing
+    print("no results:", e); sys.exit(0)
+cols = [c for c in ("family", "heads", "tokens", "records", "layout", "backend", "status", "time_us", "tflops", "gbps", "pct_roof", "out_rel_err") if c in df.columns]
+pd.set_option("display.width", 200); pd.set_option("display.max_rows", 400)
+print(df[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+PYEOF
+exit $(( test_rc != 0 || bench_rc != 0 ))
