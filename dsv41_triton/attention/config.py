@@ -188,12 +188,19 @@ def _cos_sin_cpu(theta, factor, orig, beta_fast, beta_slow, max_pos) -> torch.Te
     return torch.cat([ang.cos(), ang.sin()], -1).to(torch.float32)
 
 
+_DEVICE_TABLES: dict = {}
+
+
 def build_cos_sin_cache(config: DeepseekV41AttentionConfig, compress_ratio: int, max_pos: int,
                         device="cpu") -> torch.Tensor:
-    """The fp32 ``[max_pos, 64]`` table of a layer type (shared per process and device)."""
+    """The fp32 ``[max_pos, 64]`` table of a layer type. One tensor per (parameters, device) is
+    shared by every layer of that type (treat it as read-only)."""
     if not isinstance(max_pos, int) or max_pos < 1:
         raise ValueError(f"max_pos: expected a positive int, got {max_pos!r}")
     theta, factor = rope_params(config, compress_ratio)
-    t = _cos_sin_cpu(float(theta), float(factor), int(config.original_max_position_embeddings),
-                     float(config.beta_fast), float(config.beta_slow), max_pos)
-    return t.to(device)
+    key = (float(theta), float(factor), int(config.original_max_position_embeddings),
+           float(config.beta_fast), float(config.beta_slow), max_pos)
+    dev = torch.device(device)
+    if (key, dev) not in _DEVICE_TABLES:
+        _DEVICE_TABLES[(key, dev)] = _cos_sin_cpu(*key).to(dev)
+    return _DEVICE_TABLES[(key, dev)]

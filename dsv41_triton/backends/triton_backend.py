@@ -2,8 +2,9 @@
 
 Without a GPU the same kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``): that is
 available (tests use it) but never picked by ``auto``. Any head count works (no padding), every
-record width is read in-kernel. The fused contract uses ``attention.fused`` when present, else
-the Triton RoPE kernel + the bf16 kernels + the Triton inverse-RoPE/MXFP8 epilogue.
+record width is read in-kernel. The fused contract uses ``attention.fused`` (its Triton
+prologue + the bf16 kernels + the inverse-RoPE/MXFP8 epilogue) when present, else the same
+steps composed here from ``ops.rope`` and ``ops.mxfp8``.
 """
 from __future__ import annotations
 
@@ -80,10 +81,33 @@ class TritonBackend(AttentionBackend):
                                   softmax_scale=softmax_scale, out=out)
 
     # ---------------------------------------------------------------------------------------
+    @staticmethod
+    def _fused_module():
+        """``dsv41_triton.attention.fused`` (the fused Triton pipeline) when present."""
+        if not module_available("dsv41_triton.attention.fused"):
+            return None
+        from ..attention import fused
+
+        return fused
+
+    @staticmethod
+    def _norm_kw(q_norm_eps):
+        return {} if q_norm_eps is None else {"enable_q_norm": True, "rms_norm_eps": q_norm_eps}
+
     def sparse_mla_decode_fused(self, q, positions, cos_sin_cache, swa_cache, swa_indices,
                                 swa_lens, extra_cache=None, extra_indices=None, extra_lens=None,
                                 attn_sink=None, softmax_scale=None, q_norm_eps=None,
                                 layout="standard", data=None, scale=None):
+        fused = self._fused_module()
+        if fused is not None:
+            from ._compose import check_fused_common
+
+            check_fused_common(q, positions, cos_sin_cache, layout, q_norm_eps)
+            d, s, lse = fused.sparse_mla_decode_fused(
+                q, swa_cache, swa_indices, softmax_scale, 512, attn_sink, swa_lens, extra_cache,
+                extra_indices, extra_lens, token_positions=positions, cos_sin_cache=cos_sin_cache,
+                data=data, scale=scale, layout=layout, **self._norm_kw(q_norm_eps))
+            return d, s, lse
         from ._compose import fused_via_steps
 
         def attn(qr):
@@ -96,6 +120,16 @@ class TritonBackend(AttentionBackend):
     def sparse_mla_prefill_fused(self, q, positions, cos_sin_cache, kv, indices, lens=None,
                                  attn_sink=None, softmax_scale=None, q_norm_eps=None,
                                  layout="standard", data=None, scale=None):
+        fused = self._fused_module()
+        if fused is not None:
+            from ._compose import check_fused_common
+
+            check_fused_common(q, positions, cos_sin_cache, layout, q_norm_eps)
+            res = fused.sparse_mla_prefill_fused(
+                q, kv, indices, softmax_scale, 512, attn_sink, lens, token_positions=positions,
+                cos_sin_cache=cos_sin_cache, data=data, scale=scale, layout=layout,
+                **self._norm_kw(q_norm_eps))
+            return res[0], res[1], res[-1]
         from ._compose import fused_via_steps
 
         def attn(qr):

@@ -482,3 +482,43 @@ def test_gpu_fused_contract(backend):
     for md, owners, [(a, y)] in results:
         _, y_ref = _gather_oracle(orc, owners)
         assert rel_err(y[: len(owners)], y_ref) <= 5e-2
+
+
+# --------------------------------------------------------------------------------------------
+# config and RoPE tables
+# --------------------------------------------------------------------------------------------
+def test_presets_and_hf_config():
+    v41, v4, pro = (DeepseekV41AttentionConfig.v41_flash(), DeepseekV41AttentionConfig.v4_flash(),
+                    DeepseekV41AttentionConfig.v4_pro())
+    assert (v41.num_attention_heads, v41.q_lora_rank, v41.o_groups, v41.heads_per_group) == (64, 1280, 8, 8)
+    assert set(v41.compress_ratios) == {0, 1, 2} and not v41.q_head_norm
+    assert (v4.index_topk, set(v4.compress_ratios), v4.q_head_norm) == (512, {0, 4, 128}, True)
+    assert (pro.num_attention_heads, pro.index_topk, pro.heads_per_group) == (128, 1024, 8)
+    assert v41.compress_ratio(10_000) == 0  # past the list (MTP): window only
+    hf = {"model_type": "deepseek_v4", "hidden_size": 4096, "num_attention_heads": 64,
+          "q_lora_rank": 1024, "o_lora_rank": 1024, "o_groups": 8, "compress_ratios": [0, 4],
+          "rope_theta": 10000, "compress_rope_theta": 160000,
+          "rope_scaling": {"factor": 16, "original_max_position_embeddings": 65536,
+                           "beta_fast": 32, "beta_slow": 1, "type": "yarn"}}
+    c = DeepseekV41AttentionConfig.from_hf_config(hf)
+    assert (c.rope_factor, c.original_max_position_embeddings, c.q_head_norm) == (16.0, 65536, True)
+    with pytest.raises(ValueError, match="o_groups"):
+        DeepseekV41AttentionConfig(num_attention_heads=12, o_groups=8)
+
+
+def test_rope_tables_per_layer_type():
+    from dsv41_triton.attention.config import yarn_inv_freq
+    from dsv41_triton.ops.rope_ref import make_cos_sin_cache
+
+    c = DeepseekV41AttentionConfig.v41_flash()
+    plain = build_cos_sin_cache(c, 0, 128)
+    assert torch.allclose(plain, make_cos_sin_cache(128, base=10000.0), atol=1e-6)
+    inv = yarn_inv_freq(64, 160000.0, 16.0, 65536, 32, 1)
+    base = 160000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    assert torch.allclose(inv[:4], base[:4])  # fast dims keep their frequency
+    assert torch.allclose(inv[-4:], base[-4:] / 16)  # slow dims are interpolated by the factor
+    assert ((inv <= base + 1e-15) & (inv >= base / 16 - 1e-15)).all()
+    comp = build_cos_sin_cache(c, 1, 128)
+    ang = torch.arange(128, dtype=torch.float64)[:, None] * inv[None]
+    assert torch.allclose(comp, torch.cat([ang.cos(), ang.sin()], -1).float(), atol=1e-6)
+    assert build_cos_sin_cache(c, 2, 128) is comp  # one shared table per layer type
