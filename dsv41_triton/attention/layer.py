@@ -530,10 +530,12 @@ class DeepseekV41Attention(nn.Module):
         self.compressed_cache = compressed_cache
 
     # ---- one step ---------------------------------------------------------------------------
-    def set_step(self, metadata: StepMetadata, topk_indices: Optional[torch.Tensor] = None) -> None:
-        """Bind the step's metadata (and top-k indices) for calls of ``forward_mqa`` without
-        them (vLLM's forward-context style)."""
-        self._step = {"metadata": metadata, "topk_indices": topk_indices}
+    def set_step(self, metadata: StepMetadata, topk_indices: Optional[torch.Tensor] = None,
+                 compressed_kv: Optional[torch.Tensor] = None) -> None:
+        """Bind the step's metadata, top-k indices and compressed KV for calls that do not pass
+        them (vLLM's forward-context style: ``layer(positions, hidden_states)``)."""
+        self._step = {"metadata": metadata, "topk_indices": topk_indices,
+                      "compressed_kv": compressed_kv}
 
     def _check_step(self, md: StepMetadata, T: int, topk_indices, compressed_kv) -> None:
         if not isinstance(md, StepMetadata):
@@ -606,6 +608,10 @@ class DeepseekV41Attention(nn.Module):
         md = metadata if metadata is not None else self._step.get("metadata")
         if md is None:
             raise ValueError("metadata: pass the step's StepMetadata (or set_step it first)")
+        if topk_indices is None:
+            topk_indices = self._step.get("topk_indices")
+        if compressed_kv is None:
+            compressed_kv = self._step.get("compressed_kv")
         check_tensor("hidden_states", hidden_states, dtypes=(torch.bfloat16,), ndims=2,
                      last_dim=self.config.hidden_size)
         T = hidden_states.shape[0]

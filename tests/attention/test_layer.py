@@ -312,6 +312,18 @@ def test_empty_and_idle_steps(layer_id):
     assert y.shape == (0, CFG.hidden_size)
 
 
+def test_forward_context_style_call():
+    """vLLM's call shape: layer(positions, hidden_states) with the step bound by set_step."""
+    sd = random_attention_state_dict(CFG, seed=8)
+    layer = make_layer(CFG, 1, "torch", sd)
+    other = make_layer(CFG, 1, "torch", sd)
+    sc = Scenario(CFG, 1)
+    md, hid, ckv, tk, _ = sc.step([("A", 5)])
+    layer.set_step(md, topk_indices=tk, compressed_kv=ckv)
+    y = layer(md.positions, hid)
+    assert torch.equal(y, other(None, hid, md, compressed_kv=ckv, topk_indices=tk))
+
+
 def test_tp_reduce_hook_sums_partials():
     sd = random_attention_state_dict(CFG, seed=3)
     partials = []
