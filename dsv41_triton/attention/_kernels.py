@@ -53,29 +53,33 @@ _SRC_BYTES = {SRC_BF16: (0, 0), 584: (576, 8), 528: (512, 16), 288: (256, 32)}
 # ------------------------------------------------------------------------------------------
 @triton.jit
 def _load_k_piece(k_ptr, data_off, scale_off, valid, D0: tl.constexpr, DW: tl.constexpr,
-                  SRC: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr):
+                  SRC: tl.constexpr, BN: tl.constexpr, ZERO_TAIL: tl.constexpr,
+                  DOT_F32: tl.constexpr):
     """Dims ``[D0, D0 + DW)`` of ``BN`` keys -> ``[BN, DW]`` bf16 (fp32 when DOT_F32).
 
     ``data_off``/``scale_off`` [BN] int64: byte offsets of each key's data and scale rows
     (element offset of the row for bf16 rows). Invalid keys read nothing and give 0.
+    ``ZERO_TAIL``: dims >= 448 are returned as 0 (they are handled by a separate RoPE piece).
     """
     vm = valid[:, None]
+    d = D0 + tl.arange(0, DW)
     if SRC == 0:
-        d = D0 + tl.arange(0, DW)
         x = tl.load(k_ptr + data_off[:, None] + d[None, :], mask=vm, other=0.0)
         if DOT_F32:
             x = x.to(tl.float32)
     elif SRC == 584 and D0 >= 448:
         # RoPE tail: 64 raw bf16 at byte 448 of the data row
-        d = tl.arange(0, DW)
         rp = (k_ptr + (data_off + 448))[:, None].to(tl.pointer_type(tl.bfloat16))
-        x = tl.load(rp + (D0 - 448 + d)[None, :], mask=vm, other=0.0)
+        x = tl.load(rp + (d - 448)[None, :], mask=vm, other=0.0)
         if DOT_F32:
             x = x.to(tl.float32)
     elif SRC == 288:
         NG: tl.constexpr = DW // 16
         j = tl.arange(0, DW // 2)
-        b = tl.load(k_ptr + data_off[:, None] + (D0 // 2 + j)[None, :], mask=vm, other=0)
+        jm = vm
+        if ZERO_TAIL:  # dims >= 448 are bytes >= 224: not loaded (zero-filled)
+            jm = vm & ((D0 // 2 + j)[None, :] < 224)
+        b = tl.load(k_ptr + data_off[:, None] + (D0 // 2 + j)[None, :], mask=jm, other=0)
         c = tl.join(b & 15, b >> 4).reshape(BN, DW).to(tl.int32)  # even element = low nibble
         # e2m1 code -> fp16 bits (magnitude bits at 9..11, sign at 15) is the value * 2**-14,
         # subnormal 0.5 included; the 2**14 is folded into the scale.
@@ -88,11 +92,15 @@ def _load_k_piece(k_ptr, data_off, scale_off, valid, D0: tl.constexpr, DW: tl.co
         if not DOT_F32:
             x = x.to(tl.bfloat16)  # exact: <= 6 significant bits
     else:
-        # e4m3 data with power-of-two UE8M0 scales: 64 dims per scale (584) or 32 (528)
+        # e4m3 data with power-of-two UE8M0 scales: 64 dims per scale (584) or 32 (528).
+        # For 584 the bytes past 448 are the RoPE tail: never loaded here (zero-filled), as
+        # with ZERO_TAIL, so that no byte pattern (e4m3 NaN) can leak in.
         GS: tl.constexpr = 64 if SRC == 584 else 32
         NG: tl.constexpr = DW // GS
-        d = D0 + tl.arange(0, DW)
-        b = tl.load(k_ptr + data_off[:, None] + d[None, :], mask=vm, other=0)
+        dm = vm
+        if ZERO_TAIL or SRC == 584:
+            dm = vm & (d[None, :] < 448)
+        b = tl.load(k_ptr + data_off[:, None] + d[None, :], mask=dm, other=0)
         g = tl.arange(0, NG)
         sb = tl.load(k_ptr + scale_off[:, None] + (D0 // GS + g)[None, :], mask=vm, other=0)
         s = exp2_int(sb.to(tl.int32) - 127)  # byte 0 (masked) -> 0.0
@@ -104,11 +112,16 @@ def _load_k_piece(k_ptr, data_off, scale_off, valid, D0: tl.constexpr, DW: tl.co
 
 
 @triton.jit
-def _attend_keyset(acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3,
+def _attend_keyset(acc, acc_r, m_i, l_i, q, q_r,
                    k_ptr, idx_row_ptr, lo, hi, bstride, page, nrows, qk_scale,
                    SRC: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
-                   BN: tl.constexpr, DOT_F32: tl.constexpr):
-    """Online softmax over key columns ``[lo, hi)`` of one index row; returns the new state."""
+                   HAS_ROPE: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr):
+    """Online softmax over key columns ``[lo, hi)`` of one index row; returns the new state.
+
+    ``acc [BH, 512]`` and ``q [BH, 512]`` cover all dims; with ``HAS_ROPE`` (a 584 cache is in
+    play) the main key tile has dims >= 448 zeroed and the RoPE dims go through ``q_r``/``acc_r``
+    ``[BH, 64]`` instead.
+    """
     for start in range(lo, hi, BN):
         cols = start + tl.arange(0, BN)
         cm = cols < hi
@@ -124,14 +137,12 @@ def _attend_keyset(acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3,
             base = blk.to(tl.int64) * bstride
             data_off = tl.multiple_of(base + off.to(tl.int64) * DATA_BYTES, 16)
             scale_off = tl.multiple_of(base + page * DATA_BYTES + off.to(tl.int64) * SCALE_BYTES, 8)
-        k0 = _load_k_piece(k_ptr, data_off, scale_off, valid, 0, 256, SRC, BN, DOT_F32)
-        k1 = _load_k_piece(k_ptr, data_off, scale_off, valid, 256, 128, SRC, BN, DOT_F32)
-        k2 = _load_k_piece(k_ptr, data_off, scale_off, valid, 384, 64, SRC, BN, DOT_F32)
-        k3 = _load_k_piece(k_ptr, data_off, scale_off, valid, 448, 64, SRC, BN, DOT_F32)
-        s = tl.dot(q0, tl.trans(k0))
-        s = tl.dot(q1, tl.trans(k1), s)
-        s = tl.dot(q2, tl.trans(k2), s)
-        s = tl.dot(q3, tl.trans(k3), s)
+        k = _load_k_piece(k_ptr, data_off, scale_off, valid, 0, 512, SRC, BN, HAS_ROPE, DOT_F32)
+        s = tl.dot(q, tl.trans(k))
+        if HAS_ROPE:
+            kr = _load_k_piece(k_ptr, data_off, scale_off, valid, 448, 64, SRC, BN, False,
+                               DOT_F32)
+            s = tl.dot(q_r, tl.trans(kr), s)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -142,22 +153,30 @@ def _attend_keyset(acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3,
             pk = p
         else:
             pk = p.to(tl.bfloat16)
-        acc0 = tl.dot(pk, k0, acc0 * alpha[:, None])
-        acc1 = tl.dot(pk, k1, acc1 * alpha[:, None])
-        acc2 = tl.dot(pk, k2, acc2 * alpha[:, None])
-        acc3 = tl.dot(pk, k3, acc3 * alpha[:, None])
+        acc = tl.dot(pk, k, acc * alpha[:, None])
+        if HAS_ROPE:
+            acc_r = tl.dot(pk, kr, acc_r * alpha[:, None])
         m_i = m_new
-    return acc0, acc1, acc2, acc3, m_i, l_i
+    return acc, acc_r, m_i, l_i
 
 
 @triton.jit
-def _store_piece(ptr_row, acc, hmask, scale, D0: tl.constexpr, DW: tl.constexpr,
-                 TO_BF16: tl.constexpr, SW: tl.constexpr):
-    d = D0 + tl.arange(0, DW)
+def _store_rows(ptr_row, acc, acc_r, hmask, scale, HAS_ROPE: tl.constexpr,
+                TO_BF16: tl.constexpr, SW: tl.constexpr):
+    """Write ``acc * scale`` (and the RoPE part ``acc_r * scale`` to dims 448..511)."""
+    d = tl.arange(0, 512)
     v = acc * scale[:, None]
     if TO_BF16:
         v = f32_to_bf16(v, SW)
-    tl.store(ptr_row + d[None, :], v, mask=hmask[:, None])
+    if HAS_ROPE:
+        tl.store(ptr_row + d[None, :], v, mask=hmask[:, None] & (d[None, :] < 448))
+        dr = 448 + tl.arange(0, 64)
+        vr = acc_r * scale[:, None]
+        if TO_BF16:
+            vr = f32_to_bf16(vr, SW)
+        tl.store(ptr_row + dr[None, :], vr, mask=hmask[:, None])
+    else:
+        tl.store(ptr_row + d[None, :], v, mask=hmask[:, None])
 
 
 # ------------------------------------------------------------------------------------------
@@ -171,39 +190,38 @@ def _sparse_mla_fwd_kernel(
     sink_ptr, sink_st,
     out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
     po_ptr, pl_ptr,
-    H, qk_scale,
+    H, qk_scale, num_splits, num_ht,
     SRC_A: tl.constexpr, DATA_A: tl.constexpr, SCALE_A: tl.constexpr,
     SRC_B: tl.constexpr, DATA_B: tl.constexpr, SCALE_B: tl.constexpr,
     HAS_B: tl.constexpr, HAS_LEN_A: tl.constexpr, HAS_LEN_B: tl.constexpr,
-    HAS_SINK: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_HT: tl.constexpr,
+    HAS_SINK: tl.constexpr, HAS_ROPE: tl.constexpr, SPLIT: tl.constexpr,
     BH: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr, SW: tl.constexpr,
 ):
-    """Grid: ``T * NUM_SPLITS * NUM_HT`` programs (head tile fastest, then split, then token).
+    """Grid: ``T * num_splits * num_ht`` programs (head tile fastest, then split, then token).
 
     q ``[T, H, 512]`` bf16; key set A (and B when HAS_B): cache/workspace pointer, index rows
     ``[T, width]`` (int32/int64), lens ``[T]``; out ``[T, H, 512]`` bf16, lse ``[T, H]`` fp32
-    (NUM_SPLITS == 1) or partials ``po [T, NS, H, 512]`` / ``pl [T, NS, H]`` fp32 (log2 domain).
+    (not SPLIT) or partials ``po [T, NS, H, 512]`` / ``pl [T, NS, H]`` fp32 (log2 domain).
     """
     pid = tl.program_id(0)
-    ht = pid % NUM_HT
-    rest = pid // NUM_HT
-    split = rest % NUM_SPLITS
-    t = (rest // NUM_SPLITS).to(tl.int64)
+    ht = pid % num_ht
+    rest = pid // num_ht
+    split = rest % num_splits
+    t = (rest // num_splits).to(tl.int64)
 
     h = ht * BH + tl.arange(0, BH)
     hmask = h < H
     h64 = h.to(tl.int64)
     qrow = q_ptr + t * stride_qt + h64[:, None] * stride_qh
-    q0 = tl.load(qrow + tl.arange(0, 256)[None, :], mask=hmask[:, None], other=0.0)
-    q1 = tl.load(qrow + (256 + tl.arange(0, 128))[None, :], mask=hmask[:, None], other=0.0)
-    q2 = tl.load(qrow + (384 + tl.arange(0, 64))[None, :], mask=hmask[:, None], other=0.0)
-    q3 = tl.load(qrow + (448 + tl.arange(0, 64))[None, :], mask=hmask[:, None], other=0.0)
+    q = tl.load(qrow + tl.arange(0, 512)[None, :], mask=hmask[:, None], other=0.0)
+    if HAS_ROPE:
+        q_r = tl.load(qrow + (448 + tl.arange(0, 64))[None, :], mask=hmask[:, None], other=0.0)
+    else:
+        q_r = tl.zeros([BH, 64], tl.bfloat16)
     if DOT_F32:
         # the interpreter's bf16 dot is wrong (see module doc); fp32 operands are exact there
-        q0 = q0.to(tl.float32)
-        q1 = q1.to(tl.float32)
-        q2 = q2.to(tl.float32)
-        q3 = q3.to(tl.float32)
+        q = q.to(tl.float32)
+        q_r = q_r.to(tl.float32)
 
     if HAS_LEN_A:
         len_a = tl.load(a_len_ptr + t * a_len_st).to(tl.int32)
@@ -219,35 +237,33 @@ def _sparse_mla_fwd_kernel(
             len_b = len_b + b_width
     # this split's share of the combined column space [0, len_a + len_b)
     total = len_a + len_b
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         lo = total * 0
         hi = total
     else:
-        chunk = tl.cdiv(tl.cdiv(total, NUM_SPLITS), BN) * BN
+        chunk = tl.cdiv(tl.cdiv(total, num_splits), BN) * BN
         lo = split * chunk
         hi = tl.minimum(lo + chunk, total)
 
     m_i = tl.full([BH], float("-inf"), tl.float32)
     l_i = tl.zeros([BH], tl.float32)
-    acc0 = tl.zeros([BH, 256], tl.float32)
-    acc1 = tl.zeros([BH, 128], tl.float32)
-    acc2 = tl.zeros([BH, 64], tl.float32)
-    acc3 = tl.zeros([BH, 64], tl.float32)
+    acc = tl.zeros([BH, 512], tl.float32)
+    acc_r = tl.zeros([BH, 64], tl.float32)
 
-    acc0, acc1, acc2, acc3, m_i, l_i = _attend_keyset(
-        acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3,
+    acc, acc_r, m_i, l_i = _attend_keyset(
+        acc, acc_r, m_i, l_i, q, q_r,
         a_ptr, a_idx_ptr + t * a_idx_st, lo, tl.minimum(hi, len_a), a_bstride, a_page, a_rows,
-        qk_scale, SRC_A, DATA_A, SCALE_A, BN, DOT_F32)
+        qk_scale, SRC_A, DATA_A, SCALE_A, HAS_ROPE, BN, DOT_F32)
     if HAS_B:
         b_lo = tl.maximum(lo, len_a) - len_a
-        acc0, acc1, acc2, acc3, m_i, l_i = _attend_keyset(
-            acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3,
+        acc, acc_r, m_i, l_i = _attend_keyset(
+            acc, acc_r, m_i, l_i, q, q_r,
             b_ptr, b_idx_ptr + t * b_idx_st, b_lo, hi - len_a, b_bstride, b_page, b_rows,
-            qk_scale, SRC_B, DATA_B, SCALE_B, BN, DOT_F32)
+            qk_scale, SRC_B, DATA_B, SCALE_B, HAS_ROPE, BN, DOT_F32)
 
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         den = l_safe
         if HAS_SINK:
             m_safe = tl.where(has, m_i, 0.0)
@@ -255,41 +271,35 @@ def _sparse_mla_fwd_kernel(
             den = den + tl.exp2(sink * 1.4426950408889634 - m_safe)  # inf for a huge sink -> 0
         inv = tl.where(has, 1.0 / den, 0.0)
         orow = out_ptr + t * stride_ot + h64[:, None] * stride_oh
-        _store_piece(orow, acc0, hmask, inv, 0, 256, True, SW)
-        _store_piece(orow, acc1, hmask, inv, 256, 128, True, SW)
-        _store_piece(orow, acc2, hmask, inv, 384, 64, True, SW)
-        _store_piece(orow, acc3, hmask, inv, 448, 64, True, SW)
+        _store_rows(orow, acc, acc_r, hmask, inv, HAS_ROPE, True, SW)
         lse = tl.where(has, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("inf"))
         tl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
     else:
         inv = tl.where(has, 1.0 / l_safe, 0.0)
-        prow_idx = (t * NUM_SPLITS + split) * H + h64
+        prow_idx = (t * num_splits + split) * H + h64
         orow = po_ptr + prow_idx[:, None] * 512
-        _store_piece(orow, acc0, hmask, inv, 0, 256, False, SW)
-        _store_piece(orow, acc1, hmask, inv, 256, 128, False, SW)
-        _store_piece(orow, acc2, hmask, inv, 384, 64, False, SW)
-        _store_piece(orow, acc3, hmask, inv, 448, 64, False, SW)
+        _store_rows(orow, acc, acc_r, hmask, inv, HAS_ROPE, False, SW)
         lse2 = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(pl_ptr + prow_idx, lse2, mask=hmask)
 
 
 @triton.jit
 def _merge_kernel(po_ptr, pl_ptr, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh,
-                  lse_ptr, stride_lt, stride_lh, H,
-                  NUM_SPLITS: tl.constexpr, NSP: tl.constexpr, BH: tl.constexpr,
-                  NUM_HT: tl.constexpr, HAS_SINK: tl.constexpr, SW: tl.constexpr):
+                  lse_ptr, stride_lt, stride_lh, H, num_splits, num_ht,
+                  NSP: tl.constexpr, BH: tl.constexpr, HAS_SINK: tl.constexpr,
+                  SW: tl.constexpr):
     """Combine split partials: ``po [T, NS, H, 512]`` (each normalized by its own sum) and
     ``pl [T, NS, H]`` (log2-sum-exp, -inf = empty) -> out bf16, lse fp32 (natural log), with
-    the sink in the denominator. Empty rows: out 0, lse +inf. Grid ``T * NUM_HT``."""
+    the sink in the denominator. Empty rows: out 0, lse +inf. Grid ``T * num_ht``."""
     pid = tl.program_id(0)
-    ht = pid % NUM_HT
-    t = (pid // NUM_HT).to(tl.int64)
+    ht = pid % num_ht
+    t = (pid // num_ht).to(tl.int64)
     h = ht * BH + tl.arange(0, BH)
     hmask = h < H
     h64 = h.to(tl.int64)
     sp = tl.arange(0, NSP)
-    lrow = (t * NUM_SPLITS + sp[:, None]) * H + h64[None, :]
-    lse2 = tl.load(pl_ptr + lrow, mask=(sp[:, None] < NUM_SPLITS) & hmask[None, :],
+    lrow = (t * num_splits + sp[:, None]) * H + h64[None, :]
+    lse2 = tl.load(pl_ptr + lrow, mask=(sp[:, None] < num_splits) & hmask[None, :],
                    other=float("-inf"))
     m = tl.max(lse2, 0)
     has = m > float("-inf")
@@ -303,8 +313,8 @@ def _merge_kernel(po_ptr, pl_ptr, sink_ptr, sink_st, out_ptr, stride_ot, stride_
     inv = tl.where(has, 1.0 / den, 0.0)
     d = tl.arange(0, 512)
     acc = tl.zeros([BH, 512], tl.float32)
-    for s in range(NUM_SPLITS):
-        prow = (t * NUM_SPLITS + s) * H + h64
+    for s in range(num_splits):
+        prow = (t * num_splits + s) * H + h64
         ls = tl.load(pl_ptr + prow, mask=hmask, other=float("-inf"))
         ws = tl.exp2(ls - m_safe)
         o = tl.load(po_ptr + prow[:, None] * 512 + d[None, :], mask=hmask[:, None], other=0.0)
@@ -348,6 +358,8 @@ class KernelConfig:
 
 
 _SM_COUNT = {}
+#: the last attention launch's compiled kernel and config (for benchmarks: registers, spills)
+LAST_LAUNCH = {}
 
 
 def _sm_count(device: torch.device) -> int:
@@ -360,23 +372,25 @@ def _sm_count(device: torch.device) -> int:
 
 
 def default_config(T: int, H: int, total_width: int, device: torch.device, *,
-                   paged: bool) -> KernelConfig:
-    """The launch shape used when the caller passes none (a pure function of the shapes, so a
-    captured graph replays the same launch)."""
+                   paged: bool, block_h: Optional[int] = None,
+                   block_n: Optional[int] = None) -> KernelConfig:
+    """The launch shape used when the caller passes none: a pure function of the shapes (so a
+    captured graph replays the same launch). ``block_h``/``block_n`` pin those two."""
     if device.type != "cuda" or is_interpreter():
         # the interpreter: few, large steps; split only when asked
-        return KernelConfig(block_h=min(64, max(16, next_power_of_2(H))), block_n=64,
-                            num_splits=1, num_warps=4, num_stages=1)
-    bh = 16 if H <= 16 else (32 if H <= 32 else 64)
-    bn = 64 if bh <= 16 else 32
+        return KernelConfig(block_h=block_h or min(64, max(16, next_power_of_2(H))),
+                            block_n=block_n or 64, num_splits=1, num_warps=4, num_stages=1)
+    bh = block_h or (16 if H <= 16 else (32 if H <= 32 else 64))
+    bn = block_n or 32
     warps = 4 if bh <= 32 else 8
+    stages = 3 if bh <= 32 else 2
     n_ht = cdiv(H, bh)
     progs = max(1, T * n_ht)
     target = 2 * _sm_count(device)
     max_splits = max(1, total_width // (2 * bn))
     splits = 1 if progs >= target else min(max_splits, cdiv(target, progs), 16)
     return KernelConfig(block_h=bh, block_n=bn, num_splits=max(1, splits), num_warps=warps,
-                        num_stages=2)
+                        num_stages=stages)
 
 
 def launch(q: torch.Tensor, a: KeySet, b: Optional[KeySet], sink: Optional[torch.Tensor],
@@ -409,7 +423,7 @@ def launch(q: torch.Tensor, a: KeySet, b: Optional[KeySet], sink: Optional[torch
     da, sa = _SRC_BYTES[a.src]
     db, sbb = _SRC_BYTES[bb.src]
     grid = (T * ns * n_ht,)
-    _sparse_mla_fwd_kernel[grid](
+    k = _sparse_mla_fwd_kernel[grid](
         q, q.stride(0), q.stride(1),
         a.k, a.indices, a.indices.stride(0), a_len, a_len_st, a.indices.shape[1], a.bstride,
         a.page, a.rows,
@@ -418,21 +432,23 @@ def launch(q: torch.Tensor, a: KeySet, b: Optional[KeySet], sink: Optional[torch
         sink_arg, sink_st,
         out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1),
         po, pl,
-        H, float(softmax_scale) * LOG2E,
+        H, float(softmax_scale) * LOG2E, ns, n_ht,
         SRC_A=a.src, DATA_A=da, SCALE_A=sa,
         SRC_B=bb.src, DATA_B=db, SCALE_B=sbb,
         HAS_B=b is not None, HAS_LEN_A=a.lens is not None,
         HAS_LEN_B=bb.lens is not None, HAS_SINK=sink is not None,
-        NUM_SPLITS=ns, NUM_HT=n_ht, BH=bh, BN=cfg.block_n, DOT_F32=interp, SW=interp,
+        HAS_ROPE=(a.src == 584) or (b is not None and b.src == 584),
+        SPLIT=ns > 1, BH=bh, BN=cfg.block_n, DOT_F32=interp, SW=interp,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    LAST_LAUNCH["fwd"] = (k, cfg)
     if ns > 1:
         mbh = min(16, next_power_of_2(H))
         m_ht = cdiv(H, mbh)
         _merge_kernel[(T * m_ht,)](
             po, pl, sink_arg, sink_st, out, out.stride(0), out.stride(1),
-            lse, lse.stride(0), lse.stride(1), H,
-            NUM_SPLITS=ns, NSP=next_power_of_2(ns), BH=mbh, NUM_HT=m_ht,
+            lse, lse.stride(0), lse.stride(1), H, ns, m_ht,
+            NSP=max(2, next_power_of_2(ns)), BH=mbh,
             HAS_SINK=sink is not None, SW=interp, num_warps=4,
         )
 
