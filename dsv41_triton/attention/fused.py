@@ -239,7 +239,8 @@ def _check_fixed(**given: Any) -> None:
         elif isinstance(v, bool) or not isinstance(v, int):
             raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
         if v != want:
-            raise ValueError(f"{name}: only {want!r} is supported (FlashMLA's convention), got {v!r}")
+            raise ValueError(f"{name}: only {want!r} is supported (FlashMLA's convention), "
+                             f"got {v!r}")
 
 
 def _check_sm_scale(sm_scale: object) -> Optional[float]:
