@@ -282,31 +282,37 @@ def _fmt(name, T, H, us, case_flops, ub, extra=""):
 
 
 DECODE_SWEEP = {
-    # (H, T): configs to try (block_h, block_n, num_splits, warps, stages)
-    (8, 128): [(16, 32, 0, 4, 2), (16, 32, 0, 4, 3), (16, 64, 0, 4, 3), (16, 32, 0, 8, 3),
-               (16, 16, 0, 4, 4), (64, 32, 0, 8, 2)],
-    (64, 128): [(64, 32, 0, 8, 2), (64, 32, 0, 8, 3), (64, 16, 0, 8, 3), (64, 64, 0, 8, 2),
-                (32, 32, 0, 4, 2)],
+    # (H, T): configs to try (block_h, block_n, num_splits, warps, stages[, fold_rope]);
+    # num_splits 0 = the default heuristic's count for that block shape
+    (8, 128): [(16, 32, 2, 4, 3), (16, 32, 2, 4, 2, True), (16, 32, 2, 4, 3, True),
+               (16, 32, 2, 8, 2, True), (16, 64, 2, 4, 2, True), (16, 32, 3, 4, 2, True)],
+    (8, 1): [(16, 32, 10, 4, 3), (16, 32, 20, 4, 3), (16, 32, 20, 4, 2, True)],
+    (64, 1): [(64, 32, 20, 8, 2), (16, 32, 20, 4, 3), (32, 32, 20, 4, 2), (16, 32, 20, 4, 2, True)],
+    (64, 32): [(64, 64, 2, 8, 2), (64, 64, 4, 8, 2), (64, 32, 4, 8, 2), (16, 32, 2, 4, 3),
+               (32, 32, 2, 4, 2), (16, 32, 2, 4, 2, True)],
+    (64, 128): [(64, 64, 1, 8, 2), (64, 64, 1, 8, 2, True), (64, 64, 1, 8, 3), (32, 32, 1, 4, 2),
+                (16, 32, 1, 4, 2, True)],
+    (128, 128): [(64, 64, 1, 8, 2), (64, 64, 1, 8, 2, True), (64, 32, 1, 8, 2, True)],
 }
 PREFILL_SWEEP = {
-    8: [(16, 64, 1, 4, 3), (16, 32, 1, 4, 3), (16, 64, 1, 8, 3), (64, 64, 1, 8, 3)],
-    64: [(64, 64, 1, 8, 2), (64, 32, 1, 8, 3), (64, 64, 1, 8, 3), (64, 128, 1, 8, 2)],
+    8: [(16, 64, 1, 4, 3), (16, 128, 1, 4, 2)],
+    64: [(64, 64, 1, 8, 2), (64, 128, 1, 8, 1)],
 }
 
 
 def _cfg(t, T, H, keys, device):
-    bh, bn, ns, w, st = t
+    bh, bn, ns, w, st = t[:5]
+    fold = bool(t[5]) if len(t) > 5 else False
     if ns == 0:  # the default heuristic's split count for this block shape
         ns = default_config(T, H, keys, torch.device(device), paged=True, block_h=bh,
                             block_n=bn).num_splits
-    return KernelConfig(bh, bn, ns, w, st)
+    return KernelConfig(bh, bn, ns, w, st, fold)
 
 
 def sweep(device="cuda", deadline=None):
     lines = []
     for (H, T), cfgs in DECODE_SWEEP.items():
         case = build_decode_case(T, H, device=device)
-        best = None
         for t in cfgs:
             if deadline and time.time() > deadline:
                 break
@@ -321,26 +327,12 @@ def sweep(device="cuda", deadline=None):
             lines.append(_fmt("sweep-d", T, H, us, case.flops, case.unique_bytes[0],
                               f"{cfg} {kernel_info()}"))
             print(lines[-1], flush=True)
-            if best is None or us < best[0]:
-                best = (us, cfg)
-        if best is not None:  # split counts for the best block shape
-            for ns in (1, 2, 4, 8):
-                if deadline and time.time() > deadline:
-                    break
-                cfg = KernelConfig(best[1].block_h, best[1].block_n, ns, best[1].num_warps,
-                                   best[1].num_stages)
-                if cfg == best[1]:
-                    continue
-                us = time_decode(case, cfg)
-                lines.append(_fmt("sweep-d", T, H, us, case.flops, case.unique_bytes[0],
-                                  str(cfg)))
-                print(lines[-1], flush=True)
     for H, cfgs in PREFILL_SWEEP.items():
         case = build_prefill_case(4096, H, device=device)
         for t in cfgs:
             if deadline and time.time() > deadline:
                 break
-            cfg = KernelConfig(*t)
+            cfg = _cfg(t, 4096, H, case.keys, device)
             try:
                 us = time_graph([prefill_fn(case, cfg)], replays=10)
             except Exception as e:

@@ -54,12 +54,14 @@ _SRC_BYTES = {SRC_BF16: (0, 0), 584: (576, 8), 528: (512, 16), 288: (256, 32)}
 @triton.jit
 def _load_k_piece(k_ptr, data_off, scale_off, valid, D0: tl.constexpr, DW: tl.constexpr,
                   SRC: tl.constexpr, BN: tl.constexpr, ZERO_TAIL: tl.constexpr,
-                  DOT_F32: tl.constexpr):
+                  DOT_F32: tl.constexpr, FOLD_ROPE: tl.constexpr = False):
     """Dims ``[D0, D0 + DW)`` of ``BN`` keys -> ``[BN, DW]`` bf16 (fp32 when DOT_F32).
 
     ``data_off``/``scale_off`` [BN] int64: byte offsets of each key's data and scale rows
     (element offset of the row for bf16 rows). Invalid keys read nothing and give 0.
     ``ZERO_TAIL``: dims >= 448 are returned as 0 (they are handled by a separate RoPE piece).
+    ``FOLD_ROPE`` (584, full width): the raw bf16 RoPE tail is loaded into dims 448..511 of the
+    same tile (a masked load) instead.
     """
     vm = valid[:, None]
     d = D0 + tl.arange(0, DW)
@@ -108,6 +110,10 @@ def _load_k_piece(k_ptr, data_off, scale_off, valid, D0: tl.constexpr, DW: tl.co
         x = tl.reshape(tl.reshape(v, (BN, NG, GS)) * s[:, :, None], (BN, DW))
         if not DOT_F32:
             x = x.to(tl.bfloat16)  # exact: e4m3 * 2**e fits bf16
+        if SRC == 584 and FOLD_ROPE:
+            rp = (k_ptr + (data_off + 448))[:, None].to(tl.pointer_type(tl.bfloat16))
+            r = tl.load(rp + (d - 448)[None, :], mask=vm & (d[None, :] >= 448), other=0.0)
+            x = tl.where(d[None, :] < 448, x, r.to(x.dtype))
     return x
 
 
@@ -115,7 +121,8 @@ def _load_k_piece(k_ptr, data_off, scale_off, valid, D0: tl.constexpr, DW: tl.co
 def _attend_keyset(acc, acc_r, m_i, l_i, q, q_r,
                    k_ptr, idx_row_ptr, lo, hi, bstride, page, nrows, qk_scale,
                    SRC: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
-                   HAS_ROPE: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr):
+                   HAS_ROPE: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr,
+                   FOLD_ROPE: tl.constexpr):
     """Online softmax over key columns ``[lo, hi)`` of one index row; returns the new state.
 
     ``acc [BH, 512]`` and ``q [BH, 512]`` cover all dims; with ``HAS_ROPE`` (a 584 cache is in
@@ -137,7 +144,8 @@ def _attend_keyset(acc, acc_r, m_i, l_i, q, q_r,
             base = blk.to(tl.int64) * bstride
             data_off = tl.multiple_of(base + off.to(tl.int64) * DATA_BYTES, 16)
             scale_off = tl.multiple_of(base + page * DATA_BYTES + off.to(tl.int64) * SCALE_BYTES, 8)
-        k = _load_k_piece(k_ptr, data_off, scale_off, valid, 0, 512, SRC, BN, HAS_ROPE, DOT_F32)
+        k = _load_k_piece(k_ptr, data_off, scale_off, valid, 0, 512, SRC, BN, HAS_ROPE, DOT_F32,
+                          FOLD_ROPE)
         s = tl.dot(q, tl.trans(k))
         if HAS_ROPE:
             kr = _load_k_piece(k_ptr, data_off, scale_off, valid, 448, 64, SRC, BN, False,
@@ -194,7 +202,8 @@ def _sparse_mla_fwd_kernel(
     SRC_A: tl.constexpr, DATA_A: tl.constexpr, SCALE_A: tl.constexpr,
     SRC_B: tl.constexpr, DATA_B: tl.constexpr, SCALE_B: tl.constexpr,
     HAS_B: tl.constexpr, HAS_LEN_A: tl.constexpr, HAS_LEN_B: tl.constexpr,
-    HAS_SINK: tl.constexpr, HAS_ROPE: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_SINK: tl.constexpr, HAS_ROPE: tl.constexpr, FOLD_ROPE: tl.constexpr,
+    SPLIT: tl.constexpr,
     BH: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr, SW: tl.constexpr,
 ):
     """Grid: ``T * num_splits * num_ht`` programs (head tile fastest, then split, then token).
@@ -253,13 +262,13 @@ def _sparse_mla_fwd_kernel(
     acc, acc_r, m_i, l_i = _attend_keyset(
         acc, acc_r, m_i, l_i, q, q_r,
         a_ptr, a_idx_ptr + t * a_idx_st, lo, tl.minimum(hi, len_a), a_bstride, a_page, a_rows,
-        qk_scale, SRC_A, DATA_A, SCALE_A, HAS_ROPE, BN, DOT_F32)
+        qk_scale, SRC_A, DATA_A, SCALE_A, HAS_ROPE, BN, DOT_F32, FOLD_ROPE)
     if HAS_B:
         b_lo = tl.maximum(lo, len_a) - len_a
         acc, acc_r, m_i, l_i = _attend_keyset(
             acc, acc_r, m_i, l_i, q, q_r,
             b_ptr, b_idx_ptr + t * b_idx_st, b_lo, hi - len_a, b_bstride, b_page, b_rows,
-            qk_scale, SRC_B, DATA_B, SCALE_B, HAS_ROPE, BN, DOT_F32)
+            qk_scale, SRC_B, DATA_B, SCALE_B, HAS_ROPE, BN, DOT_F32, FOLD_ROPE)
 
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
@@ -355,6 +364,9 @@ class KernelConfig:
     num_splits: int
     num_warps: int = 4
     num_stages: int = 2
+    #: 584 records: load the bf16 RoPE tail into the main key tile (one [BH, 512] accumulator)
+    #: instead of a separate [BH, 64] RoPE accumulator
+    fold_rope: bool = False
 
 
 _SM_COUNT = {}
@@ -375,21 +387,35 @@ def default_config(T: int, H: int, total_width: int, device: torch.device, *,
                    paged: bool, block_h: Optional[int] = None,
                    block_n: Optional[int] = None) -> KernelConfig:
     """The launch shape used when the caller passes none: a pure function of the shapes (so a
-    captured graph replays the same launch). ``block_h``/``block_n`` pin those two."""
+    captured graph replays the same launch). ``block_h``/``block_n`` pin those two.
+
+    Measured on the H200 (see ``perf/bench_attention.py``): the kernel holds ~255 registers
+    per thread, so a 16/32-head tile (4 warps) gets two resident programs per SM and a 64-head
+    tile (8 warps) one; splitting the keys pays only up to about one wave of programs (the
+    fp32 partials cost bandwidth), and with few tokens several small head tiles beat one big.
+    """
     if device.type != "cuda" or is_interpreter():
         # the interpreter: few, large steps; split only when asked
         return KernelConfig(block_h=block_h or min(64, max(16, next_power_of_2(H))),
                             block_n=block_n or 64, num_splits=1, num_warps=4, num_stages=1)
-    bh = block_h or (16 if H <= 16 else (32 if H <= 32 else 64))
-    bn = block_n or 32
-    warps = 4 if bh <= 32 else 8
-    stages = 3 if bh <= 32 else 2
-    n_ht = cdiv(H, bh)
-    progs = max(1, T * n_ht)
-    target = 2 * _sm_count(device)
-    max_splits = max(1, total_width // (2 * bn))
-    splits = 1 if progs >= target else min(max_splits, cdiv(target, progs), 16)
-    return KernelConfig(block_h=bh, block_n=bn, num_splits=max(1, splits), num_warps=warps,
+    sms = _sm_count(device)
+    if block_h:
+        bh = block_h
+    elif H <= 16:
+        bh = 16
+    elif H <= 32:
+        bh = 32
+    else:
+        bh = 64 if T * cdiv(H, 64) >= sms // 4 else 16
+    bn = block_n or (64 if bh >= 64 else 32)
+    warps = 8 if bh >= 64 else 4
+    stages = 2 if bh >= 64 else 3
+    progs = max(1, T * cdiv(H, bh))
+    slots = sms * (1 if bh >= 64 else 2)
+    splits = 1
+    if progs < slots:
+        splits = max(1, min(slots // progs, cdiv(max(total_width, 1), bn), 32))
+    return KernelConfig(block_h=bh, block_n=bn, num_splits=splits, num_warps=warps,
                         num_stages=stages)
 
 
@@ -422,6 +448,7 @@ def launch(q: torch.Tensor, a: KeySet, b: Optional[KeySet], sink: Optional[torch
     b_len, b_len_st = _lens(bb)
     da, sa = _SRC_BYTES[a.src]
     db, sbb = _SRC_BYTES[bb.src]
+    rope = (a.src == 584) or (b is not None and b.src == 584)
     grid = (T * ns * n_ht,)
     k = _sparse_mla_fwd_kernel[grid](
         q, q.stride(0), q.stride(1),
@@ -437,7 +464,7 @@ def launch(q: torch.Tensor, a: KeySet, b: Optional[KeySet], sink: Optional[torch
         SRC_B=bb.src, DATA_B=db, SCALE_B=sbb,
         HAS_B=b is not None, HAS_LEN_A=a.lens is not None,
         HAS_LEN_B=bb.lens is not None, HAS_SINK=sink is not None,
-        HAS_ROPE=(a.src == 584) or (b is not None and b.src == 584),
+        HAS_ROPE=rope and not cfg.fold_rope, FOLD_ROPE=rope and cfg.fold_rope,
         SPLIT=ns > 1, BH=bh, BN=cfg.block_n, DOT_F32=interp, SW=interp,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
