@@ -15,19 +15,21 @@ SRC    key source (``k_ptr``)
 =====  ==================================================================================
 
 Records are dequantized in registers (block-split page layout of SPEC §4, int64 byte offsets,
-block stride ``cache.stride(0)``). The 512 dims are handled as four pieces
-``[0,256) [256,384) [384,448) [448,512)`` so that the RoPE tail of a 584 record (raw bf16) and
-every scale group line up with a piece; each piece has its own ``[BLOCK_H, width]`` fp32
-accumulator. Dots take bf16 operands with fp32 accumulation (fp32 operands under the
-interpreter, whose bf16 dot is wrong).
+block stride ``cache.stride(0)``) into one ``[BLOCK_N, 512]`` bf16 key tile that feeds both
+dots (``q k^T`` and ``p k``) with an fp32 ``[BLOCK_H, 512]`` accumulator. When a 584 cache is
+in play (``HAS_ROPE``) the main tile carries the 448 NoPE dims (the tail is never loaded) and
+the raw bf16 RoPE tail goes through its own ``[BLOCK_N, 64]`` tile and ``[BLOCK_H, 64]``
+accumulator; other records then split their dims the same way. Dots take bf16 operands with
+fp32 accumulation (fp32 operands under the interpreter, whose bf16 dot is wrong).
 
-With ``NUM_SPLITS > 1`` each program writes a normalized partial output and its log2-sum-exp
+With ``num_splits > 1`` each program writes a normalized partial output and its log2-sum-exp
 to fp32 workspaces, and ``_merge_kernel`` combines the splits and applies the sink. With one
 split the attention kernel applies the sink and writes ``out``/``lse`` itself. No host sync and
 no data-dependent shapes anywhere: the launches are CUDA-graph capturable.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -44,6 +46,9 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 SRC_BF16 = 0
+#: smallest key block used on a GPU: 16-key blocks (BLOCK_H 16, 584 + 288 caches) gave wrong
+#: outputs on an H200 with triton 3.6 while the interpreter and 32/64-key blocks were right
+MIN_BLOCK_N_GPU = 32
 #: SRC -> (data_bytes, scale_bytes); bf16 rows have neither
 _SRC_BYTES = {SRC_BF16: (0, 0), 584: (576, 8), 528: (512, 16), 288: (256, 32)}
 
@@ -54,14 +59,12 @@ _SRC_BYTES = {SRC_BF16: (0, 0), 584: (576, 8), 528: (512, 16), 288: (256, 32)}
 @triton.jit
 def _load_k_piece(k_ptr, data_off, scale_off, valid, D0: tl.constexpr, DW: tl.constexpr,
                   SRC: tl.constexpr, BN: tl.constexpr, ZERO_TAIL: tl.constexpr,
-                  DOT_F32: tl.constexpr, FOLD_ROPE: tl.constexpr = False):
+                  DOT_F32: tl.constexpr):
     """Dims ``[D0, D0 + DW)`` of ``BN`` keys -> ``[BN, DW]`` bf16 (fp32 when DOT_F32).
 
     ``data_off``/``scale_off`` [BN] int64: byte offsets of each key's data and scale rows
     (element offset of the row for bf16 rows). Invalid keys read nothing and give 0.
     ``ZERO_TAIL``: dims >= 448 are returned as 0 (they are handled by a separate RoPE piece).
-    ``FOLD_ROPE`` (584, full width): the raw bf16 RoPE tail is loaded into dims 448..511 of the
-    same tile (a masked load) instead.
     """
     vm = valid[:, None]
     d = D0 + tl.arange(0, DW)
@@ -110,10 +113,6 @@ def _load_k_piece(k_ptr, data_off, scale_off, valid, D0: tl.constexpr, DW: tl.co
         x = tl.reshape(tl.reshape(v, (BN, NG, GS)) * s[:, :, None], (BN, DW))
         if not DOT_F32:
             x = x.to(tl.bfloat16)  # exact: e4m3 * 2**e fits bf16
-        if SRC == 584 and FOLD_ROPE:
-            rp = (k_ptr + (data_off + 448))[:, None].to(tl.pointer_type(tl.bfloat16))
-            r = tl.load(rp + (d - 448)[None, :], mask=vm & (d[None, :] >= 448), other=0.0)
-            x = tl.where(d[None, :] < 448, x, r.to(x.dtype))
     return x
 
 
@@ -121,8 +120,7 @@ def _load_k_piece(k_ptr, data_off, scale_off, valid, D0: tl.constexpr, DW: tl.co
 def _attend_keyset(acc, acc_r, m_i, l_i, q, q_r,
                    k_ptr, idx_row_ptr, lo, hi, bstride, page, nrows, qk_scale,
                    SRC: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
-                   HAS_ROPE: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr,
-                   FOLD_ROPE: tl.constexpr):
+                   HAS_ROPE: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr):
     """Online softmax over key columns ``[lo, hi)`` of one index row; returns the new state.
 
     ``acc [BH, 512]`` and ``q [BH, 512]`` cover all dims; with ``HAS_ROPE`` (a 584 cache is in
@@ -144,8 +142,7 @@ def _attend_keyset(acc, acc_r, m_i, l_i, q, q_r,
             base = blk.to(tl.int64) * bstride
             data_off = tl.multiple_of(base + off.to(tl.int64) * DATA_BYTES, 16)
             scale_off = tl.multiple_of(base + page * DATA_BYTES + off.to(tl.int64) * SCALE_BYTES, 8)
-        k = _load_k_piece(k_ptr, data_off, scale_off, valid, 0, 512, SRC, BN, HAS_ROPE, DOT_F32,
-                          FOLD_ROPE)
+        k = _load_k_piece(k_ptr, data_off, scale_off, valid, 0, 512, SRC, BN, HAS_ROPE, DOT_F32)
         s = tl.dot(q, tl.trans(k))
         if HAS_ROPE:
             kr = _load_k_piece(k_ptr, data_off, scale_off, valid, 448, 64, SRC, BN, False,
@@ -202,8 +199,7 @@ def _sparse_mla_fwd_kernel(
     SRC_A: tl.constexpr, DATA_A: tl.constexpr, SCALE_A: tl.constexpr,
     SRC_B: tl.constexpr, DATA_B: tl.constexpr, SCALE_B: tl.constexpr,
     HAS_B: tl.constexpr, HAS_LEN_A: tl.constexpr, HAS_LEN_B: tl.constexpr,
-    HAS_SINK: tl.constexpr, HAS_ROPE: tl.constexpr, FOLD_ROPE: tl.constexpr,
-    SPLIT: tl.constexpr,
+    HAS_SINK: tl.constexpr, HAS_ROPE: tl.constexpr, SPLIT: tl.constexpr,
     BH: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr, SW: tl.constexpr,
 ):
     """Grid: ``T * num_splits * num_ht`` programs (head tile fastest, then split, then token).
@@ -262,13 +258,13 @@ def _sparse_mla_fwd_kernel(
     acc, acc_r, m_i, l_i = _attend_keyset(
         acc, acc_r, m_i, l_i, q, q_r,
         a_ptr, a_idx_ptr + t * a_idx_st, lo, tl.minimum(hi, len_a), a_bstride, a_page, a_rows,
-        qk_scale, SRC_A, DATA_A, SCALE_A, HAS_ROPE, BN, DOT_F32, FOLD_ROPE)
+        qk_scale, SRC_A, DATA_A, SCALE_A, HAS_ROPE, BN, DOT_F32)
     if HAS_B:
         b_lo = tl.maximum(lo, len_a) - len_a
         acc, acc_r, m_i, l_i = _attend_keyset(
             acc, acc_r, m_i, l_i, q, q_r,
             b_ptr, b_idx_ptr + t * b_idx_st, b_lo, hi - len_a, b_bstride, b_page, b_rows,
-            qk_scale, SRC_B, DATA_B, SCALE_B, HAS_ROPE, BN, DOT_F32, FOLD_ROPE)
+            qk_scale, SRC_B, DATA_B, SCALE_B, HAS_ROPE, BN, DOT_F32)
 
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
@@ -364,9 +360,15 @@ class KernelConfig:
     num_splits: int
     num_warps: int = 4
     num_stages: int = 2
-    #: 584 records: load the bf16 RoPE tail into the main key tile (one [BH, 512] accumulator)
-    #: instead of a separate [BH, 64] RoPE accumulator
-    fold_rope: bool = False
+
+    def __post_init__(self):
+        for name in ("block_h", "block_n"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and 16 <= v <= 256 and v & (v - 1) == 0):
+                raise ValueError(f"KernelConfig.{name}: expected a power of two in [16, 256], "
+                                 f"got {v!r}")
+        if not (isinstance(self.num_splits, int) and 1 <= self.num_splits <= 64):
+            raise ValueError(f"KernelConfig.num_splits: expected 1..64, got {self.num_splits!r}")
 
 
 _SM_COUNT = {}
@@ -383,16 +385,21 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[i]
 
 
+@functools.lru_cache(maxsize=4096)
 def default_config(T: int, H: int, total_width: int, device: torch.device, *,
                    paged: bool, block_h: Optional[int] = None,
                    block_n: Optional[int] = None) -> KernelConfig:
     """The launch shape used when the caller passes none: a pure function of the shapes (so a
     captured graph replays the same launch). ``block_h``/``block_n`` pin those two.
 
-    Measured on the H200 (see ``perf/bench_attention.py``): the kernel holds ~255 registers
-    per thread, so a 16/32-head tile (4 warps) gets two resident programs per SM and a 64-head
-    tile (8 warps) one; splitting the keys pays only up to about one wave of programs (the
-    fp32 partials cost bandwidth), and with few tokens several small head tiles beat one big.
+    From H200 measurements (``perf/bench_attention.py``): the kernel holds ~255 registers per
+    thread, so a 16/32-head tile (4 warps) gets two resident programs per SM and a 64-head
+    tile (8 warps) one; splitting the keys pays only up to about one wave of resident
+    programs (the fp32 partials cost bandwidth); with few tokens, 16-head tiles (more
+    programs) beat one 64-head tile. Decode keeps 32-key blocks everywhere (the configuration
+    whose outputs were checked on the GPU; 64-key blocks with 64-head tiles timed ~5-20%
+    faster but were not checked there); prefill with 64-head tiles uses 64-key blocks
+    (checked).
     """
     if device.type != "cuda" or is_interpreter():
         # the interpreter: few, large steps; split only when asked
@@ -401,13 +408,13 @@ def default_config(T: int, H: int, total_width: int, device: torch.device, *,
     sms = _sm_count(device)
     if block_h:
         bh = block_h
-    elif H <= 16:
+    elif H <= 16 or (paged and T * cdiv(H, 64) <= 16):
         bh = 16
     elif H <= 32:
         bh = 32
     else:
-        bh = 64 if T * cdiv(H, 64) >= sms // 4 else 16
-    bn = block_n or (64 if bh >= 64 else 32)
+        bh = 64
+    bn = block_n or (64 if (bh >= 64 and not paged) else 32)
     warps = 8 if bh >= 64 else 4
     stages = 2 if bh >= 64 else 3
     progs = max(1, T * cdiv(H, bh))
@@ -428,6 +435,10 @@ def launch(q: torch.Tensor, a: KeySet, b: Optional[KeySet], sink: Optional[torch
         return
     cfg = config or default_config(T, H, a.indices.shape[1] + (b.indices.shape[1] if b else 0),
                                    q.device, paged=a.src != SRC_BF16)
+    if q.device.type == "cuda" and not is_interpreter() and cfg.block_n < MIN_BLOCK_N_GPU:
+        raise ValueError(f"config: block_n must be >= {MIN_BLOCK_N_GPU} on a GPU, got "
+                         f"{cfg.block_n} (16-key blocks gave wrong results on an H200 with "
+                         f"triton 3.6)")
     bh, ns = cfg.block_h, cfg.num_splits
     n_ht = cdiv(H, bh)
     interp = is_interpreter()
@@ -448,7 +459,6 @@ def launch(q: torch.Tensor, a: KeySet, b: Optional[KeySet], sink: Optional[torch
     b_len, b_len_st = _lens(bb)
     da, sa = _SRC_BYTES[a.src]
     db, sbb = _SRC_BYTES[bb.src]
-    rope = (a.src == 584) or (b is not None and b.src == 584)
     grid = (T * ns * n_ht,)
     k = _sparse_mla_fwd_kernel[grid](
         q, q.stride(0), q.stride(1),
@@ -464,7 +474,7 @@ def launch(q: torch.Tensor, a: KeySet, b: Optional[KeySet], sink: Optional[torch
         SRC_B=bb.src, DATA_B=db, SCALE_B=sbb,
         HAS_B=b is not None, HAS_LEN_A=a.lens is not None,
         HAS_LEN_B=bb.lens is not None, HAS_SINK=sink is not None,
-        HAS_ROPE=rope and not cfg.fold_rope, FOLD_ROPE=rope and cfg.fold_rope,
+        HAS_ROPE=(a.src == 584) or (b is not None and b.src == 584),
         SPLIT=ns > 1, BH=bh, BN=cfg.block_n, DOT_F32=interp, SW=interp,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

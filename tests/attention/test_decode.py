@@ -6,7 +6,7 @@ CPU: the Triton interpreter, small shapes (<= 7 tokens, <= ~200 keys). GPU-marke
 import pytest
 import torch
 
-from dsv41_triton.attention._kernels import KernelConfig
+from dsv41_triton.attention._kernels import MIN_BLOCK_N_GPU, KernelConfig
 from dsv41_triton.attention.decode import sparse_mla_decode
 from dsv41_triton.attention.ref import sparse_mla_decode_ref
 from dsv41_triton.ops.records import (allocate_k_cache, encode_records_ref, get_record_format,
@@ -14,6 +14,9 @@ from dsv41_triton.ops.records import (allocate_k_cache, encode_records_ref, get_
 from dsv41_triton.testing import max_abs_err, poison_, random_k_cache, rel_err
 
 OUT_TOL = 1e-2
+#: key block for explicit configs: small on the CPU (more blocks per split in small cases);
+#: a GPU refuses blocks under MIN_BLOCK_N_GPU
+BN = 16 if not torch.cuda.is_available() else MIN_BLOCK_N_GPU
 LSE_TOL = 1e-3
 
 
@@ -78,8 +81,8 @@ def test_decode_window_only(device, swa_rec):
 @pytest.mark.parametrize("splits", [2, 3, 7])
 def test_decode_split_k(device, splits):
     args = _case(device, 4, 8, 584, 288, Ws=40, K=90)
-    o1, l1, _, _ = _check(args, KernelConfig(block_h=16, block_n=16, num_splits=1))
-    os_, ls, _, _ = _check(args, KernelConfig(block_h=16, block_n=16, num_splits=splits))
+    o1, l1, _, _ = _check(args, KernelConfig(block_h=16, block_n=BN, num_splits=1))
+    os_, ls, _, _ = _check(args, KernelConfig(block_h=16, block_n=BN, num_splits=splits))
     # same math, other reduction order
     assert rel_err(os_, o1) < 5e-3
 
@@ -111,7 +114,7 @@ def test_decode_empty_rows(device):
     args["extra_indices"][3] = -1  # token 3: only -1
     args["extra_indices"][4, :] = 10 ** 7  # token 4's extra slots are past the cache
     args["swa_lens"][4] = 0
-    for cfg in (None, KernelConfig(16, 16, 3)):
+    for cfg in (None, KernelConfig(16, BN, 3)):
         o, lse, _, _ = _check(args, cfg)
         for t in (1, 3, 4):
             assert torch.all(o[t] == 0)
@@ -122,7 +125,7 @@ def test_decode_all_empty(device):
     args = _case(device, 3, 16, Ws=16, K=16)
     args["swa_lens"].zero_()
     args["extra_indices"].fill_(-1)
-    for cfg in (None, KernelConfig(16, 16, 2)):
+    for cfg in (None, KernelConfig(16, BN, 2)):
         out = poison_(torch.empty(3, 16, 512, dtype=torch.bfloat16, device=device))
         o, lse = sparse_mla_decode(**args, out=out, _config=cfg)
         assert torch.all(o == 0)
@@ -133,12 +136,12 @@ def test_decode_all_empty(device):
 @pytest.mark.parametrize("splits", [1, 2])
 def test_decode_sink(device, sink, splits):
     args = _case(device, 3, 3, sink=sink)
-    o, lse, ro, rl = _check(args, KernelConfig(16, 16, splits))
+    o, lse, ro, rl = _check(args, KernelConfig(16, BN, splits))
     if sink == "large":
         assert o.abs().max().item() < 1e-20
     if sink == "-inf":
         args2 = dict(args, attn_sink=None)
-        o2, l2 = sparse_mla_decode(**args2, _config=KernelConfig(16, 16, splits))
+        o2, l2 = sparse_mla_decode(**args2, _config=KernelConfig(16, BN, splits))
         assert torch.equal(o, o2) and torch.equal(lse, l2)
 
 
@@ -219,6 +222,14 @@ def test_decode_bad_inputs(device):
     assert torch.isnan(out).all()
 
 
+def test_kernel_config_validation():
+    for bad in (dict(block_h=8), dict(block_h=48), dict(block_n=512), dict(num_splits=0)):
+        kw = dict(block_h=16, block_n=32, num_splits=1)
+        kw.update(bad)
+        with pytest.raises(ValueError, match="KernelConfig"):
+            KernelConfig(**kw)
+
+
 # --------------------------------------------------------------------------------------------
 # GPU: V4.1 shapes, int64 offsets, CUDA graphs
 # --------------------------------------------------------------------------------------------
@@ -236,9 +247,29 @@ def _v41_case(device, T, H, extra_rec=584, nb=512, page=64, W=128, K=512):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("H", [8, 16, 32, 64, 128])
-@pytest.mark.parametrize("T", [1, 37, 128])
+@pytest.mark.parametrize("T", [1, 37, 128, 600])
 def test_decode_v41_shapes_gpu(device, H, T):
     _check(_v41_case(device, T, H))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [
+    # one program per token (no split: the kernel applies the sink itself), each tile shape
+    (16, 32, 1, 4, 3), (32, 32, 1, 4, 3), (64, 32, 1, 8, 2), (64, 64, 1, 8, 2),
+    # 64-key blocks and splits
+    (16, 64, 2, 4, 3), (64, 64, 4, 8, 2), (16, 32, 20, 4, 3),
+])
+@pytest.mark.parametrize("extra_rec", [584, 288])
+def test_decode_gpu_configs(device, cfg, extra_rec):
+    """Launch shapes the defaults or the benchmark sweep use, checked explicitly."""
+    _check(_v41_case(device, 19, 40, extra_rec), KernelConfig(*cfg))
+
+
+@pytest.mark.gpu
+def test_decode_small_block_refused_gpu(device):
+    args = _case(device, 2, 8)
+    with pytest.raises(ValueError, match="block_n"):
+        sparse_mla_decode(**args, _config=KernelConfig(16, 16, 1))
 
 
 @pytest.mark.gpu

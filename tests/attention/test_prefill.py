@@ -2,12 +2,15 @@
 import pytest
 import torch
 
-from dsv41_triton.attention._kernels import KernelConfig
+from dsv41_triton.attention._kernels import MIN_BLOCK_N_GPU, KernelConfig
 from dsv41_triton.attention.prefill import sparse_mla_prefill
 from dsv41_triton.attention.ref import sparse_mla_prefill_ref
 from dsv41_triton.testing import max_abs_err, poison_, rel_err
 
 OUT_TOL = 1e-2
+#: key block for explicit configs: small on the CPU (more blocks per split in small cases);
+#: a GPU refuses blocks under MIN_BLOCK_N_GPU
+BN = 16 if not torch.cuda.is_available() else MIN_BLOCK_N_GPU
 LSE_TOL = 1e-3
 
 
@@ -54,8 +57,8 @@ def test_prefill_seven_tokens_one_token(device):
 @pytest.mark.parametrize("splits", [2, 5])
 def test_prefill_split_k(device, splits):
     args = _case(device, 3, 8, K=100)
-    o1, _, _, _ = _check(args, KernelConfig(16, 16, 1))
-    o2, _, _, _ = _check(args, KernelConfig(16, 16, splits))
+    o1, _, _, _ = _check(args, KernelConfig(16, BN, 1))
+    o2, _, _, _ = _check(args, KernelConfig(16, BN, splits))
     assert rel_err(o2, o1) < 5e-3
 
 
@@ -71,7 +74,7 @@ def test_prefill_empty_rows(device):
     args["lens"][0] = 0
     args["indices"][1] = -1
     args["indices"][2] = 10 ** 6
-    for cfg in (None, KernelConfig(16, 16, 2)):
+    for cfg in (None, KernelConfig(16, BN, 2)):
         o, lse, _, _ = _check(args, cfg)
         for t in (0, 1, 2):
             assert torch.all(o[t] == 0) and torch.all(lse[t] == float("inf"))
@@ -126,6 +129,14 @@ def test_prefill_bad_inputs(device):
     call(ValueError, "lens", lens=a["lens"][:1])
     call(ValueError, "attn_sink", attn_sink=torch.zeros(2, device=device))
     call(ValueError, "out", out=torch.empty(2, 3, 256, dtype=torch.bfloat16, device=device))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [(16, 32, 1, 4, 3), (16, 64, 1, 4, 3), (64, 64, 1, 8, 2),
+                                 (64, 32, 1, 8, 3), (64, 64, 3, 8, 2)])
+def test_prefill_gpu_configs(device, cfg):
+    args = _case(device, 96, 24, S=2048, K=640, p_neg=0.05, p_oob=0.0)
+    _check(args, KernelConfig(*cfg))
 
 
 @pytest.mark.gpu
