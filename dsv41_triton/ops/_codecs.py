@@ -70,7 +70,10 @@ def e2m1_code_to_f32(c):
     ex = m >> 1
     mag = tl.where(ex == 0, (m & 1).to(tl.float32) * 0.5,
                    exp2_int(ex - 1) * (1.0 + (m & 1).to(tl.float32) * 0.5))
-    return tl.where((c & 8) != 0, -mag, mag)
+    # the sign goes in by bits: `-mag` may compile to `0 - mag`, which loses the sign of zero
+    # (code 8 is -0.0, and the gather must be bit-exact)
+    sign = ((c & 8) != 0).to(tl.int32) << 31
+    return (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

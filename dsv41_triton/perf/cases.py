@@ -232,6 +232,8 @@ def _gpu_cases(p: Preset, quick: bool) -> List[Case]:
         fs, fe = (p.fused_records or p.decode_records)[0]
         cases.append(Case("decode_fused", 128, max(p.heads), fs, fe, W, K, r, requests=128,
                           layout="interleaved", q_norm=p.q_norm))
+        cases.append(Case("prefill_fused", 1024, max(p.heads), window=W, topk=K, ratio=r,
+                          layout="interleaved", q_norm=p.q_norm))
         rec = p.op_records[0]
         cases += [
             Case("insert", 32768, swa_record=rec),

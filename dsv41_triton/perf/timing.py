@@ -65,6 +65,23 @@ def capture_graph(fn: Callable[[], object]) -> "torch.cuda.CUDAGraph":
     return g
 
 
+def _host_sync_in(fn: Callable[[], object]) -> Optional[str]:
+    """Run ``fn`` once with PyTorch's sync debug mode set to "error"; return why it synchronized
+    with the host (None if it did not). A call that syncs cannot be captured in a CUDA graph,
+    and a capture that fails half-way can leave the CUDA RNG thinking it is still capturing
+    (later ``normal_()`` calls then raise), so such calls are never captured."""
+    prev = torch.cuda.get_sync_debug_mode()
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        fn()
+        return None
+    except RuntimeError as e:
+        return (str(e).splitlines() or [type(e).__name__])[0][:80]
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+        torch.cuda.synchronize()
+
+
 def time_cuda(
     fn: Callable[[], object],
     *,
@@ -80,11 +97,14 @@ def time_cuda(
     torch.cuda.synchronize()
     run, method, note = fn, "cuda-events", ""
     graph = None
-    if use_graph:
+    sync = _host_sync_in(fn) if use_graph else None
+    if sync is not None:
+        note = f"host sync in the call ({sync}): not captured, timed eagerly"
+    elif use_graph:
         try:
             graph = capture_graph(fn)
             run, method = graph.replay, "cuda-graph"
-        except Exception as e:  # host syncs or allocations that cannot be captured
+        except Exception as e:  # allocations or other work that cannot be captured
             torch.cuda.synchronize()
             note = f"graph capture failed ({type(e).__name__}), timed eagerly"
     buf = _flush_buffer(device) if flush_l2 else None

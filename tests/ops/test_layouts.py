@@ -97,17 +97,21 @@ def test_wo_a_permutation_gemm(H):
     assert torch.equal(permute_wo_a(w[0].T.contiguous(), dim=0), wp[0].T)
 
 
-def test_epilogue_interleaved_feeds_permuted_wo_a():
+def test_epilogue_interleaved_feeds_permuted_wo_a(device):
     """End to end: the interleaved MXFP8 output through the permuted wo_a equals the standard
     output through the original wo_a."""
     T, H, L = 3, 16, 24
-    cs = make_cos_sin_cache(64)
-    o = torch.randn(T, H, 512).to(torch.bfloat16)
-    pos = torch.tensor([0, 17, 63])
+    cs = make_cos_sin_cache(64, device=device)
+    o = torch.randn(T, H, 512).to(torch.bfloat16).to(device)
+    pos = torch.tensor([0, 17, 63], device=device)
     w = _ints(H // 8, L, 4096, dtype=torch.float64)
-    ys = torch.einsum("tgk,glk->tgl", mxfp8_dequantize(*rope_mxfp8_epilogue(o, pos, cs, "standard")).double(), w)
-    yi = torch.einsum("tgk,glk->tgl", mxfp8_dequantize(*rope_mxfp8_epilogue(o, pos, cs, "interleaved")).double(),
-                      permute_wo_a(w))
+
+    def through(layout, weight):
+        x = mxfp8_dequantize(*rope_mxfp8_epilogue(o, pos, cs, layout)).double().cpu()
+        return torch.einsum("tgk,glk->tgl", x, weight)
+
+    ys = through("standard", w)
+    yi = through("interleaved", permute_wo_a(w))
     torch.testing.assert_close(yi, ys, rtol=1e-12, atol=1e-9)
 
 

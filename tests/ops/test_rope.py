@@ -19,15 +19,23 @@ def _ordinal(t: torch.Tensor) -> torch.Tensor:
     return torch.where(b < 0, -mag, mag)
 
 
-def assert_close_ulp(out: torch.Tensor, ref: torch.Tensor, max_ulp: int = 1):
-    """Bit-equal under the interpreter (no FMA contraction there); within ``max_ulp`` units in
-    the last place on a GPU (fused multiply-adds may round the fp32 value differently)."""
+def assert_close_ulp(out: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, max_ulp: int = 1):
+    """Bit-equal under the interpreter (no FMA contraction there). On a GPU, fused multiply-adds
+    round ``a*cos - b*sin`` once instead of twice: within ``max_ulp`` units in the last place,
+    plus fp32 rounding (2**-23) of the terms, whose size is bounded by the row's max |x| —
+    when the two terms cancel, the result is small and its ulp far below the terms' rounding."""
     assert not torch.isnan(out.float()).any(), "unwritten (NaN) elements"
     d = (_ordinal(out.cpu()) - _ordinal(ref.cpu())).abs()
     if is_interpreter():
         assert d.max().item() == 0, f"not bit-equal: {int((d > 0).sum())} elements differ"
-    else:
-        assert d.max().item() <= max_ulp, f"max ulp diff {d.max().item()}"
+        return
+    bad = d > max_ulp
+    if bad.any():
+        err = (out.double() - ref.double()).abs()
+        terms = x.double().abs().amax(-1, keepdim=True) * 2.0**-23
+        ulp_ref = ref.double().abs() * 2.0 ** -(torch.finfo(ref.dtype).nmant)
+        ok = err <= max_ulp * ulp_ref + 2 * terms
+        assert ok.all(), f"max ulp diff {d.max().item()}, {int((~ok).sum())} elements beyond the FMA bound"
 
 
 def _positions(T, max_pos, device, dtype=torch.int64, edge=True):
@@ -50,7 +58,7 @@ def test_apply_rope_matches_ref(device, T, H, inverse):
     ref = apply_rope_ref(x, pos, cs, inverse=inverse)
     # NoPE dims are a plain copy: always bit-equal
     assert torch.equal(out[..., :448].view(torch.int16), x[..., :448].view(torch.int16))
-    assert_close_ulp(out, ref)
+    assert_close_ulp(out, ref, x)
     # a rotation really happened on the in-range tokens (a test that cannot fail is a defect)
     if T >= 2:
         assert not torch.equal(out[1, :, 448:], x[1, :, 448:])
@@ -76,7 +84,7 @@ def test_apply_rope_int32_positions_other_dtypes(device, dtype):
     pos = torch.tensor([7, 0, 49], dtype=torch.int32, device=device)
     out = apply_rope(x, pos, cs, inverse=True)
     ref = apply_rope_ref(x, pos, cs, inverse=True)
-    assert_close_ulp(out, ref)
+    assert_close_ulp(out, ref, x)
 
 
 def test_apply_rope_roundtrip(device):
@@ -98,8 +106,9 @@ def test_apply_rope_in_place_and_strided(device):
     pos = _positions(T, 40, device)
     ref = apply_rope_ref(x, pos, cs)
     untouched = big[:, 1::2].clone()
+    x_in = x.clone()
     apply_rope(x, pos, cs, out=x)
-    assert_close_ulp(x, ref)
+    assert_close_ulp(x, ref, x_in)
     assert torch.equal(big[:, 1::2], untouched)
 
 
@@ -158,4 +167,4 @@ def test_apply_rope_large_gpu():
     for inverse in (False, True):
         out = poison_(torch.empty_like(x))
         apply_rope(x, pos, cs, inverse=inverse, out=out)
-        assert_close_ulp(out, apply_rope_ref(x, pos, cs, inverse=inverse))
+        assert_close_ulp(out, apply_rope_ref(x, pos, cs, inverse=inverse), x)

@@ -138,7 +138,9 @@ def test_wrong_backends_are_flagged_and_the_run_goes_on(tmp_path):
     assert co[co["family"] == "global_topk"]["note"].str.contains("lens differ").all()
 
     # the rows after the failures still ran
-    assert (by["torch"]["status"] == "ok").all()
+    # (on a GPU the float64 torch oracle skips cases above its size limit, by design)
+    torch_rows = by["torch"]["status"]
+    assert torch_rows.isin(["ok", "skipped"]).all() and (torch_rows == "ok").any()
     md = (out / "report.md").read_text()
     assert "failing rows" in md
     for name in ("double_scaled", "double_raising", "corrupt_ops"):
