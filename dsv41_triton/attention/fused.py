@@ -89,9 +89,9 @@ from .._utils import (
     next_power_of_2,
 )
 from ..ops._codecs import f32_to_bf16
-from ..ops.layouts import GROUP_WIDTH, WV_GROUP_SIZE, check_layout
-from ..ops.mxfp8 import _rope_mxfp8_epilogue_kernel, alloc_mxfp8_output
-from ..ops.mxfp8_ref import MXFP8_CHUNK, SCALE_WORDS
+from ..ops.layouts import WV_GROUP_SIZE, check_layout
+from ..ops.mxfp8 import alloc_mxfp8_output, check_mxfp8_output, rope_mxfp8_epilogue
+from ..ops.mxfp8_ref import MXFP8_CHUNK
 from ..ops.records import check_k_cache
 from ..ops.rope import check_rope_args, rope_cos_sin, rope_interleaved
 from .decode import EXTRA_RECORDS, SWA_RECORDS, sparse_mla_decode
@@ -171,24 +171,6 @@ def _launch_q_prologue(q, positions, cos_sin_cache, out, interleaved: bool, norm
         INTERLEAVED=interleaved,
         NORM=norm,
         BLOCK_H=block_h,
-        SW=is_interpreter(),
-        num_warps=4,
-    )
-
-
-def _launch_epilogue(o, positions, cos_sin_cache, layout, data, scale) -> None:
-    """The inverse-RoPE + MXFP8 kernel of ``ops.mxfp8`` on validated arguments (called
-    directly so that token-range slices of a step's scale buffer are accepted)."""
-    T, H, _ = o.shape
-    if T == 0:
-        return
-    _rope_mxfp8_epilogue_kernel[(T, H // WV_GROUP_SIZE)](
-        o, positions, cos_sin_cache, data.view(torch.uint8), scale,
-        cos_sin_cache.shape[0],
-        o.stride(0), o.stride(1), cos_sin_cache.stride(0),
-        data.stride(0), data.stride(1),
-        scale.stride(0), scale.stride(1), scale.stride(2),
-        INTERLEAVED=layout == "interleaved",
         SW=is_interpreter(),
         num_warps=4,
     )
@@ -282,33 +264,14 @@ def _check_n_wv_group(n_wv_group: object, H: int) -> int:
 
 def check_fused_output(data: object, scale: object, num_tokens: int, n_groups: int,
                        device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Validate (or allocate, where ``None``) the fused output pair.
-
-    ``data [T, G, 4096]`` float8_e4m3fn with a contiguous last dim (other strides free);
-    ``scale [T, G, 32]`` int32, MN-major and TMA-aligned: ``stride(0) == 1``, ``stride(2)`` a
-    multiple of 4 and ``>= T``, ``stride(1) == 32 * stride(2)`` (strides of size-1 dims are
-    free). :func:`~dsv41_triton.ops.mxfp8.alloc_mxfp8_output` and token-range slices of it
-    qualify. Raises TypeError/ValueError naming the argument.
-    """
-    T, G = num_tokens, n_groups
+    """Allocate the missing half of the fused output pair (``None``), then validate both with
+    :func:`~dsv41_triton.ops.mxfp8.check_mxfp8_output` (token-range slices of a step's
+    buffer qualify). Raises TypeError/ValueError naming the argument."""
     if data is None or scale is None:
-        d_new, s_new = alloc_mxfp8_output(T, G, device)
+        d_new, s_new = alloc_mxfp8_output(num_tokens, n_groups, device)
         data = d_new if data is None else data
         scale = s_new if scale is None else scale
-    check_tensor("data", data, dtypes=(torch.float8_e4m3fn,), ndims=3)
-    check_shape("data", data, [T, G, GROUP_WIDTH])
-    check_tensor("scale", scale, dtypes=(torch.int32,), ndims=3, contiguous_last=False)
-    check_shape("scale", scale, [T, G, SCALE_WORDS])
-    s0, s1, s2 = scale.stride()
-    ok = (T <= 1 or s0 == 1) and s2 % 4 == 0 and s2 >= T and (G <= 1 or s1 == SCALE_WORDS * s2)
-    if not ok:
-        raise ValueError(
-            f"scale: expected MN-major TMA-aligned strides (stride(0) == 1, stride(2) a multiple "
-            f"of 4 and >= T = {T}, stride(1) == 32 * stride(2); e.g. alloc_mxfp8_output or a "
-            f"token slice of one), got {tuple(scale.stride())}"
-        )
-    check_same_device(data=data, scale=scale)
-    return data, scale
+    return check_mxfp8_output(data, scale, num_tokens, n_groups)
 
 
 def _check_common(q, sm_scale, d_v, attn_sink, topk_length, enable_q_norm, rms_norm_eps,
@@ -467,7 +430,7 @@ def sparse_mla_decode_fused(
                        enable_q_norm, eps)
     o, lse = sparse_mla_decode(q_rot, kv, indices, topk_length, extra_kv, extra_indices,
                                extra_topk_length, attn_sink=attn_sink, softmax_scale=scale_f)
-    _launch_epilogue(o, token_positions, cos_sin_cache, layout, data, scale)
+    rope_mxfp8_epilogue(o, token_positions, cos_sin_cache, layout, data, scale)
     return data, scale, lse
 
 
@@ -529,7 +492,7 @@ def sparse_mla_prefill_fused(
                        enable_q_norm, eps)
     o, lse = sparse_mla_prefill(q_rot, kv, indices, topk_length, attn_sink=attn_sink,
                                 softmax_scale=scale_f)
-    _launch_epilogue(o, token_positions, cos_sin_cache, layout, data, scale)
+    rope_mxfp8_epilogue(o, token_positions, cos_sin_cache, layout, data, scale)
     return data, scale, None, lse
 
 

@@ -672,10 +672,12 @@ class DeepseekV41Attention(nn.Module):
         return self.attn_sink
 
     def _write(self, output: AttnOut, start: int, end: int, res) -> None:
-        """Copy a fused backend's ``(data, scale, lse)`` into the step's output pair."""
-        data, scale = res[0], res[1]
-        output.data[start:end].copy_(data)
-        output.scale[start:end].copy_(scale)
+        """Make sure a fused backend's ``(data, scale, lse)`` landed in the step's output pair:
+        backends write into the token slices they were given; one that returned other tensors
+        is copied."""
+        for got, dst in ((res[0], output.data[start:end]), (res[1], output.scale[start:end])):
+            if got.data_ptr() != dst.data_ptr() or got.stride() != dst.stride():
+                dst.copy_(got)
 
     def _forward_decode(self, q, positions, output: AttnOut, md: StepMetadata, topk_indices):
         Td = q.shape[0]
@@ -691,7 +693,8 @@ class DeepseekV41Attention(nn.Module):
             res = self.backend.sparse_mla_decode_fused(
                 q, positions, self.cos_sin_cache, self.swa_cache, md.decode_swa_indices,
                 md.decode_swa_lens, *extra, attn_sink=self._sink(), softmax_scale=self.scale,
-                q_norm_eps=self.eps if self.config.q_head_norm else None, layout=self.layout)
+                q_norm_eps=self.eps if self.config.q_head_norm else None, layout=self.layout,
+                data=output.data[:Td], scale=output.scale[:Td])
             self._write(output, 0, Td, res)
         else:
             self.backend.sparse_mla_decode(
@@ -731,7 +734,8 @@ class DeepseekV41Attention(nn.Module):
                 res = self.backend.sparse_mla_prefill_fused(
                     q[a:b], positions[a:b], self.cos_sin_cache, kv, idx, lens,
                     attn_sink=self._sink(), softmax_scale=self.scale,
-                    q_norm_eps=self.eps if self.config.q_head_norm else None, layout=self.layout)
+                    q_norm_eps=self.eps if self.config.q_head_norm else None, layout=self.layout,
+                    data=output.data[a:b], scale=output.scale[a:b])
                 self._write(output, a, b, res)
             else:
                 self.backend.sparse_mla_prefill(q[a:b], kv, idx, lens, attn_sink=self._sink(),

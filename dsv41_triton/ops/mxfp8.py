@@ -37,12 +37,7 @@ from .._utils import (
 )
 from ._codecs import exp2_int, f32_to_e4m3_bits, ue8m0_exponent
 from .layouts import GROUP_WIDTH, WV_GROUP_SIZE, check_layout
-from .mxfp8_ref import (
-    MXFP8_AMAX_FLOOR,
-    MXFP8_CHUNK,
-    SCALE_WORDS,
-    mxfp8_dequantize_ref,
-)
+from .mxfp8_ref import SCALE_WORDS, mxfp8_dequantize_ref
 from .rope import check_rope_args, rope_elementwise
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -168,21 +163,27 @@ def check_mxfp8_output(
     data_name: str = "data",
     scale_name: str = "scale",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Validate a caller-provided output pair (dtypes, shapes, the MN-major ``scale`` strides;
-    strides of size-1 dims are not constrained). Raises TypeError/ValueError naming the
-    argument."""
+    """Validate a caller-provided output pair; raise TypeError/ValueError naming the argument.
+
+    ``data [T, G, 4096]`` float8_e4m3fn with a contiguous last dim (other strides free);
+    ``scale [T, G, 32]`` int32, MN-major and TMA-aligned: ``stride(0) == 1``, ``stride(2)`` a
+    multiple of 4 and ``>= T``, ``stride(1) == 32 * stride(2)`` (strides of size-1 dims are
+    free). :func:`alloc_mxfp8_output` and token-range slices of it (how a serving step hands
+    one buffer's rows to its decode and prefill parts) qualify.
+    """
+    T, G = num_tokens, n_groups
     check_tensor(data_name, data, dtypes=(torch.float8_e4m3fn,), ndims=3)
-    check_shape(data_name, data, [num_tokens, n_groups, GROUP_WIDTH])
+    check_shape(data_name, data, [T, G, GROUP_WIDTH])
     check_tensor(scale_name, scale, dtypes=(torch.int32,), ndims=3, contiguous_last=False)
-    check_shape(scale_name, scale, [num_tokens, n_groups, SCALE_WORDS])
-    want = mxfp8_scale_strides(num_tokens)
-    for dim in range(3):
-        if scale.shape[dim] > 1 and scale.stride(dim) != want[dim]:
-            raise ValueError(
-                f"{scale_name}: expected the MN-major strides {want} (stride(0) == 1, dim-2 "
-                f"stride round_up(T, 4), dim-1 stride 32 * round_up(T, 4); use "
-                f"alloc_mxfp8_output), got {tuple(scale.stride())}"
-            )
+    check_shape(scale_name, scale, [T, G, SCALE_WORDS])
+    s0, s1, s2 = scale.stride()
+    ok = (T <= 1 or s0 == 1) and s2 % 4 == 0 and s2 >= T and (G <= 1 or s1 == SCALE_WORDS * s2)
+    if not ok:
+        raise ValueError(
+            f"{scale_name}: expected MN-major TMA-aligned strides (stride(0) == 1, stride(2) a "
+            f"multiple of 4 and >= T = {T}, stride(1) == 32 * stride(2); e.g. "
+            f"alloc_mxfp8_output or a token slice of one), got {tuple(scale.stride())}"
+        )
     check_same_device(**{data_name: data, scale_name: scale})
     return data, scale
 

@@ -545,7 +545,7 @@ def _forbid_launch(monkeypatch):
         raise AssertionError("a kernel was launched before the bad argument was caught")
 
     monkeypatch.setattr(fused_mod, "_launch_q_prologue", boom)
-    monkeypatch.setattr(fused_mod, "_launch_epilogue", boom)
+    monkeypatch.setattr(fused_mod, "rope_mxfp8_epilogue", boom)
     monkeypatch.setattr(fused_mod, "sparse_mla_decode", boom)
     monkeypatch.setattr(fused_mod, "sparse_mla_prefill", boom)
 

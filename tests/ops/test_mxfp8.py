@@ -225,12 +225,18 @@ def test_epilogue_bad_inputs():
     with pytest.raises(ValueError, match="positions"):
         rope_mxfp8_epilogue(o, pos[:2], cs)
     data, scale = alloc_mxfp8_output(3, 2)
-    with pytest.raises(ValueError, match="scale: expected the MN-major strides"):
+    with pytest.raises(ValueError, match="scale: expected MN-major TMA-aligned strides"):
         rope_mxfp8_epilogue(o, pos, cs, data=data, scale=torch.empty(3, 2, 32, dtype=torch.int32))
-    with pytest.raises(ValueError, match="scale: expected the MN-major strides"):
-        # right strides for T = 4, wrong for T = 3 (dim-2 stride must be round_up(3, 4) = 4 ...)
-        s5 = alloc_mxfp8_output(5, 2)[1][:3]
-        rope_mxfp8_epilogue(o, pos, cs, data=data, scale=s5)
+    with pytest.raises(ValueError, match="scale: expected MN-major TMA-aligned strides"):
+        # MN-major but the dim-2 stride (3) is not TMA-aligned (a multiple of 4)
+        s3 = torch.empty(2 * 32 * 3, dtype=torch.int32).as_strided((3, 2, 32), (1, 96, 3))
+        rope_mxfp8_epilogue(o, pos, cs, data=data, scale=s3)
+    # a token-range slice of a bigger step buffer is accepted (and written in place)
+    d5, s5 = alloc_mxfp8_output(5, 2)
+    poison_(d5), poison_(s5)
+    rope_mxfp8_epilogue(o, pos, cs, data=d5[1:4], scale=s5[1:4])
+    ref_d, ref_s = rope_mxfp8_epilogue(o, pos, cs)
+    assert torch.equal(s5[1:4], ref_s) and torch.equal(d5[1:4].view(torch.uint8), ref_d.view(torch.uint8))
     with pytest.raises(TypeError, match="scale"):
         rope_mxfp8_epilogue(o, pos, cs, data=data, scale=scale.to(torch.int64))
     with pytest.raises(TypeError, match="data"):
