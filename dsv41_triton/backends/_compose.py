@@ -91,3 +91,31 @@ def fused_via_steps(
         data.copy_(d)
         scale.copy_(s)
     return data, scale, lse
+
+
+class ComposedFusedMixin:
+    """The fused entry points of a backend that has only bf16 attention: its own
+    ``sparse_mla_decode`` / ``sparse_mla_prefill`` between the prologue and the epilogue of
+    :func:`fused_via_steps`, implemented by ``fused_steps_impl`` ("triton" or "torch")."""
+
+    fused_steps_impl = "triton"
+
+    def sparse_mla_decode_fused(self, q, positions, cos_sin_cache, swa_cache, swa_indices,
+                                swa_lens, extra_cache=None, extra_indices=None, extra_lens=None,
+                                attn_sink=None, softmax_scale=None, q_norm_eps=None,
+                                layout="standard", data=None, scale=None):
+        def attn(qr):
+            return self.sparse_mla_decode(qr, swa_cache, swa_indices, swa_lens, extra_cache,
+                                          extra_indices, extra_lens, attn_sink, softmax_scale)
+
+        return fused_via_steps(attn, q, positions, cos_sin_cache, q_norm_eps, layout, data,
+                               scale, impl=self.fused_steps_impl)
+
+    def sparse_mla_prefill_fused(self, q, positions, cos_sin_cache, kv, indices, lens=None,
+                                 attn_sink=None, softmax_scale=None, q_norm_eps=None,
+                                 layout="standard", data=None, scale=None):
+        def attn(qr):
+            return self.sparse_mla_prefill(qr, kv, indices, lens, attn_sink, softmax_scale)
+
+        return fused_via_steps(attn, q, positions, cos_sin_cache, q_norm_eps, layout, data,
+                               scale, impl=self.fused_steps_impl)

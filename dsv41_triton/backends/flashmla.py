@@ -26,14 +26,16 @@ from ._flashmla_common import (
     pad_sink,
     padded_heads,
 )
+from ._compose import ComposedFusedMixin
 from .base import Availability, AttentionBackend, Problem, device_capability, module_available
 
 _DECODE_TOPK_MULTIPLE = 64
 _PREFILL_TOPK_MULTIPLE = 128
 
 
-class FlashMLABackend(AttentionBackend):
+class FlashMLABackend(ComposedFusedMixin, AttentionBackend):
     name = "flashmla"
+    fused_steps_impl = "triton"  # our RoPE prologue and MXFP8 epilogue around FlashMLA
     description = "FlashMLA sparse decode/prefill kernels (SM90a, SM100), heads padded to 64/128"
 
     def probe(self, problem: Problem) -> Availability:
@@ -129,27 +131,3 @@ class FlashMLABackend(AttentionBackend):
         lse.copy_(l.reshape(T, hp)[:, :H])
         return out, lse
 
-    # ---------------------------------------------------------------------------------------
-    def sparse_mla_decode_fused(self, q, positions, cos_sin_cache, swa_cache, swa_indices,
-                                swa_lens, extra_cache=None, extra_indices=None, extra_lens=None,
-                                attn_sink=None, softmax_scale=None, q_norm_eps=None,
-                                layout="standard", data=None, scale=None):
-        from ._compose import fused_via_steps
-
-        def attn(qr):
-            return self.sparse_mla_decode(qr, swa_cache, swa_indices, swa_lens, extra_cache,
-                                          extra_indices, extra_lens, attn_sink, softmax_scale)
-
-        return fused_via_steps(attn, q, positions, cos_sin_cache, q_norm_eps, layout, data,
-                               scale, impl="triton")
-
-    def sparse_mla_prefill_fused(self, q, positions, cos_sin_cache, kv, indices, lens=None,
-                                 attn_sink=None, softmax_scale=None, q_norm_eps=None,
-                                 layout="standard", data=None, scale=None):
-        from ._compose import fused_via_steps
-
-        def attn(qr):
-            return self.sparse_mla_prefill(qr, kv, indices, lens, attn_sink, softmax_scale)
-
-        return fused_via_steps(attn, q, positions, cos_sin_cache, q_norm_eps, layout, data,
-                               scale, impl="triton")

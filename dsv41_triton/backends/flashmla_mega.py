@@ -15,8 +15,6 @@ packed four to an int32, MN-major TMA-aligned scale layout, 8 heads per output g
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import torch
 
 from . import _checks

@@ -11,6 +11,7 @@ import torch
 
 from .._utils import HEAD_DIM, check_tensor
 from . import _checks
+from ._compose import ComposedFusedMixin
 from .base import Availability, AttentionBackend, Problem, module_available
 
 
@@ -24,8 +25,9 @@ def _write_out(res: torch.Tensor, q: torch.Tensor, out: Optional[torch.Tensor]) 
     return out
 
 
-class TorchBackend(AttentionBackend):
+class TorchBackend(ComposedFusedMixin, AttentionBackend):
     name = "torch"
+    fused_steps_impl = "torch"  # the fused contract from the references, step by step
     description = "plain PyTorch float64 reference (any device, slow)"
 
     def probe(self, problem: Problem) -> Availability:
@@ -65,27 +67,3 @@ class TorchBackend(AttentionBackend):
                                           softmax_scale=softmax_scale)
         return _write_out(res, q, out), lse.float()
 
-    # ---------------------------------------------------------------------------------------
-    def sparse_mla_decode_fused(self, q, positions, cos_sin_cache, swa_cache, swa_indices,
-                                swa_lens, extra_cache=None, extra_indices=None, extra_lens=None,
-                                attn_sink=None, softmax_scale=None, q_norm_eps=None,
-                                layout="standard", data=None, scale=None):
-        from ._compose import fused_via_steps
-
-        def attn(qr):
-            return self.sparse_mla_decode(qr, swa_cache, swa_indices, swa_lens, extra_cache,
-                                          extra_indices, extra_lens, attn_sink, softmax_scale)
-
-        return fused_via_steps(attn, q, positions, cos_sin_cache, q_norm_eps, layout, data,
-                               scale, impl="torch")
-
-    def sparse_mla_prefill_fused(self, q, positions, cos_sin_cache, kv, indices, lens=None,
-                                 attn_sink=None, softmax_scale=None, q_norm_eps=None,
-                                 layout="standard", data=None, scale=None):
-        from ._compose import fused_via_steps
-
-        def attn(qr):
-            return self.sparse_mla_prefill(qr, kv, indices, lens, attn_sink, softmax_scale)
-
-        return fused_via_steps(attn, q, positions, cos_sin_cache, q_norm_eps, layout, data,
-                               scale, impl="torch")

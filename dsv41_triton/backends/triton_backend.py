@@ -2,9 +2,8 @@
 
 Without a GPU the same kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``): that is
 available (tests use it) but never picked by ``auto``. Any head count works (no padding), every
-record width is read in-kernel. The fused contract uses ``attention.fused`` (its Triton
-prologue + the bf16 kernels + the inverse-RoPE/MXFP8 epilogue) when present, else the same
-steps composed here from ``ops.rope`` and ``ops.mxfp8``.
+record width is read in-kernel. The fused contract is ``attention.fused`` (its Triton
+prologue + the bf16 kernels + the inverse-RoPE/MXFP8 epilogue).
 """
 from __future__ import annotations
 
@@ -35,10 +34,8 @@ class TritonBackend(AttentionBackend):
         need = {
             "decode": ("dsv41_triton.attention.decode",),
             "prefill": ("dsv41_triton.attention.prefill",),
-            "decode_fused": ("dsv41_triton.attention.decode", "dsv41_triton.ops.rope",
-                             "dsv41_triton.ops.mxfp8"),
-            "prefill_fused": ("dsv41_triton.attention.prefill", "dsv41_triton.ops.rope",
-                              "dsv41_triton.ops.mxfp8"),
+            "decode_fused": ("dsv41_triton.attention.fused",),
+            "prefill_fused": ("dsv41_triton.attention.fused",),
         }[problem.kind]
         if problem.kind.endswith("_fused") and problem.layout == "interleaved":
             need = need + ("dsv41_triton.ops.layouts",)
@@ -82,15 +79,6 @@ class TritonBackend(AttentionBackend):
 
     # ---------------------------------------------------------------------------------------
     @staticmethod
-    def _fused_module():
-        """``dsv41_triton.attention.fused`` (the fused Triton pipeline) when present."""
-        if not module_available("dsv41_triton.attention.fused"):
-            return None
-        from ..attention import fused
-
-        return fused
-
-    @staticmethod
     def _norm_kw(q_norm_eps):
         return {} if q_norm_eps is None else {"enable_q_norm": True, "rms_norm_eps": q_norm_eps}
 
@@ -98,42 +86,25 @@ class TritonBackend(AttentionBackend):
                                 swa_lens, extra_cache=None, extra_indices=None, extra_lens=None,
                                 attn_sink=None, softmax_scale=None, q_norm_eps=None,
                                 layout="standard", data=None, scale=None):
-        fused = self._fused_module()
-        if fused is not None:
-            from ._compose import check_fused_common
+        from ..attention.fused import sparse_mla_decode_fused
+        from ._compose import check_fused_common
 
-            check_fused_common(q, positions, cos_sin_cache, layout, q_norm_eps)
-            d, s, lse = fused.sparse_mla_decode_fused(
-                q, swa_cache, swa_indices, softmax_scale, 512, attn_sink, swa_lens, extra_cache,
-                extra_indices, extra_lens, token_positions=positions, cos_sin_cache=cos_sin_cache,
-                data=data, scale=scale, layout=layout, **self._norm_kw(q_norm_eps))
-            return d, s, lse
-        from ._compose import fused_via_steps
-
-        def attn(qr):
-            return self.sparse_mla_decode(qr, swa_cache, swa_indices, swa_lens, extra_cache,
-                                          extra_indices, extra_lens, attn_sink, softmax_scale)
-
-        return fused_via_steps(attn, q, positions, cos_sin_cache, q_norm_eps, layout, data,
-                               scale, impl="triton")
+        check_fused_common(q, positions, cos_sin_cache, layout, q_norm_eps)
+        data, scale, lse = sparse_mla_decode_fused(
+            q, swa_cache, swa_indices, softmax_scale, 512, attn_sink, swa_lens, extra_cache,
+            extra_indices, extra_lens, token_positions=positions, cos_sin_cache=cos_sin_cache,
+            data=data, scale=scale, layout=layout, **self._norm_kw(q_norm_eps))
+        return data, scale, lse
 
     def sparse_mla_prefill_fused(self, q, positions, cos_sin_cache, kv, indices, lens=None,
                                  attn_sink=None, softmax_scale=None, q_norm_eps=None,
                                  layout="standard", data=None, scale=None):
-        fused = self._fused_module()
-        if fused is not None:
-            from ._compose import check_fused_common
+        from ..attention.fused import sparse_mla_prefill_fused
+        from ._compose import check_fused_common
 
-            check_fused_common(q, positions, cos_sin_cache, layout, q_norm_eps)
-            res = fused.sparse_mla_prefill_fused(
-                q, kv, indices, softmax_scale, 512, attn_sink, lens, token_positions=positions,
-                cos_sin_cache=cos_sin_cache, data=data, scale=scale, layout=layout,
-                **self._norm_kw(q_norm_eps))
-            return res[0], res[1], res[-1]
-        from ._compose import fused_via_steps
-
-        def attn(qr):
-            return self.sparse_mla_prefill(qr, kv, indices, lens, attn_sink, softmax_scale)
-
-        return fused_via_steps(attn, q, positions, cos_sin_cache, q_norm_eps, layout, data,
-                               scale, impl="triton")
+        check_fused_common(q, positions, cos_sin_cache, layout, q_norm_eps)
+        res = sparse_mla_prefill_fused(
+            q, kv, indices, softmax_scale, 512, attn_sink, lens, token_positions=positions,
+            cos_sin_cache=cos_sin_cache, data=data, scale=scale, layout=layout,
+            **self._norm_kw(q_norm_eps))
+        return res[0], res[1], res[-1]
