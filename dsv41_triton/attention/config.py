@@ -15,7 +15,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Mapping, Tuple
 
 import torch
 

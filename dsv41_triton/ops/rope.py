@@ -27,7 +27,6 @@ import triton.language as tl
 from .._utils import (
     HEAD_DIM,
     INT_DTYPES,
-    NOPE_DIM,
     ROPE_DIM,
     check_same_device,
     check_shape,

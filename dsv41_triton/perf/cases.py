@@ -23,7 +23,7 @@ interpreter and only tiny shapes finish in minutes).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 ATTENTION_FAMILIES = ("decode", "prefill", "decode_fused", "prefill_fused")

@@ -15,9 +15,8 @@ callable with that signature can join the comparison. For each case the harness:
 from __future__ import annotations
 
 import importlib
-import math
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 

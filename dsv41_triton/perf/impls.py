@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch

@@ -20,7 +20,6 @@ import gc
 import math
 import sys
 import time
-import traceback
 import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
