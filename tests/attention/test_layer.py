@@ -10,9 +10,7 @@ inverse RoPE and the grouped output projection in float64. TP=2/4 shards must re
 """
 from __future__ import annotations
 
-import math
-import random
-from typing import Dict, List, Optional, Tuple
+from typing import Optional
 
 import pytest
 import torch
@@ -26,7 +24,7 @@ from dsv41_triton.attention.layer import (
     random_attention_state_dict,
     shard_attention_state_dict,
 )
-from dsv41_triton.attention.metadata import RequestSpec, build_step_metadata
+from dsv41_triton.attention.scenario import Scenario as BaseScenario
 from dsv41_triton.backends import available_backends, Problem
 from dsv41_triton.ops.records import quantize_dequantize_ref
 from dsv41_triton.ops.rope_ref import apply_rope_ref
@@ -115,72 +113,14 @@ def oracle_request(sd, cfg, layer_id, hidden, ckv, topk, swa_record=584, c_recor
 # --------------------------------------------------------------------------------------------
 # the scenario
 # --------------------------------------------------------------------------------------------
-class Scenario:
-    """Requests with their history, block tables and per-step inputs."""
+class Scenario(BaseScenario):
+    """The shared scenario (``dsv41_triton.attention.scenario``) with this file's defaults and
+    the float64 oracle of its requests."""
 
     def __init__(self, cfg, layer_id, seed=0, num_blocks=64, page=PAGE, cpage=CPAGE,
                  blocks_per_req=6, device="cpu", max_len=MAX_LEN):
-        self.cfg, self.layer_id = cfg, layer_id
-        self.page, self.cpage, self.bpr, self.device = page, cpage, blocks_per_req, device
-        self.max_len = max_len
-        self.r = cfg.compress_ratio(layer_id)
-        self.rng = random.Random(seed)
-        self.gen = torch.Generator().manual_seed(seed)
-        pool = list(range(num_blocks))
-        self.rng.shuffle(pool)
-        self.pool = pool
-        self.cpool = list(range(num_blocks))
-        self.rng.shuffle(self.cpool)
-        self.req: Dict[str, dict] = {}
-
-    def _new(self, name):
-        blocks = [self.pool.pop() for _ in range(self.bpr)]
-        cblocks = [self.cpool.pop() for _ in range(self.bpr)]
-        self.req[name] = dict(blocks=blocks, cblocks=cblocks, hidden=[], ckv=[], topk=[])
-
-    def _topk_row(self, pos):
-        K = self.cfg.index_topk
-        row = [-1] * K
-        if self.r > 0:
-            avail = (pos + 1) // self.r
-            n = min(avail, K)
-            picks = self.rng.sample(range(avail), n)
-            for j, e in enumerate(picks):
-                row[j] = e if self.rng.random() > 0.2 else -1
-        return row
-
-    def step(self, plan: List[Tuple[str, int]], padding: int = 0, chunk_size: int = 4):
-        """plan: [(request, new tokens)] decodes first. Returns (metadata, hidden, ckv, topk,
-        owners [(name, pos)])."""
-        specs, hid, ckv, tk, owners = [], [], [], [], []
-        for name, n in plan:
-            if name not in self.req:
-                self._new(name)
-            st = self.req[name]
-            prefix = sum(h.shape[0] for h in st["hidden"])
-            h = (torch.randn(n, self.cfg.hidden_size, generator=self.gen)).bfloat16()
-            c = torch.randn(n, 512, generator=self.gen).bfloat16()
-            t = torch.tensor([self._topk_row(prefix + i) for i in range(n)],
-                             dtype=torch.int32).view(n, self.cfg.index_topk)
-            st["hidden"].append(h)
-            st["ckv"].append(c)
-            st["topk"].append(t)
-            hid.append(h)
-            ckv.append(c)
-            tk.append(t)
-            owners += [(name, prefix + i) for i in range(n)]
-            specs.append(RequestSpec(n, prefix, st["blocks"],
-                                     {self.r: st["cblocks"]} if self.r else {}))
-        md = build_step_metadata(specs, window_size=self.cfg.sliding_window,
-                                 swa_page_size=self.page,
-                                 compressed_page_sizes={self.r: self.cpage} if self.r else None,
-                                 num_padding_tokens=padding, prefill_chunk_size=chunk_size,
-                                 device=self.device)
-        hid = torch.cat(hid + [torch.randn(padding, self.cfg.hidden_size).bfloat16()])
-        ckv = torch.cat(ckv + [torch.randn(padding, 512).bfloat16()])
-        tk = torch.cat(tk + [torch.full((padding, self.cfg.index_topk), -1, dtype=torch.int32)])
-        d = self.device
-        return md, hid.to(d), ckv.to(d), tk.to(d), owners
+        super().__init__(cfg, layer_id, seed=seed, num_blocks=num_blocks, page=page, cpage=cpage,
+                         blocks_per_req=blocks_per_req, device=device, max_len=max_len)
 
     def oracle(self, sd, swa_record=584, c_record=584):
         out = {}
