@@ -7,6 +7,8 @@ contract, and the drop-in V4.1 attention layer.
   (q norm + RoPE -> attention -> inverse RoPE -> MXFP8 pair); reference in ``fused_ref.py``.
 - ``DeepseekV41Attention`` (``layer.py``) with its config (``config.py``) and the step metadata
   builder (``metadata.py``).
+- Tensor parallel under ``torch.distributed`` (``distributed.py``: torchrun init, the rank's
+  layer, TP=N vs TP=1 check) and synthetic serving steps (``scenario.py``).
 """
 from .decode import sparse_mla_decode
 from .prefill import sparse_mla_prefill
@@ -27,6 +29,16 @@ from .layer import (
     random_attention_state_dict,
     shard_attention_state_dict,
 )
+from .scenario import Scenario, ScenarioStep
+from .distributed import (
+    TPContext,
+    build_tp_layer,
+    check_tp_against_tp1,
+    init_tp_from_env,
+    launch_local,
+    run_step,
+    shutdown_tp,
+)
 
 __all__ = [
     "sparse_mla_decode", "sparse_mla_prefill", "sparse_mla_decode_ref", "sparse_mla_prefill_ref",
@@ -37,4 +49,6 @@ __all__ = [
     "RequestSpec", "StepMetadata", "PrefillChunk", "build_step_metadata",
     "DeepseekV41Attention", "MXFP8Activation", "random_attention_state_dict",
     "shard_attention_state_dict", "canonicalize_attention_state_dict",
+    "Scenario", "ScenarioStep", "TPContext", "build_tp_layer", "check_tp_against_tp1",
+    "init_tp_from_env", "launch_local", "run_step", "shutdown_tp",
 ]
