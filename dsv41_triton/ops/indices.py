@@ -187,44 +187,94 @@ def combine_topk_swa_indices(
 # --------------------------------------------------------------------------------------------
 # compute_global_topk_indices_and_lens
 # --------------------------------------------------------------------------------------------
-@triton.jit
+#: warps per program of the global top-k kernel; each warp owns one token row, so a program
+#: handles GLOBAL_TOPK_NUM_WARPS tokens and the left-packing scan never leaves its warp
+GLOBAL_TOPK_NUM_WARPS = 4
+#: most columns of a row held in registers at once (32 lanes x GLOBAL_TOPK_MAX_COLS/32 per
+#: lane); longer rows loop, carrying the survivor count
+GLOBAL_TOPK_MAX_COLS = 512
+
+
+@triton.jit(do_not_specialize=["sl_k", "so_k"])
 def _global_topk_kernel(
     local_ptr, req_ptr, bt_ptr, valid_ptr, out_ptr, lens_ptr,
-    K, R, MB, block_size,
-    sl_t, sl_k, s_req, sb_r, sb_c, s_valid, so_t,
+    T, K, R, MB,
+    sl_t, sl_k, s_req, sb_r, sb_c, s_valid, so_t, so_k,
+    BLOCK_SIZE: tl.constexpr,
     HAS_VALID: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    NGROUP: tl.constexpr,
+    PACK: tl.constexpr,
+    IN_I64: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    req = tl.load(req_ptr + t * s_req).to(tl.int64)
+    """BLOCK_T token rows per program. A step covers ``32 * NGROUP * PACK`` columns of each row
+    as a ``[32, BLOCK_T, NGROUP, PACK]`` tile: column ``k0 + lane + 32 * (PACK * g + p)``.
+
+    Layout: the left-packing store has data-dependent addresses, so Triton gives it one element
+    per thread with the dims in index order (lanes on dim 0, warps on dim 1). Every other access
+    of the tile is made to look the same (the column strides ``sl_k`` / ``so_k`` are not
+    specialized, so no access is vectorized): one layout throughout, no shared-memory
+    conversions, each warp owns one token row, and every access of a warp touches 32
+    consecutive int32 (coalesced).
+    """
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tm = t < T
+    t64 = t.to(tl.int64)
+    # every per-token load is issued before any store (a load after a store cannot be hoisted)
+    req = tl.load(req_ptr + t64 * s_req, mask=tm, other=-1).to(tl.int64)
+    if HAS_VALID:
+        v = tl.load(valid_ptr + t64 * s_valid, mask=tm, other=0)
     req_ok = (req >= 0) & (req < R)
     req_c = tl.where(req_ok, req, 0)
-    # a comparison (not `req_ok & tile`): the interpreter turns scalar-bool & bool-tile into
-    # an int tile
-    lim = tl.where(req_ok, MB, 0)
-    row_out = out_ptr + t * so_t
-    count = tl.zeros((), dtype=tl.int32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        km = k < K
-        i = tl.load(local_ptr + t * sl_t + k.to(tl.int64) * sl_k, mask=km, other=-1).to(tl.int64)
-        col = tl.maximum(i, 0) // block_size
+    lim = tl.where(req_ok, MB, 0)[None, :, None, None]
+    bt_row = (bt_ptr + req_c * sb_r)[None, :, None, None]
+    row_in = (local_ptr + t64 * sl_t)[None, :, None, None]
+    row_out = (out_ptr + t64 * so_t)[None, :, None, None]
+    tm4 = tm[None, :, None, None]
+    shifts = tl.arange(0, PACK)[None, None, None, :]
+    kk = (tl.arange(0, 32)[:, None, None, None]
+          + (tl.arange(0, NGROUP)[None, None, :, None] * PACK + shifts) * 32)
+    shifts = shifts * 8
+    count = tl.zeros((1, BLOCK_T, 1, 1), dtype=tl.int32)  # kept 4-D: no layout conversions
+    for k0 in range(0, K, NGROUP * PACK * 32):
+        k = k0 + kk  # [32, 1, NGROUP, PACK]
+        km = (k < K) & tm4
+        # int32 math where the input is int32 (the common case); int64 inputs stay int64.
+        # IN_I64: a strided input or block table whose in-row offsets may pass 2**31
+        if IN_I64:
+            i = tl.load(row_in + k.to(tl.int64) * sl_k, mask=km, other=-1)
+        else:
+            i = tl.load(row_in + k * sl_k, mask=km, other=-1)
+        ip = tl.maximum(i, 0)
+        col = ip // BLOCK_SIZE  # constexpr divisor: a shift for power-of-two pages
         ok = km & (i >= 0) & (col < lim)
-        blk = tl.load(bt_ptr + req_c * sb_r + col * sb_c, mask=ok, other=-1).to(tl.int64)
-        slot = blk * block_size + tl.maximum(i, 0) % block_size
-        ok = ok & (slot >= 0)
-        f = ok.to(tl.int32)
-        dest = count + tl.cumsum(f, axis=0) - 1  # left-packed position of each survivor
-        tl.store(row_out + dest, slot.to(tl.int32), mask=ok)
-        count += tl.sum(f, axis=0)
+        if IN_I64:
+            blk = tl.load(bt_row + col.to(tl.int64) * sb_c, mask=ok, other=-1)
+        else:
+            blk = tl.load(bt_row + col * sb_c, mask=ok, other=-1)
+        # blk * bs + (i % bs) >= 0 exactly when blk >= 0; the int32 slot is the low 32 bits
+        # of the exact product-sum, which wrapping int32 arithmetic gives bit for bit
+        ok = ok & (blk >= 0)
+        slot = blk.to(tl.int32) * BLOCK_SIZE + (ip - col * BLOCK_SIZE).to(tl.int32)
+        # left-packed position = survivors in earlier steps + in earlier chunks (of 32 columns)
+        # of this step + in earlier lanes of this chunk. The lane scan and the chunk sums run
+        # on PACK chunks at once: 0/1 flags summed over <= 32 lanes fit 8-bit fields.
+        packed = tl.sum(ok.to(tl.int32) << shifts, axis=3, keep_dims=True)
+        scan = (tl.cumsum(packed, axis=0) >> shifts) & 255  # inclusive, [32, BT, NGROUP, PACK]
+        csum = (tl.sum(packed, axis=0, keep_dims=True) >> shifts) & 255  # [1, BT, NGROUP, PACK]
+        gsum = tl.sum(csum, axis=3, keep_dims=True)  # [1, BT, NGROUP, 1]
+        before = (tl.cumsum(csum, axis=3) - csum) + (tl.cumsum(gsum, axis=2) - gsum)
+        tl.store(row_out + (count + before + scan - 1), slot, mask=ok)
+        count += tl.sum(gsum, axis=2, keep_dims=True)
     # the tail after the survivors (disjoint from the addresses written above)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        tl.store(row_out + k, tl.full((BLOCK_K,), -1, tl.int32), mask=(k < K) & (k >= count))
+    minus1 = tl.full((32, BLOCK_T, NGROUP, PACK), -1, tl.int32)
+    for k0 in range(0, K, NGROUP * PACK * 32):
+        k = k0 + kk
+        tl.store(row_out + k * so_k, minus1, mask=(k < K) & (k >= count) & tm4)
+    count = tl.sum(tl.sum(tl.sum(count, axis=3), axis=2), axis=0)  # [BLOCK_T]
     if HAS_VALID:
-        v = tl.load(valid_ptr + t * s_valid)
         count = tl.where(v != 0, count, 0)
-    tl.store(lens_ptr + t, count)
+    tl.store(lens_ptr + t64, count, mask=tm)
 
 
 def compute_global_topk_indices_and_lens(
@@ -272,18 +322,26 @@ def compute_global_topk_indices_and_lens(
     if T == 0:
         return indices, lens
     R, MB = block_table.shape
-    block_k = min(next_power_of_2(max(K, 1)), 1024)
-    _global_topk_kernel[(T,)](
+    nchunk = min(next_power_of_2(triton.cdiv(max(K, 1), 32)), GLOBAL_TOPK_MAX_COLS // 32)
+    pack = min(nchunk, 4)
+    block_t = GLOBAL_TOPK_NUM_WARPS
+    _global_topk_kernel[(triton.cdiv(T, block_t),)](
         topk_indices, token_to_req_indices, block_table,
         is_valid_token if is_valid_token is not None else token_to_req_indices,
         indices, lens,
-        K, R, MB, block_size,
+        T, K, R, MB,
         topk_indices.stride(0), topk_indices.stride(1), token_to_req_indices.stride(0),
         block_table.stride(0), block_table.stride(1),
         is_valid_token.stride(0) if is_valid_token is not None else 0,
-        indices.stride(0),
+        indices.stride(0), indices.stride(1),
+        BLOCK_SIZE=block_size,
         HAS_VALID=is_valid_token is not None,
-        BLOCK_K=block_k,
-        num_warps=4,
+        BLOCK_T=block_t,
+        NGROUP=nchunk // pack,
+        PACK=pack,
+        # in-row offsets in int32 unless a strided input may reach past 2**31 elements
+        IN_I64=max(max(K - 1, 0) * abs(topk_indices.stride(1)),
+                   max(MB - 1, 0) * abs(block_table.stride(1))) >= 2**31,
+        num_warps=GLOBAL_TOPK_NUM_WARPS,
     )
     return indices, lens
