@@ -434,7 +434,8 @@ def _attend_grouped(a0, a1, a2, a3, a4, a5, a6, a7, m_i, l_i,
             off = idx - blk * page
             base = blk.to(tl.int64) * bstride
             data_off = tl.multiple_of(base + off.to(tl.int64) * DATA_BYTES, 16)
-            scale_off = tl.multiple_of(base + page * DATA_BYTES + off.to(tl.int64) * SCALE_BYTES, 8)
+            scale_off = tl.multiple_of(
+                base + page * DATA_BYTES + off.to(tl.int64) * SCALE_BYTES, 8)
         if SRC == 584 or SRC == 528:
             sp = (k_ptr + scale_off).to(tl.pointer_type(tl.int64))
             sw0 = tl.load(sp, mask=valid, other=0)
@@ -682,6 +683,59 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[i]
 
 
+#: GPU launch templates by (paged, block_h): (variant, block_n, num_warps, num_stages,
+#: resident programs per SM). The split count is derived from the last number (splitting the
+#: keys pays only up to about one wave of resident programs: the fp32 partials cost bandwidth).
+#: Every template here is run by the GPU tests (``GPU_CANDIDATES`` holds them all).
+_GPU_TEMPLATES = {
+    (True, 16): ("tile", 32, 4, 3, 2),
+    (True, 32): ("tile", 32, 4, 3, 2),
+    (True, 64): ("tile", 32, 8, 2, 1),
+    (False, 16): ("tile", 32, 4, 3, 2),
+    (False, 32): ("tile", 32, 4, 3, 2),
+    (False, 64): ("tile", 64, 8, 2, 1),
+}
+
+#: launch shapes (variant, block_h, block_n, num_warps, num_stages) that the GPU tests check
+#: (with and without splits, every record width) and ``perf/bench_attention.py --sweep``
+#: times; ``default_config`` only ever returns one of these. Registers / spills / shared
+#: memory from an sm_90 compile are in perf/NOTES.md.
+GPU_CANDIDATES = {
+    "decode": (
+        ("tile", 16, 32, 4, 3), ("tile", 32, 32, 4, 3), ("tile", 64, 32, 8, 2),
+        ("tile", 64, 64, 8, 2),
+        ("group", 16, 32, 4, 3), ("group", 16, 64, 4, 2), ("group", 16, 64, 8, 3),
+        ("group", 32, 64, 8, 3), ("group", 64, 32, 8, 2), ("group", 64, 64, 8, 2),
+    ),
+    "prefill": (
+        ("tile", 16, 32, 4, 3), ("tile", 32, 32, 4, 3), ("tile", 64, 64, 8, 2),
+        ("group", 16, 32, 4, 3), ("group", 16, 64, 4, 3), ("group", 32, 64, 4, 3),
+        ("group", 64, 64, 8, 2), ("group", 64, 64, 8, 3),
+    ),
+}
+
+
+def _default_block_h(T: int, H: int, paged: bool) -> int:
+    if H <= 16 or (paged and T * cdiv(H, 64) <= 16):
+        return 16  # few heads, or few tokens: more (smaller) programs
+    if H <= 32:
+        return 32
+    return 64
+
+
+def config_from_template(T: int, H: int, total_width: int, sms: int, paged: bool,
+                         variant: str, bh: int, bn: int, warps: int, stages: int,
+                         resident: int) -> KernelConfig:
+    """A KernelConfig for one launch template, with the split count of ``default_config``."""
+    progs = max(1, T * cdiv(H, bh))
+    slots = sms * resident
+    splits = 1
+    if progs < slots:
+        splits = max(1, min(slots // progs, cdiv(max(total_width, 1), bn), 32))
+    return KernelConfig(block_h=bh, block_n=bn, num_splits=splits, num_warps=warps,
+                        num_stages=stages, variant=variant)
+
+
 @functools.lru_cache(maxsize=4096)
 def default_config(T: int, H: int, total_width: int, device: torch.device, *,
                    paged: bool, block_h: Optional[int] = None,
@@ -689,38 +743,17 @@ def default_config(T: int, H: int, total_width: int, device: torch.device, *,
     """The launch shape used when the caller passes none: a pure function of the shapes (so a
     captured graph replays the same launch). ``block_h``/``block_n`` pin those two.
 
-    From H200 measurements (``perf/bench_attention.py``): the kernel holds ~255 registers per
-    thread, so a 16/32-head tile (4 warps) gets two resident programs per SM and a 64-head
-    tile (8 warps) one; splitting the keys pays only up to about one wave of resident
-    programs (the fp32 partials cost bandwidth); with few tokens, 16-head tiles (more
-    programs) beat one 64-head tile. Decode keeps 32-key blocks everywhere (the configuration
-    whose outputs were checked on the GPU; 64-key blocks with 64-head tiles timed ~5-20%
-    faster but were not checked there); prefill with 64-head tiles uses 64-key blocks
-    (checked).
+    GPU: ``_GPU_TEMPLATES`` (H200 measurements, perf/NOTES.md) for the head tile chosen by
+    ``_default_block_h``; the key split count fills about one wave of resident programs.
     """
     if device.type != "cuda" or is_interpreter():
         # the interpreter: few, large steps; split only when asked
         return KernelConfig(block_h=block_h or min(64, max(16, next_power_of_2(H))),
                             block_n=block_n or 64, num_splits=1, num_warps=4, num_stages=1)
-    sms = _sm_count(device)
-    if block_h:
-        bh = block_h
-    elif H <= 16 or (paged and T * cdiv(H, 64) <= 16):
-        bh = 16
-    elif H <= 32:
-        bh = 32
-    else:
-        bh = 64
-    bn = block_n or (64 if (bh >= 64 and not paged) else 32)
-    warps = 8 if bh >= 64 else 4
-    stages = 2 if bh >= 64 else 3
-    progs = max(1, T * cdiv(H, bh))
-    slots = sms * (1 if bh >= 64 else 2)
-    splits = 1
-    if progs < slots:
-        splits = max(1, min(slots // progs, cdiv(max(total_width, 1), bn), 32))
-    return KernelConfig(block_h=bh, block_n=bn, num_splits=splits, num_warps=warps,
-                        num_stages=stages)
+    bh = block_h or _default_block_h(T, H, paged)
+    variant, bn, warps, stages, resident = _GPU_TEMPLATES[(paged, min(64, max(16, bh)))]
+    return config_from_template(T, H, total_width, _sm_count(device), paged, variant, bh,
+                                block_n or bn, warps, stages, resident)
 
 
 def launch(q: torch.Tensor, a: KeySet, b: Optional[KeySet], sink: Optional[torch.Tensor],
@@ -843,4 +876,5 @@ def new_outputs(q: torch.Tensor, out: Optional[torch.Tensor]):
     return out, lse
 
 
-__all__ = ["KeySet", "KernelConfig", "default_config", "launch", "SRC_BF16", "VARIANTS"]
+__all__ = ["KeySet", "KernelConfig", "default_config", "launch", "SRC_BF16", "VARIANTS",
+           "GPU_CANDIDATES", "config_from_template"]

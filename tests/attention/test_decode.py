@@ -6,7 +6,9 @@ CPU: the Triton interpreter, small shapes (<= 7 tokens, <= ~200 keys). GPU-marke
 import pytest
 import torch
 
-from dsv41_triton.attention._kernels import MIN_BLOCK_N_GPU, KernelConfig
+from dsv41_triton.attention import _kernels
+from dsv41_triton.attention._kernels import (GPU_CANDIDATES, MIN_BLOCK_N_GPU, VARIANTS,
+                                             KernelConfig, default_config)
 from dsv41_triton.attention.decode import sparse_mla_decode
 from dsv41_triton.attention.ref import sparse_mla_decode_ref
 from dsv41_triton.ops.records import (allocate_k_cache, encode_records_ref, get_record_format,
@@ -72,6 +74,17 @@ def test_decode_records_heads(device, H, swa_rec, extra_rec):
     _check(args)
 
 
+@pytest.mark.parametrize("H", [1, 3, 16])
+@pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (584, 528), (528, 288), (584, 288),
+                                               (528, 528), (584, None), (528, None)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_group_variant(device, H, swa_rec, extra_rec, splits):
+    """The 'group' kernel (8 dim-groups of 64) on every record pair, with and without
+    splits; Ws/K not multiples of the key block, lens and -1 inside the rows."""
+    args = _case(device, 3, H, swa_rec, extra_rec, Ws=37, K=45)
+    _check(args, KernelConfig(16, BN, splits, variant="group"))
+
+
 @pytest.mark.parametrize("swa_rec", [584, 528])
 def test_decode_window_only(device, swa_rec):
     args = _case(device, 5, 3, swa_rec, None, Ws=70)
@@ -106,7 +119,8 @@ def test_decode_lens_and_negative_indices(device):
     _check(args)
 
 
-def test_decode_empty_rows(device):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_empty_rows(device, variant):
     args = _case(device, 5, 3, Ws=20, K=30)
     args["swa_lens"][1] = 0
     args["extra_lens"][1] = 0  # token 1: no columns
@@ -114,18 +128,21 @@ def test_decode_empty_rows(device):
     args["extra_indices"][3] = -1  # token 3: only -1
     args["extra_indices"][4, :] = 10 ** 7  # token 4's extra slots are past the cache
     args["swa_lens"][4] = 0
-    for cfg in (None, KernelConfig(16, BN, 3)):
+    for cfg in (KernelConfig(16, BN, 1, variant=variant),
+                KernelConfig(16, BN, 3, variant=variant)):
         o, lse, _, _ = _check(args, cfg)
         for t in (1, 3, 4):
             assert torch.all(o[t] == 0)
             assert torch.all(torch.isinf(lse[t]) & (lse[t] > 0))
 
 
-def test_decode_all_empty(device):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_all_empty(device, variant):
     args = _case(device, 3, 16, Ws=16, K=16)
     args["swa_lens"].zero_()
     args["extra_indices"].fill_(-1)
-    for cfg in (None, KernelConfig(16, BN, 2)):
+    for cfg in (KernelConfig(16, BN, 1, variant=variant),
+                KernelConfig(16, BN, 2, variant=variant)):
         out = poison_(torch.empty(3, 16, 512, dtype=torch.bfloat16, device=device))
         o, lse = sparse_mla_decode(**args, out=out, _config=cfg)
         assert torch.all(o == 0)
@@ -134,14 +151,16 @@ def test_decode_all_empty(device):
 
 @pytest.mark.parametrize("sink", [None, "-inf", "large"])
 @pytest.mark.parametrize("splits", [1, 2])
-def test_decode_sink(device, sink, splits):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_sink(device, sink, splits, variant):
     args = _case(device, 3, 3, sink=sink)
-    o, lse, ro, rl = _check(args, KernelConfig(16, BN, splits))
+    cfg = KernelConfig(16, BN, splits, variant=variant)
+    o, lse, ro, rl = _check(args, cfg)
     if sink == "large":
         assert o.abs().max().item() < 1e-20
     if sink == "-inf":
         args2 = dict(args, attn_sink=None)
-        o2, l2 = sparse_mla_decode(**args2, _config=KernelConfig(16, BN, splits))
+        o2, l2 = sparse_mla_decode(**args2, _config=cfg)
         assert torch.equal(o, o2) and torch.equal(lse, l2)
 
 
@@ -151,7 +170,8 @@ def test_decode_sharp_softmax_and_scale(device):
     _check(args, scale=0.01)
 
 
-def test_decode_layouts(device):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_layouts(device, variant):
     """Padded block stride, 4-D cache view, odd page size, strided q/out, int64 indices."""
     T, H, page = 3, 3, 5
     fmt = get_record_format(584)
@@ -166,7 +186,7 @@ def test_decode_layouts(device):
     out = obig[:, 1:H + 1, 50:562]
     args = dict(q=q, swa_cache=ca.unsqueeze(2), swa_indices=ia, swa_lens=la, extra_cache=cb,
                 extra_indices=ib, extra_lens=None, attn_sink=torch.randn(H, device=device))
-    _check(args, out=out)
+    _check(args, KernelConfig(16, BN, 2, variant=variant), out=out)
     # nothing outside the owned rows was written
     assert torch.isnan(obig[:, 0]).all() and torch.isnan(obig[:, H + 1]).all()
     assert torch.isnan(obig[:, :, :50]).all() and torch.isnan(obig[:, :, 562:]).all()
@@ -223,18 +243,39 @@ def test_decode_bad_inputs(device):
 
 
 def test_kernel_config_validation():
-    for bad in (dict(block_h=8), dict(block_h=48), dict(block_n=512), dict(num_splits=0)):
+    for bad in (dict(block_h=8), dict(block_h=48), dict(block_n=512), dict(num_splits=0),
+                dict(num_warps=3), dict(num_stages=0), dict(variant="fast")):
         kw = dict(block_h=16, block_n=32, num_splits=1)
         kw.update(bad)
         with pytest.raises(ValueError, match="KernelConfig"):
             KernelConfig(**kw)
 
 
+def test_default_config_only_returns_gpu_candidates(monkeypatch):
+    """Every launch shape the GPU defaults can pick is one the GPU tests below run."""
+    monkeypatch.setattr(_kernels, "is_interpreter", lambda: False)
+    monkeypatch.setattr(_kernels, "_sm_count", lambda device: 132)
+    default_config.cache_clear()
+    try:
+        dev = torch.device("cuda")
+        for paged, fam in ((True, "decode"), (False, "prefill")):
+            for T in (1, 2, 7, 16, 33, 128, 512, 4096):
+                for H in (1, 3, 8, 16, 24, 32, 40, 64, 128):
+                    cfg = default_config(T, H, 640, dev, paged=paged)
+                    shape = (cfg.variant, cfg.block_h, cfg.block_n, cfg.num_warps,
+                             cfg.num_stages)
+                    assert shape in GPU_CANDIDATES[fam], (fam, T, H, cfg)
+                    assert cfg.block_n >= MIN_BLOCK_N_GPU
+                    assert 1 <= cfg.num_splits <= 32
+    finally:
+        default_config.cache_clear()
+
+
 # --------------------------------------------------------------------------------------------
 # GPU: V4.1 shapes, int64 offsets, CUDA graphs
 # --------------------------------------------------------------------------------------------
-def _v41_case(device, T, H, extra_rec=584, nb=512, page=64, W=128, K=512):
-    ca = random_k_cache(nb, page, 584, device)
+def _v41_case(device, T, H, extra_rec=584, nb=512, page=64, W=128, K=512, swa_rec=584):
+    ca = random_k_cache(nb, page, swa_rec, device)
     cb = random_k_cache(nb, page, extra_rec, device)
     ia = torch.randint(0, nb * page, (T, W), dtype=torch.int32, device=device)
     ib = torch.randint(0, nb * page, (T, K), dtype=torch.int32, device=device)
@@ -253,16 +294,17 @@ def test_decode_v41_shapes_gpu(device, H, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [
-    # one program per token (no split: the kernel applies the sink itself), each tile shape
-    (16, 32, 1, 4, 3), (32, 32, 1, 4, 3), (64, 32, 1, 8, 2), (64, 64, 1, 8, 2),
-    # 64-key blocks and splits
-    (16, 64, 2, 4, 3), (64, 64, 4, 8, 2), (16, 32, 20, 4, 3),
-])
-@pytest.mark.parametrize("extra_rec", [584, 288])
-def test_decode_gpu_configs(device, cfg, extra_rec):
-    """Launch shapes the defaults or the benchmark sweep use, checked explicitly."""
-    _check(_v41_case(device, 19, 40, extra_rec), KernelConfig(*cfg))
+@pytest.mark.parametrize("cand", GPU_CANDIDATES["decode"], ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("splits,swa_rec,extra_rec", [(1, 584, 584), (3, 584, 288),
+                                                      (2, 528, 528), (20, 584, 584)])
+def test_decode_gpu_configs(device, cand, splits, swa_rec, extra_rec):
+    """Every launch shape the defaults or the benchmark sweep use (GPU_CANDIDATES), without a
+    split (the kernel applies the sink itself) and with splits (merge kernel), on the V4.1
+    record pair and on the other dequant paths; 40 heads = two full 16-head tiles + a partial
+    one (or a partial 64-head tile)."""
+    variant, bh, bn, warps, stages = cand
+    cfg = KernelConfig(bh, bn, splits, warps, stages, variant=variant)
+    _check(_v41_case(device, 19, 40, extra_rec, swa_rec=swa_rec), cfg)
 
 
 @pytest.mark.gpu

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from dsv41_triton.attention._kernels import MIN_BLOCK_N_GPU, KernelConfig
+from dsv41_triton.attention._kernels import (GPU_CANDIDATES, MIN_BLOCK_N_GPU, VARIANTS,
+                                             KernelConfig)
 from dsv41_triton.attention.prefill import sparse_mla_prefill
 from dsv41_triton.attention.ref import sparse_mla_prefill_ref
 from dsv41_triton.testing import max_abs_err, poison_, rel_err
@@ -49,6 +50,12 @@ def test_prefill_heads(device, H, lens):
     _check(_case(device, 3, H, lens=lens))
 
 
+@pytest.mark.parametrize("H", [1, 3, 16])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_prefill_group_variant(device, H, splits):
+    _check(_case(device, 3, H, K=77), KernelConfig(16, BN, splits, variant="group"))
+
+
 def test_prefill_seven_tokens_one_token(device):
     _check(_case(device, 7, 3, S=150, K=200))
     _check(_case(device, 1, 16, S=30, K=130, p_neg=0.0, p_oob=0.0, lens=False))
@@ -69,27 +76,31 @@ def test_prefill_sink(device, sink):
         assert o.abs().max().item() < 1e-20
 
 
-def test_prefill_empty_rows(device):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_prefill_empty_rows(device, variant):
     args = _case(device, 4, 3, K=20)
     args["lens"][0] = 0
     args["indices"][1] = -1
     args["indices"][2] = 10 ** 6
-    for cfg in (None, KernelConfig(16, BN, 2)):
+    for cfg in (KernelConfig(16, BN, 1, variant=variant),
+                KernelConfig(16, BN, 2, variant=variant)):
         o, lse, _, _ = _check(args, cfg)
         for t in (0, 1, 2):
             assert torch.all(o[t] == 0) and torch.all(lse[t] == float("inf"))
 
 
-def test_prefill_shapes_and_strides(device):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_prefill_shapes_and_strides(device, variant):
     """kv [S, 1, 512] and a strided [S, 512] view, indices [T, 1, K] and int64, strided q/out."""
     T, H, S, K = 3, 3, 40, 33
+    cfg = KernelConfig(16, BN, 1, variant=variant)
     base = _case(device, T, H, S=S, K=K)
-    _check(dict(base, kv=base["kv"].unsqueeze(1), indices=base["indices"].unsqueeze(1)))
+    _check(dict(base, kv=base["kv"].unsqueeze(1), indices=base["indices"].unsqueeze(1)), cfg)
     wide = torch.randn(S, 2, 512).to(torch.bfloat16).to(device)
     obig = poison_(torch.empty(T, H + 1, 520, dtype=torch.bfloat16, device=device))
     out = obig[:, 1:, 8:]
     _check(dict(base, kv=wide[:, 1], indices=base["indices"].long(),
-                q=torch.randn(T, 2 * H, 512).to(torch.bfloat16).to(device)[:, 1::2]), out=out)
+                q=torch.randn(T, 2 * H, 512).to(torch.bfloat16).to(device)[:, 1::2]), cfg, out=out)
     assert torch.isnan(obig[:, 0]).all() and torch.isnan(obig[:, :, :8]).all()
 
 
@@ -132,11 +143,14 @@ def test_prefill_bad_inputs(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [(16, 32, 1, 4, 3), (16, 64, 1, 4, 3), (64, 64, 1, 8, 2),
-                                 (64, 32, 1, 8, 3), (64, 64, 3, 8, 2)])
-def test_prefill_gpu_configs(device, cfg):
+@pytest.mark.parametrize("cand", GPU_CANDIDATES["prefill"], ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("splits", [1, 3])
+def test_prefill_gpu_configs(device, cand, splits):
+    """Every launch shape the defaults or the benchmark sweep use (GPU_CANDIDATES); 24 heads =
+    one full 16-head tile + a partial one (or a partial 32/64-head tile)."""
+    variant, bh, bn, warps, stages = cand
     args = _case(device, 96, 24, S=2048, K=640, p_neg=0.05, p_oob=0.0)
-    _check(args, KernelConfig(*cfg))
+    _check(args, KernelConfig(bh, bn, splits, warps, stages, variant=variant))
 
 
 @pytest.mark.gpu
