@@ -27,13 +27,25 @@ from .._utils import (
 )
 from .indices_ref import COMBINED_ALIGN, combined_width
 
+COMBINE_ALIGN_C = COMBINED_ALIGN  # columns per step of the combine kernel
+
 INT32_MAX = 2**31 - 1
 
 
 # --------------------------------------------------------------------------------------------
 # combine_topk_swa_indices
 # --------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["T", "B", "n_search", "width", "topk", "window", "ratio", "M", "N"])
+#: tokens per program of the combine kernel (one warp per token row)
+COMBINE_BLOCK_T = 4
+COMBINE_NUM_WARPS = 4
+#: most top-k columns loaded up front (before any store); wider top-k rows load the rest in
+#: the column loop
+COMBINE_MAX_TOPK_COLS = 1024
+
+
+# `width` (a multiple of 128) and `topk` stay specialized: their divisibility by 16 is what lets
+# the masks `cols < width` / `cols < topk` keep 16-byte vector stores and loads
+@triton.jit(do_not_specialize=["T", "B", "n_search", "window", "ratio", "M", "N"])
 def _combine_topk_swa_kernel(
     topk_ptr, qsl_ptr, seq_ptr, gather_ptr, out_ptr, lens_ptr,
     T, B, n_search, width, topk, window, ratio, M, N,
@@ -41,9 +53,21 @@ def _combine_topk_swa_kernel(
     HAS_GATHER: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    NCK: tl.constexpr,
 ):
+    """BLOCK_T token rows per program. The first ``NCK * BLOCK_C`` columns (the top-k part,
+    NCK = 0 when there is none) come from one ``[BLOCK_T, NCK, BLOCK_C]`` tile whose top-k
+    entries are loaded first, before the request lookup and before any store, so no load waits
+    behind another; the rest of the row goes in ``BLOCK_C``-column steps. Values are formed in
+    int32 (wrapping, so bit-equal to int64 then truncated; the host checks workspace rows fit)."""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tvalid = tok < T
+    t64 = tok.to(tl.int64)
+    if NCK > 0:
+        ca = tl.arange(0, NCK)[None, :, None] * BLOCK_C + tl.arange(0, BLOCK_C)[None, None, :]
+        # only `cols < topk` bounds the load: it must not wait for topk_len (the request chain)
+        ea = tl.load(topk_ptr + t64[:, None, None] * st_t + ca.to(tl.int64) * st_k,
+                     mask=(ca < topk) & (tok < T)[:, None, None], other=-1)
     base = tl.load(qsl_ptr).to(tl.int64)
     total = tl.load(qsl_ptr + B).to(tl.int64) - base
     owned = tvalid & (tok < total)
@@ -75,21 +99,34 @@ def _combine_topk_swa_kernel(
     gs = sl - gl
     swa_start = tl.maximum(tl.maximum(pos - window + 1, 0), gs)
     swa_len = tl.where(owned, tl.maximum(pos - swa_start + 1, 0), 0)
-    n_used = topk_len + swa_len
-    rbase = req.to(tl.int64) * M
+    n_used = topk_len + swa_len  # <= topk + window
+    rbase = req * M  # int32: M * B + N fits (host check)
+    # window entry in column c: rbase + N + swa_start + (c - topk_len) - gs (int32 wraps)
+    swa_base = (rbase + N + swa_start - topk_len - gs).to(tl.int32)
+    tlen = topk_len.to(tl.int32)
+    nused = n_used.to(tl.int32)
 
-    t64 = tok.to(tl.int64)[:, None]
-    tl_2 = topk_len[:, None]
-    for c0 in range(0, width, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)[None, :]
-        in_topk = cols < tl_2
-        e = tl.load(topk_ptr + t64 * st_t + cols.to(tl.int64) * st_k,
-                    mask=in_topk & tvalid[:, None], other=-1).to(tl.int64)
-        topk_val = tl.where((e >= 0) & (e < N), rbase[:, None] + e, -1)
-        swa_val = rbase[:, None] + N + swa_start[:, None] + (cols - tl_2) - gs[:, None]
-        val = tl.where(in_topk, topk_val, tl.where(cols < n_used[:, None], swa_val, -1))
-        tl.store(out_ptr + t64 * so_t + cols, val.to(tl.int32), mask=tvalid[:, None])
-    tl.store(lens_ptr + tok.to(tl.int64) * s_lens, n_used.to(tl.int32), mask=tvalid)
+    # per-token values as [BLOCK_T, 1, 1]: both column parts share one layout (4 small
+    # layout conversions in all)
+    row_out = (out_ptr + t64 * so_t)[:, None, None]
+    rb3 = rbase[:, None, None]
+    tlen3 = tlen[:, None, None]
+    nused3 = nused[:, None, None]
+    swa3 = swa_base[:, None, None]
+    tv3 = tvalid[:, None, None]
+    if NCK > 0:
+        va = tl.where((ea >= 0) & (ea < N), rb3 + ea, -1).to(tl.int32)
+        va = tl.where(ca < tlen3, va, tl.where(ca < nused3, swa3 + ca, -1))
+        tl.store(row_out + ca, va, mask=(ca < width) & tv3)
+    for c0 in range(NCK * BLOCK_C, width, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)[None, None, :]
+        in_topk = cols < tlen3
+        e = tl.load(topk_ptr + t64[:, None, None] * st_t + cols.to(tl.int64) * st_k,
+                    mask=in_topk & tv3, other=-1)
+        val = tl.where((e >= 0) & (e < N), rb3 + e, -1).to(tl.int32)
+        val = tl.where(in_topk, val, tl.where(cols < nused3, swa3 + cols, -1))
+        tl.store(row_out + cols, val, mask=tv3)
+    tl.store(lens_ptr + t64 * s_lens, nused, mask=tvalid)
 
 
 def _check_index_vector(name, t, length=None, min_length=None):
@@ -167,19 +204,22 @@ def combine_topk_swa_indices(
         check_same_device(topk_indices=topk_indices, out_indices=indices, out_lens=lens)
     if T == 0:
         return indices, lens
-    block_t = 32 if is_interpreter() else 4
+    block_t = 32 if is_interpreter() else COMBINE_BLOCK_T
+    tk = topk if compress_ratio > 0 else 0
+    nck = min(next_power_of_2(triton.cdiv(tk, COMBINE_ALIGN_C)), COMBINE_MAX_TOPK_COLS // COMBINE_ALIGN_C) if tk else 0
     grid = (triton.cdiv(T, block_t),)
     _combine_topk_swa_kernel[grid](
         topk_indices, query_start_loc, seq_lens,
         gather_lens if gather_lens is not None else seq_lens,
         indices, lens,
         T, B, max(B - 1, 0).bit_length(), width,
-        topk if compress_ratio > 0 else 0, window_size, max(compress_ratio, 1), M, N,
+        tk, window_size, max(compress_ratio, 1), M, N,
         topk_indices.stride(0), topk_indices.stride(1), indices.stride(0), lens.stride(0),
         HAS_GATHER=gather_lens is not None,
         BLOCK_T=block_t,
-        BLOCK_C=COMBINED_ALIGN,
-        num_warps=4,
+        BLOCK_C=COMBINE_ALIGN_C,
+        NCK=nck,
+        num_warps=COMBINE_NUM_WARPS,
     )
     return indices, lens
 
