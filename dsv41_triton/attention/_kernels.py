@@ -417,9 +417,13 @@ def _attend_grouped(a0, a1, a2, a3, a4, a5, a6, a7, m_i, l_i,
                     q0, q1, q2, q3, q4, q5, q6, q7,
                     k_ptr, idx_row_ptr, lo, hi, bstride, page, nrows, qk_scale,
                     SRC: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
-                    BN: tl.constexpr, DOT_F32: tl.constexpr):
+                    PAGE_LOG2: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr,
+                    LAZY: tl.constexpr):
     """Online softmax over key columns ``[lo, hi)`` of one index row, the 512 dims as 8
-    groups: ``s = sum_g q_g k_g^T`` and ``a_g += p k_g`` (``a_g``, ``q_g`` ``[BH, 64]``)."""
+    groups: ``s = sum_g q_g k_g^T`` and ``a_g += p k_g`` (``a_g``, ``q_g`` ``[BH, 64]``).
+    ``PAGE_LOG2``: log2 of the page size when it is a power of two (shift instead of an
+    integer division per slot), else -1. ``LAZY``: rescale only when a max grows by > 2**8.
+    """
     for start in range(lo, hi, BN):
         cols = start + tl.arange(0, BN)
         cm = cols < hi
@@ -430,8 +434,12 @@ def _attend_grouped(a0, a1, a2, a3, a4, a5, a6, a7, m_i, l_i,
             data_off = idx.to(tl.int64) * bstride
             scale_off = data_off
         else:
-            blk = idx // page
-            off = idx - blk * page
+            if PAGE_LOG2 >= 0:
+                blk = idx >> PAGE_LOG2
+                off = idx & ((1 << PAGE_LOG2) - 1)
+            else:
+                blk = idx // page
+                off = idx - blk * page
             base = blk.to(tl.int64) * bstride
             data_off = tl.multiple_of(base + off.to(tl.int64) * DATA_BYTES, 16)
             scale_off = tl.multiple_of(
@@ -464,23 +472,57 @@ def _attend_grouped(a0, a1, a2, a3, a4, a5, a6, a7, m_i, l_i,
         s = _qk_group(s, q7, k7, False)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_F32:
-            pk = p
+        if LAZY:
+            # rescale the state only when some row's max grew by more than 2**8; otherwise
+            # keep the stale max (p <= 2**8, exact enough in bf16 and harmless in fp32):
+            # the final out/lse use the same max as l and the accumulators, so this is exact
+            grow = tl.max((m_new > m_i + 8.0).to(tl.int32), 0)
+            if grow > 0:
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_safe)
+                l_i = l_i * alpha
+                a0 = a0 * alpha[:, None]
+                a1 = a1 * alpha[:, None]
+                a2 = a2 * alpha[:, None]
+                a3 = a3 * alpha[:, None]
+                a4 = a4 * alpha[:, None]
+                a5 = a5 * alpha[:, None]
+                a6 = a6 * alpha[:, None]
+                a7 = a7 * alpha[:, None]
+                m_i = m_new
+            m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i + tl.sum(p, 1)
+            if DOT_F32:
+                pk = p
+            else:
+                pk = p.to(tl.bfloat16)
+            a0 = tl.dot(pk, k0, a0)
+            a1 = tl.dot(pk, k1, a1)
+            a2 = tl.dot(pk, k2, a2)
+            a3 = tl.dot(pk, k3, a3)
+            a4 = tl.dot(pk, k4, a4)
+            a5 = tl.dot(pk, k5, a5)
+            a6 = tl.dot(pk, k6, a6)
+            a7 = tl.dot(pk, k7, a7)
         else:
-            pk = p.to(tl.bfloat16)
-        a0 = tl.dot(pk, k0, a0 * alpha[:, None])
-        a1 = tl.dot(pk, k1, a1 * alpha[:, None])
-        a2 = tl.dot(pk, k2, a2 * alpha[:, None])
-        a3 = tl.dot(pk, k3, a3 * alpha[:, None])
-        a4 = tl.dot(pk, k4, a4 * alpha[:, None])
-        a5 = tl.dot(pk, k5, a5 * alpha[:, None])
-        a6 = tl.dot(pk, k6, a6 * alpha[:, None])
-        a7 = tl.dot(pk, k7, a7 * alpha[:, None])
-        m_i = m_new
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if DOT_F32:
+                pk = p
+            else:
+                pk = p.to(tl.bfloat16)
+            a0 = tl.dot(pk, k0, a0 * alpha[:, None])
+            a1 = tl.dot(pk, k1, a1 * alpha[:, None])
+            a2 = tl.dot(pk, k2, a2 * alpha[:, None])
+            a3 = tl.dot(pk, k3, a3 * alpha[:, None])
+            a4 = tl.dot(pk, k4, a4 * alpha[:, None])
+            a5 = tl.dot(pk, k5, a5 * alpha[:, None])
+            a6 = tl.dot(pk, k6, a6 * alpha[:, None])
+            a7 = tl.dot(pk, k7, a7 * alpha[:, None])
+            m_i = m_new
     return a0, a1, a2, a3, a4, a5, a6, a7, m_i, l_i
 
 
@@ -528,6 +570,7 @@ def _sparse_mla_fwd_grouped_kernel(
     HAS_B: tl.constexpr, HAS_LEN_A: tl.constexpr, HAS_LEN_B: tl.constexpr,
     HAS_SINK: tl.constexpr, SPLIT: tl.constexpr,
     BH: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr, SW: tl.constexpr,
+    PAGE_LOG2_A: tl.constexpr, PAGE_LOG2_B: tl.constexpr, LAZY: tl.constexpr,
 ):
     """Same contract and grid as ``_sparse_mla_fwd_kernel`` (variant "group"): eight
     ``[BH, 64]`` accumulators and Q pieces, eight ``[BN, 64]`` key pieces per step."""
@@ -585,13 +628,13 @@ def _sparse_mla_fwd_grouped_kernel(
     a0, a1, a2, a3, a4, a5, a6, a7, m_i, l_i = _attend_grouped(
         a0, a1, a2, a3, a4, a5, a6, a7, m_i, l_i, q0, q1, q2, q3, q4, q5, q6, q7,
         a_ptr, a_idx_ptr + t * a_idx_st, lo, tl.minimum(hi, len_a), a_bstride, a_page, a_rows,
-        qk_scale, SRC_A, DATA_A, SCALE_A, BN, DOT_F32)
+        qk_scale, SRC_A, DATA_A, SCALE_A, PAGE_LOG2_A, BN, DOT_F32, LAZY)
     if HAS_B:
         b_lo = tl.maximum(lo, len_a) - len_a
         a0, a1, a2, a3, a4, a5, a6, a7, m_i, l_i = _attend_grouped(
             a0, a1, a2, a3, a4, a5, a6, a7, m_i, l_i, q0, q1, q2, q3, q4, q5, q6, q7,
             b_ptr, b_idx_ptr + t * b_idx_st, b_lo, hi - len_a, b_bstride, b_page, b_rows,
-            qk_scale, SRC_B, DATA_B, SCALE_B, BN, DOT_F32)
+            qk_scale, SRC_B, DATA_B, SCALE_B, PAGE_LOG2_B, BN, DOT_F32, LAZY)
 
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
@@ -642,7 +685,9 @@ VARIANTS = ("tile", "group")
 class KernelConfig:
     """Launch shape: heads per program, keys per step, key splits, warps, pipeline stages, and
     the kernel ``variant``: ``"tile"`` (one ``[BN, 512]`` key tile, ``_sparse_mla_fwd_kernel``)
-    or ``"group"`` (eight ``[BN, 64]`` key pieces, ``_sparse_mla_fwd_grouped_kernel``)."""
+    or ``"group"`` (eight ``[BN, 64]`` key pieces, ``_sparse_mla_fwd_grouped_kernel``);
+    ``lazy_rescale`` (group only): skip the accumulator rescale unless a row max grows by more
+    than 2**8 (exact: out, l and lse all use the kept max)."""
 
     block_h: int
     block_n: int
@@ -650,6 +695,7 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 2
     variant: str = "tile"
+    lazy_rescale: bool = False
 
     def __post_init__(self):
         for name in ("block_h", "block_n"):
@@ -667,6 +713,10 @@ class KernelConfig:
         if self.variant not in VARIANTS:
             raise ValueError(f"KernelConfig.variant: expected one of {VARIANTS}, got "
                              f"{self.variant!r}")
+        if not isinstance(self.lazy_rescale, bool) or (self.lazy_rescale
+                                                       and self.variant != "group"):
+            raise ValueError(f"KernelConfig.lazy_rescale: a bool, True only with variant "
+                             f"'group', got {self.lazy_rescale!r} ({self.variant!r})")
 
 
 _SM_COUNT = {}
@@ -683,36 +733,48 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[i]
 
 
-#: GPU launch templates by (paged, block_h): (variant, block_n, num_warps, num_stages,
-#: resident programs per SM). The split count is derived from the last number (splitting the
-#: keys pays only up to about one wave of resident programs: the fp32 partials cost bandwidth).
-#: Every template here is run by the GPU tests (``GPU_CANDIDATES`` holds them all).
+#: GPU launch templates by (paged, block_h): ((variant, block_h, block_n, num_warps,
+#: num_stages, lazy_rescale), resident programs per SM). The split count is derived from the
+#: last number (splitting the keys pays only up to about one wave of resident programs: the
+#: fp32 partials cost bandwidth). Every shape here is in ``GPU_CANDIDATES``.
 _GPU_TEMPLATES = {
-    (True, 16): ("tile", 32, 4, 3, 2),
-    (True, 32): ("tile", 32, 4, 3, 2),
-    (True, 64): ("tile", 32, 8, 2, 1),
-    (False, 16): ("tile", 32, 4, 3, 2),
-    (False, 32): ("tile", 32, 4, 3, 2),
-    (False, 64): ("tile", 64, 8, 2, 1),
+    (True, 16): (("tile", 16, 32, 4, 3, False), 2),
+    (True, 32): (("tile", 32, 32, 4, 3, False), 2),
+    (True, 64): (("tile", 64, 32, 8, 2, False), 1),
+    (False, 16): (("tile", 16, 32, 4, 3, False), 2),
+    (False, 32): (("tile", 32, 32, 4, 3, False), 2),
+    (False, 64): (("tile", 64, 64, 8, 2, False), 1),
 }
 
-#: launch shapes (variant, block_h, block_n, num_warps, num_stages) that the GPU tests check
-#: (with and without splits, every record width) and ``perf/bench_attention.py --sweep``
-#: times; ``default_config`` only ever returns one of these. Registers / spills / shared
-#: memory from an sm_90 compile are in perf/NOTES.md.
+#: launch shapes (variant, block_h, block_n, num_warps, num_stages, lazy_rescale) that the GPU
+#: tests check (with and without splits, every record width) and
+#: ``perf/bench_attention.py --sweep`` times; ``default_config`` only ever returns one of
+#: these. Registers / spills / shared memory from an sm_90 compile are in perf/NOTES.md.
 GPU_CANDIDATES = {
     "decode": (
-        ("tile", 16, 32, 4, 3), ("tile", 32, 32, 4, 3), ("tile", 64, 32, 8, 2),
-        ("tile", 64, 64, 8, 2),
-        ("group", 16, 32, 4, 3), ("group", 16, 64, 4, 2), ("group", 16, 64, 8, 3),
-        ("group", 32, 64, 8, 3), ("group", 64, 32, 8, 2), ("group", 64, 64, 8, 2),
+        ("tile", 16, 32, 4, 3, False), ("tile", 32, 32, 4, 3, False),
+        ("tile", 64, 32, 8, 2, False), ("tile", 64, 64, 8, 2, False),
+        ("group", 16, 32, 4, 3, False), ("group", 16, 32, 4, 3, True),
+        ("group", 16, 64, 4, 2, False), ("group", 16, 64, 4, 2, True),
+        ("group", 16, 64, 8, 3, False), ("group", 32, 64, 8, 3, False),
+        ("group", 32, 64, 8, 3, True), ("group", 64, 32, 8, 2, False),
+        ("group", 64, 64, 8, 2, False), ("group", 64, 64, 8, 2, True),
     ),
     "prefill": (
-        ("tile", 16, 32, 4, 3), ("tile", 32, 32, 4, 3), ("tile", 64, 64, 8, 2),
-        ("group", 16, 32, 4, 3), ("group", 16, 64, 4, 3), ("group", 32, 64, 4, 3),
-        ("group", 64, 64, 8, 2), ("group", 64, 64, 8, 3),
+        ("tile", 16, 32, 4, 3, False), ("tile", 32, 32, 4, 3, False),
+        ("tile", 64, 64, 8, 2, False),
+        ("group", 16, 32, 4, 3, False), ("group", 16, 64, 4, 3, False),
+        ("group", 16, 64, 4, 3, True), ("group", 32, 64, 4, 3, False),
+        ("group", 64, 64, 8, 2, False), ("group", 64, 64, 8, 2, True),
+        ("group", 64, 64, 8, 3, False),
     ),
 }
+
+
+def config_shape(cfg: "KernelConfig") -> tuple:
+    """The launch shape of ``cfg`` as in ``GPU_CANDIDATES`` (everything but the split)."""
+    return (cfg.variant, cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages,
+            cfg.lazy_rescale)
 
 
 def _default_block_h(T: int, H: int, paged: bool) -> int:
@@ -723,17 +785,19 @@ def _default_block_h(T: int, H: int, paged: bool) -> int:
     return 64
 
 
-def config_from_template(T: int, H: int, total_width: int, sms: int, paged: bool,
-                         variant: str, bh: int, bn: int, warps: int, stages: int,
-                         resident: int) -> KernelConfig:
-    """A KernelConfig for one launch template, with the split count of ``default_config``."""
+def config_from_template(T: int, H: int, total_width: int, sms: int, shape: tuple,
+                         resident: int, block_n: Optional[int] = None) -> KernelConfig:
+    """A KernelConfig for one launch shape (a ``GPU_CANDIDATES`` tuple), with the split
+    count of ``default_config`` for ``resident`` programs per SM."""
+    variant, bh, bn, warps, stages, lazy = shape
+    bn = block_n or bn
     progs = max(1, T * cdiv(H, bh))
     slots = sms * resident
     splits = 1
     if progs < slots:
         splits = max(1, min(slots // progs, cdiv(max(total_width, 1), bn), 32))
     return KernelConfig(block_h=bh, block_n=bn, num_splits=splits, num_warps=warps,
-                        num_stages=stages, variant=variant)
+                        num_stages=stages, variant=variant, lazy_rescale=lazy)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -751,9 +815,15 @@ def default_config(T: int, H: int, total_width: int, device: torch.device, *,
         return KernelConfig(block_h=block_h or min(64, max(16, next_power_of_2(H))),
                             block_n=block_n or 64, num_splits=1, num_warps=4, num_stages=1)
     bh = block_h or _default_block_h(T, H, paged)
-    variant, bn, warps, stages, resident = _GPU_TEMPLATES[(paged, min(64, max(16, bh)))]
-    return config_from_template(T, H, total_width, _sm_count(device), paged, variant, bh,
-                                block_n or bn, warps, stages, resident)
+    shape, resident = _GPU_TEMPLATES[(paged, min(64, max(16, bh)))]
+    shape = (shape[0], bh) + shape[2:]
+    return config_from_template(T, H, total_width, _sm_count(device), shape, resident,
+                                block_n)
+
+
+def _page_log2(page: int) -> int:
+    """log2(page) for a power of two (the kernel shifts instead of dividing), else -1."""
+    return page.bit_length() - 1 if page > 0 and page & (page - 1) == 0 else -1
 
 
 def launch(q: torch.Tensor, a: KeySet, b: Optional[KeySet], sink: Optional[torch.Tensor],
@@ -807,7 +877,9 @@ def launch(q: torch.Tensor, a: KeySet, b: Optional[KeySet], sink: Optional[torch
               SPLIT=ns > 1, BH=bh, BN=cfg.block_n, DOT_F32=interp, SW=interp,
               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.variant == "group":
-        k = _sparse_mla_fwd_grouped_kernel[grid](*args, **kw)
+        k = _sparse_mla_fwd_grouped_kernel[grid](*args, PAGE_LOG2_A=_page_log2(a.page),
+                                                 PAGE_LOG2_B=_page_log2(bb.page),
+                                                 LAZY=cfg.lazy_rescale, **kw)
     else:
         k = _sparse_mla_fwd_kernel[grid](
             *args, HAS_ROPE=(a.src == 584) or (b is not None and b.src == 584), **kw)
@@ -877,4 +949,4 @@ def new_outputs(q: torch.Tensor, out: Optional[torch.Tensor]):
 
 
 __all__ = ["KeySet", "KernelConfig", "default_config", "launch", "SRC_BF16", "VARIANTS",
-           "GPU_CANDIDATES", "config_from_template"]
+           "GPU_CANDIDATES", "config_from_template", "config_shape"]

@@ -8,7 +8,7 @@ import torch
 
 from dsv41_triton.attention import _kernels
 from dsv41_triton.attention._kernels import (GPU_CANDIDATES, MIN_BLOCK_N_GPU, VARIANTS,
-                                             KernelConfig, default_config)
+                                             KernelConfig, config_shape, default_config)
 from dsv41_triton.attention.decode import sparse_mla_decode
 from dsv41_triton.attention.ref import sparse_mla_decode_ref
 from dsv41_triton.ops.records import (allocate_k_cache, encode_records_ref, get_record_format,
@@ -77,12 +77,26 @@ def test_decode_records_heads(device, H, swa_rec, extra_rec):
 @pytest.mark.parametrize("H", [1, 3, 16])
 @pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (584, 528), (528, 288), (584, 288),
                                                (528, 528), (584, None), (528, None)])
-@pytest.mark.parametrize("splits", [1, 3])
-def test_decode_group_variant(device, H, swa_rec, extra_rec, splits):
+@pytest.mark.parametrize("splits,lazy", [(1, False), (3, True)])
+def test_decode_group_variant(device, H, swa_rec, extra_rec, splits, lazy):
     """The 'group' kernel (8 dim-groups of 64) on every record pair, with and without
     splits; Ws/K not multiples of the key block, lens and -1 inside the rows."""
     args = _case(device, 3, H, swa_rec, extra_rec, Ws=37, K=45)
-    _check(args, KernelConfig(16, BN, splits, variant="group"))
+    _check(args, KernelConfig(16, BN, splits, variant="group", lazy_rescale=lazy))
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_decode_lazy_rescale_growing_max(device, splits):
+    """Lazy rescale on sharp logits (std of ~40 in log2 units: row maxima jump by more than
+    2**8 between blocks, and stay within 2**8 in others), and on mild ones; same result as
+    the eager rescale and the float64 reference."""
+    for scale in (0.3, None):
+        args = _case(device, 3, 3, Ws=48, K=64, sink="rand")
+        outs = []
+        for lazy in (False, True):
+            cfg = KernelConfig(16, BN, splits, variant="group", lazy_rescale=lazy)
+            outs.append(_check(args, cfg, scale=scale)[0])
+        assert rel_err(outs[1], outs[0]) < 5e-3
 
 
 @pytest.mark.parametrize("swa_rec", [584, 528])
@@ -164,10 +178,12 @@ def test_decode_sink(device, sink, splits, variant):
         assert torch.equal(o, o2) and torch.equal(lse, l2)
 
 
-def test_decode_sharp_softmax_and_scale(device):
+@pytest.mark.parametrize("cfg", [None, KernelConfig(16, BN, 2, variant="group"),
+                                 KernelConfig(16, BN, 1, variant="group", lazy_rescale=True)])
+def test_decode_sharp_softmax_and_scale(device, cfg):
     args = _case(device, 3, 8, q_scale=6.0)
-    _check(args)
-    _check(args, scale=0.01)
+    _check(args, cfg)
+    _check(args, cfg, scale=0.01)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -244,7 +260,8 @@ def test_decode_bad_inputs(device):
 
 def test_kernel_config_validation():
     for bad in (dict(block_h=8), dict(block_h=48), dict(block_n=512), dict(num_splits=0),
-                dict(num_warps=3), dict(num_stages=0), dict(variant="fast")):
+                dict(num_warps=3), dict(num_stages=0), dict(variant="fast"),
+                dict(lazy_rescale=True), dict(variant="group", lazy_rescale=1)):
         kw = dict(block_h=16, block_n=32, num_splits=1)
         kw.update(bad)
         with pytest.raises(ValueError, match="KernelConfig"):
@@ -262,9 +279,7 @@ def test_default_config_only_returns_gpu_candidates(monkeypatch):
             for T in (1, 2, 7, 16, 33, 128, 512, 4096):
                 for H in (1, 3, 8, 16, 24, 32, 40, 64, 128):
                     cfg = default_config(T, H, 640, dev, paged=paged)
-                    shape = (cfg.variant, cfg.block_h, cfg.block_n, cfg.num_warps,
-                             cfg.num_stages)
-                    assert shape in GPU_CANDIDATES[fam], (fam, T, H, cfg)
+                    assert config_shape(cfg) in GPU_CANDIDATES[fam], (fam, T, H, cfg)
                     assert cfg.block_n >= MIN_BLOCK_N_GPU
                     assert 1 <= cfg.num_splits <= 32
     finally:
@@ -302,8 +317,8 @@ def test_decode_gpu_configs(device, cand, splits, swa_rec, extra_rec):
     split (the kernel applies the sink itself) and with splits (merge kernel), on the V4.1
     record pair and on the other dequant paths; 40 heads = two full 16-head tiles + a partial
     one (or a partial 64-head tile)."""
-    variant, bh, bn, warps, stages = cand
-    cfg = KernelConfig(bh, bn, splits, warps, stages, variant=variant)
+    variant, bh, bn, warps, stages, lazy = cand
+    cfg = KernelConfig(bh, bn, splits, warps, stages, variant=variant, lazy_rescale=lazy)
     _check(_v41_case(device, 19, 40, extra_rec, swa_rec=swa_rec), cfg)
 
 

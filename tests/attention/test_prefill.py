@@ -148,9 +148,9 @@ def test_prefill_bad_inputs(device):
 def test_prefill_gpu_configs(device, cand, splits):
     """Every launch shape the defaults or the benchmark sweep use (GPU_CANDIDATES); 24 heads =
     one full 16-head tile + a partial one (or a partial 32/64-head tile)."""
-    variant, bh, bn, warps, stages = cand
+    variant, bh, bn, warps, stages, lazy = cand
     args = _case(device, 96, 24, S=2048, K=640, p_neg=0.05, p_oob=0.0)
-    _check(args, KernelConfig(bh, bn, splits, warps, stages, variant=variant))
+    _check(args, KernelConfig(bh, bn, splits, warps, stages, variant=variant, lazy_rescale=lazy))
 
 
 @pytest.mark.gpu
