@@ -19,15 +19,16 @@ nvfp4          [32, 16] -> [32, 8]  32 e4m3
 
 Exactness: the insert writes the same bytes as ``quantize_and_insert_k_cache_ref`` for every
 finite bf16 input (interpreter: through the software codecs of ``_codecs.py``; GPU: hardware
-conversions and IEEE divisions). One GPU caveat, not tested there: if the division flushes
-subnormals, an NVFP4 element with ``|x| < 2**-126 * s`` may get a zero code of the other sign.
+conversions). The NVFP4 encode needs no per-element division (see ``_nvfp4_quantize_groups``),
+so subnormal inputs keep their sign on the GPU too.
 The gather is bit-exact for every record byte pattern (UE8M0 bytes 0 and 255 included) wherever
 the reference is not NaN. Where it is NaN (e4m3 NaN bytes 0x7F/0xFF, or a UE8M0 byte 255 times
 zero) the GPU gives a NaN of another payload, and the CPU interpreter reads 0x7F as 480.
 
 Tuning knobs (constants below) are the tokens per insert program, the positions per gather
-program and the warps of each; they were chosen for correctness and a sane grid, not yet
-measured on the GPU.
+program and the warps of each; the reasoning behind them (from the sm_90 code Triton 3.6
+generates) is in ``perf/NOTES.md`` ("ops kernels"). The page size is a constexpr of every
+kernel: slot and position splits are shifts, not integer divisions.
 """
 from __future__ import annotations
 
@@ -45,9 +46,14 @@ from .records import FP8_DS_MLA, MXFP8, NVFP4
 __all__ = ["quantize_and_insert_k_cache", "dequantize_and_gather_k_cache"]
 
 # ---- tuning knobs --------------------------------------------------------------------------
-#: tokens per program of the insert kernels, by record width
+#: tokens per program and warps of the insert kernels, by record width. 584/528: one 16-element
+#: (32-byte) slice of k per thread (BLOCK_T * 512 / 16 threads), so all of a thread's loads
+#: are issued before their first use (with two slices per thread ptxas delays the second load
+#: and the slot load behind the first slice's shuffles: three DRAM round trips in a row).
+#: 288: the encode is instruction-bound, so more elements per thread (fixed per-thread work
+#: amortized over 32 elements); its four k loads still come first.
 INSERT_BLOCK_T = {584: 8, 528: 8, 288: 8}
-INSERT_NUM_WARPS = 4
+INSERT_NUM_WARPS = {584: 8, 528: 8, 288: 4}
 #: positions (out rows) per program of the gather kernels, by record width
 GATHER_BLOCK_P = {584: 16, 528: 16, 288: 16}
 GATHER_NUM_WARPS = 4
@@ -59,37 +65,92 @@ _AMAX_FLOOR = tl.constexpr(1e-4)  # SPEC §4 record scales (records.UE8M0_AMAX_F
 # insert
 # ============================================================================================
 @triton.jit
-def _insert_rows(slot_ptr, stride_slot, T, page, num_slots, stride_blk, scale_base,
-                 DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Tokens of this program -> (token ids int64, valid mask, data row offset, scale row
-    offset), offsets in bytes from the cache base, int64."""
+def _insert_rows(slot_ptr, stride_slot, T, num_slots, stride_blk, scale_base,
+                 PAGE: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
+                 BLOCK_T: tl.constexpr):
+    """Tokens of this program -> (token ids int64, in-range mask, valid mask, data row offset,
+    scale row offset), offsets in bytes from the cache base, int64. ``PAGE`` is a constexpr:
+    the slot split is a shift for power-of-two pages, not a 64-bit division."""
     tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_range = tok < T
     slot = tl.load(slot_ptr + tok * stride_slot, mask=in_range, other=-1).to(tl.int64)
     valid = in_range & (slot >= 0) & (slot < num_slots)
     slot = tl.where(valid, slot, 0)
-    blk = slot // page
-    off = slot - blk * page
+    blk = slot // PAGE
+    off = slot - blk * PAGE
     base = blk * stride_blk
-    return tok, valid, base + off * DATA_BYTES, base + scale_base + off * SCALE_BYTES
+    return tok, in_range, valid, base + off * DATA_BYTES, base + scale_base + off * SCALE_BYTES
+
+
+@triton.jit
+def _ue8m0_quantize_groups(x, SW: tl.constexpr):
+    """``C.ue8m0_quantize_groups`` without its clamp: with ``e = ceil(log2(amax / 448))``,
+    ``|x| * 2**-e <= 448`` holds exactly (power-of-two scaling of finite values), so the clamp
+    to +-448 never changes a value; it cost two min/max per element."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=2), _AMAX_FLOOR)
+    e = C.ue8m0_exponent(amax)
+    return C.f32_to_e4m3_bits(x * C.exp2_int(-e)[:, :, None], SW), e
+
+
+@triton.jit
+def _nvfp4_quantize_groups(x, SW: tl.constexpr):
+    """``C.nvfp4_quantize_groups`` for bf16-valued ``x [A, G, S]`` fp32 without the per-element
+    division: same ``(packed, s_bits)``, bit for bit.
+
+    The reference rounds ``y = RN(x / s)`` to e2m1 by comparing ``|y|`` with the thresholds
+    ``t`` in {0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5}. Here ``|x|`` is compared with ``t * s``
+    instead, which is exact (``s`` has <= 4 significant bits, ``t`` <= 3). The comparisons
+    agree: ``|x|`` (bf16, 8 bits) and ``t * s`` (<= 7 bits) are equal or differ by at least
+    ~2**-9 relative, far more than the half-ulp by which RN(x / s) could move ``|x| / s``
+    across ``t``. The sign is ``x < 0`` (= ``y < 0``: ``|x| / s`` never underflows to 0).
+    The code is found with a 3-level comparison tree: 3 compares and 4 selects per element
+    instead of a division and 7 compares.
+    """
+    a = tl.abs(x)
+    amax = tl.max(a, axis=2)
+    s = tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32))
+    s = tl.minimum(tl.maximum(s, 0.001953125), 448.0)  # 2**-9 .. 448
+    s_bits = C.f32_to_e4m3_bits(s, SW)
+    sf = C.e4m3_bits_to_f32(s_bits)
+    # per-group thresholds (exact products), broadcast over the group
+    t025 = (sf * 0.25)[:, :, None]
+    t075 = (sf * 0.75)[:, :, None]
+    t125 = (sf * 1.25)[:, :, None]
+    t175 = (sf * 1.75)[:, :, None]
+    t250 = (sf * 2.5)[:, :, None]
+    t350 = (sf * 3.5)[:, :, None]
+    t500 = (sf * 5.0)[:, :, None]
+    # code bits b2 b1 b0 of the magnitude; '>' at a tie keeps the even code, '>=' moves to it
+    b2 = a >= t175
+    b1 = a >= tl.where(b2, t350, t075)
+    b0 = a > tl.where(b2, tl.where(b1, t500, t250), tl.where(b1, t125, t025))
+    c = (b2.to(tl.int32) * 4 + b1.to(tl.int32) * 2 + b0.to(tl.int32)
+         + (x < 0).to(tl.int32) * 8)
+    lo, hi = tl.split(tl.reshape(c, [x.shape[0], x.shape[1], x.shape[2] // 2, 2]))
+    return (lo | (hi << 4)).to(tl.uint8), s_bits
 
 
 @triton.jit
 def _insert_fp8_ds_mla_kernel(k_ptr, stride_kt, cache_ptr, stride_blk, scale_base,
-                              slot_ptr, stride_slot, T, page, num_slots,
-                              BLOCK_T: tl.constexpr, SW: tl.constexpr):
-    tok, valid, d_off, s_off = _insert_rows(slot_ptr, stride_slot, T, page, num_slots,
-                                            stride_blk, scale_base, 576, 8, BLOCK_T)
+                              slot_ptr, stride_slot, T, num_slots,
+                              PAGE: tl.constexpr, BLOCK_T: tl.constexpr, SW: tl.constexpr):
+    tok, in_range, valid, d_off, s_off = _insert_rows(
+        slot_ptr, stride_slot, T, num_slots, stride_blk, scale_base, PAGE, 576, 8, BLOCK_T)
     g = tl.arange(0, 8)
     j = tl.arange(0, 64)
     col = g[:, None] * 64 + j[None, :]  # [8, 64]; group 7 = dims 448..511 (RoPE)
     m3 = valid[:, None, None]
-    x = tl.load(k_ptr + tok[:, None, None] * stride_kt + col[None, :, :], mask=m3, other=0.0)
-    bits, e = C.ue8m0_quantize_groups(C.bf16_to_f32(x, SW), _AMAX_FLOOR, SW)
+    # k rows are read whatever the slot (masked by range only): the load does not wait for the
+    # slot load, so the two DRAM round trips overlap
+    x = tl.load(k_ptr + tok[:, None, None] * stride_kt + col[None, :, :],
+                mask=in_range[:, None, None], other=0.0)
+    bits, e = _ue8m0_quantize_groups(C.bf16_to_f32(x, SW), SW)
     tl.store(cache_ptr + d_off[:, None, None] + col[None, :, :], bits,
              mask=m3 & (g < 7)[None, :, None])
-    # RoPE dims: raw bf16 bytes at data + 448
-    rope = tl.load(k_ptr + tok[:, None] * stride_kt + 448 + j[None, :], mask=valid[:, None])
+    # RoPE dims: raw bf16 bytes at data + 448 (a [BLOCK_T, 64] tile of its own: storing them
+    # from the tile above would need a layout conversion, its 16-element rows being too wide
+    # for one 16-byte bf16 store)
+    rope = tl.load(k_ptr + tok[:, None] * stride_kt + 448 + j[None, :], mask=in_range[:, None])
     rope_ptr = (cache_ptr + d_off + 448).to(tl.pointer_type(tl.bfloat16))
     tl.store(rope_ptr[:, None] + j[None, :], rope, mask=valid[:, None])
     sb = tl.where(g[None, :] < 7, e + 127, 0).to(tl.uint8)
@@ -98,30 +159,30 @@ def _insert_fp8_ds_mla_kernel(k_ptr, stride_kt, cache_ptr, stride_blk, scale_bas
 
 @triton.jit
 def _insert_mxfp8_kernel(k_ptr, stride_kt, cache_ptr, stride_blk, scale_base,
-                         slot_ptr, stride_slot, T, page, num_slots,
-                         BLOCK_T: tl.constexpr, SW: tl.constexpr):
-    tok, valid, d_off, s_off = _insert_rows(slot_ptr, stride_slot, T, page, num_slots,
-                                            stride_blk, scale_base, 512, 16, BLOCK_T)
+                         slot_ptr, stride_slot, T, num_slots,
+                         PAGE: tl.constexpr, BLOCK_T: tl.constexpr, SW: tl.constexpr):
+    tok, in_range, valid, d_off, s_off = _insert_rows(
+        slot_ptr, stride_slot, T, num_slots, stride_blk, scale_base, PAGE, 512, 16, BLOCK_T)
     g = tl.arange(0, 16)
     col = g[:, None] * 32 + tl.arange(0, 32)[None, :]  # [16, 32]
-    m3 = valid[:, None, None]
-    x = tl.load(k_ptr + tok[:, None, None] * stride_kt + col[None, :, :], mask=m3, other=0.0)
-    bits, e = C.ue8m0_quantize_groups(C.bf16_to_f32(x, SW), _AMAX_FLOOR, SW)
-    tl.store(cache_ptr + d_off[:, None, None] + col[None, :, :], bits, mask=m3)
+    x = tl.load(k_ptr + tok[:, None, None] * stride_kt + col[None, :, :],
+                mask=in_range[:, None, None], other=0.0)
+    bits, e = _ue8m0_quantize_groups(C.bf16_to_f32(x, SW), SW)
+    tl.store(cache_ptr + d_off[:, None, None] + col[None, :, :], bits, mask=valid[:, None, None])
     tl.store(cache_ptr + s_off[:, None] + g[None, :], (e + 127).to(tl.uint8), mask=valid[:, None])
 
 
 @triton.jit
 def _insert_nvfp4_kernel(k_ptr, stride_kt, cache_ptr, stride_blk, scale_base,
-                         slot_ptr, stride_slot, T, page, num_slots,
-                         BLOCK_T: tl.constexpr, SW: tl.constexpr):
-    tok, valid, d_off, s_off = _insert_rows(slot_ptr, stride_slot, T, page, num_slots,
-                                            stride_blk, scale_base, 256, 32, BLOCK_T)
+                         slot_ptr, stride_slot, T, num_slots,
+                         PAGE: tl.constexpr, BLOCK_T: tl.constexpr, SW: tl.constexpr):
+    tok, in_range, valid, d_off, s_off = _insert_rows(
+        slot_ptr, stride_slot, T, num_slots, stride_blk, scale_base, PAGE, 256, 32, BLOCK_T)
     g = tl.arange(0, 32)
     col = g[:, None] * 16 + tl.arange(0, 16)[None, :]  # [32, 16] dims
-    x = tl.load(k_ptr + tok[:, None, None] * stride_kt + col[None, :, :], mask=valid[:, None, None],
-                other=0.0)
-    packed, s_bits = C.nvfp4_quantize_groups(C.bf16_to_f32(x, SW), SW)  # [BLOCK_T, 32, 8]
+    x = tl.load(k_ptr + tok[:, None, None] * stride_kt + col[None, :, :],
+                mask=in_range[:, None, None], other=0.0)
+    packed, s_bits = _nvfp4_quantize_groups(C.bf16_to_f32(x, SW), SW)  # [BLOCK_T, 32, 8]
     # store the 256 data bytes as one flat row (wider vector stores than [32, 8])
     packed = tl.reshape(packed, [BLOCK_T, 256])
     tl.store(cache_ptr + d_off[:, None] + tl.arange(0, 256)[None, :], packed, mask=valid[:, None])
@@ -152,8 +213,8 @@ def quantize_and_insert_k_cache(
     block_t = INSERT_BLOCK_T[rb]
     _INSERT_KERNELS[rb][(cdiv(T, block_t),)](
         k, k.stride(0), cache, cache.stride(0), page * fmt.data_bytes,
-        slot_mapping, slot_mapping.stride(0), T, page, nb * page,
-        BLOCK_T=block_t, SW=is_interpreter(), num_warps=INSERT_NUM_WARPS,
+        slot_mapping, slot_mapping.stride(0), T, nb * page,
+        PAGE=page, BLOCK_T=block_t, SW=is_interpreter(), num_warps=INSERT_NUM_WARPS[rb],
     )
 
 
