@@ -40,7 +40,9 @@ except ImportError:  # run from a checkout: python perf/bench_attention.py
 
 import triton  # noqa: E402
 
-from dsv41_triton.attention._kernels import LAST_LAUNCH, KernelConfig, default_config  # noqa: E402
+from dsv41_triton.attention._kernels import (GPU_CANDIDATES, LAST_LAUNCH,  # noqa: E402
+                                             KernelConfig, config_from_template,
+                                             config_shape, default_config)
 from dsv41_triton.attention.decode import sparse_mla_decode  # noqa: E402
 from dsv41_triton.attention.prefill import sparse_mla_prefill  # noqa: E402
 from dsv41_triton.attention.ref import sparse_mla_decode_ref, sparse_mla_prefill_ref  # noqa: E402
@@ -287,65 +289,187 @@ def _fmt(name, T, H, us, case_flops, ub, extra=""):
     return f"{name:8s} H={H:<4d} T={T:<5d} {us:9.1f} us {tf:7.1f} TFLOP/s {gbs:8.0f} GB/s {extra}"
 
 
-DECODE_SWEEP = {
-    # (H, T): configs to try (block_h, block_n, num_splits, warps, stages);
-    # num_splits 0 = the default heuristic's count for that block shape
-    (8, 128): [(16, 32, 2, 4, 3), (16, 32, 3, 4, 3), (16, 64, 2, 4, 3), (16, 32, 2, 8, 3)],
-    (8, 1): [(16, 32, 10, 4, 3), (16, 32, 20, 4, 3)],
-    (64, 1): [(64, 32, 20, 8, 2), (16, 32, 20, 4, 3), (32, 32, 20, 4, 2)],
-    (64, 32): [(64, 64, 4, 8, 2), (64, 32, 4, 8, 2), (16, 32, 2, 4, 3), (32, 32, 2, 4, 2)],
-    (64, 128): [(64, 64, 1, 8, 2), (64, 32, 1, 8, 2), (64, 64, 1, 8, 3), (32, 32, 1, 4, 2)],
-    (128, 128): [(64, 64, 1, 8, 2), (64, 32, 1, 8, 2)],
-}
-PREFILL_SWEEP = {
-    8: [(16, 32, 1, 4, 3), (16, 64, 1, 4, 3), (16, 128, 1, 4, 2)],
-    64: [(64, 64, 1, 8, 2), (64, 32, 1, 8, 3)],
+# --------------------------------------------------------------------------------------------
+# candidate sweep: every launch shape in GPU_CANDIDATES against the pre-existing defaults
+# --------------------------------------------------------------------------------------------
+#: the defaults before the 'group' variant (H200, 2026-11-29): (paged, block_h) -> shape
+OLD_TEMPLATES = {
+    (True, 16): ("tile", 16, 32, 4, 3, False), (True, 32): ("tile", 32, 32, 4, 3, False),
+    (True, 64): ("tile", 64, 32, 8, 2, False), (False, 16): ("tile", 16, 32, 4, 3, False),
+    (False, 32): ("tile", 32, 32, 4, 3, False), (False, 64): ("tile", 64, 64, 8, 2, False),
 }
 
+#: sweep shapes, most important first: (family, H, T)
+SWEEP_SHAPES = [
+    ("decode", 8, 128), ("decode", 64, 128), ("prefill", 8, 4096), ("prefill", 64, 4096),
+    ("decode", 8, 512), ("decode", 16, 128), ("decode", 64, 512), ("decode", 128, 128),
+    ("decode", 16, 512), ("decode", 128, 512), ("prefill", 128, 4096), ("prefill", 16, 4096),
+    ("decode", 8, 1), ("decode", 64, 1), ("decode", 8, 32), ("decode", 64, 32),
+]
 
-def _cfg(t, T, H, keys, device):
-    bh, bn, ns, w, st = t
-    if ns == 0:  # the default heuristic's split count for this block shape
-        ns = default_config(T, H, keys, torch.device(device), paged=True, block_h=bh,
-                            block_n=bn).num_splits
-    return KernelConfig(bh, bn, ns, w, st)
+
+def _resident(shape) -> int:
+    """Programs per SM of a launch shape (sm_90 compile, perf/NOTES.md): the 4-warp kernels
+    fit two (<= 255 registers, <= 113 KB shared), the 8-warp ones one."""
+    return 2 if shape[3] <= 4 else 1
 
 
-def sweep(device="cuda", deadline=None):
-    lines = []
-    for (H, T), cfgs in DECODE_SWEEP.items():
-        case = build_decode_case(T, H, device=device)
-        for t in cfgs:
+def old_default(fam, T, H, keys, sms) -> KernelConfig:
+    paged = fam == "decode"
+    bh = 16 if (H <= 16 or (paged and T * -(-H // 64) <= 16)) else (32 if H <= 32 else 64)
+    shape = OLD_TEMPLATES[(paged, bh)]
+    return config_from_template(T, H, keys, sms, shape, _resident(shape))
+
+
+def sweep_plan(fam, H, T, keys, sms) -> List[tuple]:
+    """[(label, KernelConfig)] for one shape: the old default first, then the candidates
+    that make sense there (head tiles <= max(16, H); split counts from the default rule; for
+    T=128 few-head decode also explicit split counts)."""
+    plan = [("old-default", old_default(fam, T, H, keys, sms))]
+    seen = {plan[0][1]}
+    for shape in GPU_CANDIDATES[fam]:
+        variant, bh, lazy = shape[0], shape[1], shape[5]
+        if bh > max(16, H):
+            continue  # head tile wider than the heads
+        if variant == "tile" and shape != ("tile", 64, 64, 8, 2, False):
+            continue  # the other tile shapes are the old defaults (timed as such)
+        if variant == "group" and not lazy and (T <= 32 or (H >= 64 and bh == 16)):
+            continue  # few tokens / 16-head tiles for many heads: the lazy form only
+        cfg = config_from_template(T, H, keys, sms, shape, _resident(shape))
+        if cfg not in seen:
+            plan.append(("-".join(map(str, shape)), cfg))
+            seen.add(cfg)
+    if fam == "decode" and H <= 16 and T == 128:
+        for shape in (("group", 16, 32, 4, 3, True), ("group", 16, 64, 4, 2, True)):
+            for ns in (1, 3):
+                c = config_from_template(T, H, keys, sms, shape, _resident(shape))
+                c = KernelConfig(c.block_h, c.block_n, ns, c.num_warps, c.num_stages,
+                                 variant=c.variant, lazy_rescale=c.lazy_rescale)
+                if c not in seen:
+                    plan.append(("-".join(map(str, shape)) + f"-s{ns}", c))
+                    seen.add(c)
+    return plan
+
+
+def failed_candidates(log_path: Optional[str]) -> set:
+    """Candidate ids ("group-16-32-4-3-True") named in FAILED/ERROR lines of a pytest log."""
+    bad = set()
+    if not log_path or not os.path.exists(log_path):
+        return bad
+    ids = {"-".join(map(str, c)) for f in GPU_CANDIDATES.values() for c in f}
+    for line in open(log_path, errors="replace"):
+        if line.startswith(("FAILED", "ERROR")):
+            bad |= {i for i in ids if i in line}
+    return bad
+
+
+def _shape_id(cfg: KernelConfig) -> str:
+    return "-".join(map(str, config_shape(cfg)))
+
+
+def _warm_one(task):
+    """Compile (and run once) one launch on a small case with the same specialization as the
+    sweep's (same H, widths, strides, split count): fills the on-disk Triton cache."""
+    fam, H, cfg = task
+    try:
+        if fam == "decode":
+            caches = make_decode_caches(device="cuda", slots=1 << 14)
+            c = build_decode_case(2, H, num_sets=1, device="cuda", caches=caches)
+            decode_fn(c, 0, cfg)()
+        else:
+            c = build_prefill_case(8, H, device="cuda")
+            prefill_fn(c, cfg)()
+        torch.cuda.synchronize()
+        return None
+    except Exception as e:  # reported, the timing loop skips nothing because of it
+        return f"warm {fam} H={H} {cfg}: {type(e).__name__}: {str(e)[:160]}"
+
+
+def warm(tasks, procs: int):
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    if procs <= 1:
+        return [r for r in map(_warm_one, tasks) if r]
+    with cf.ProcessPoolExecutor(max_workers=procs, mp_context=mp.get_context("spawn")) as ex:
+        return [r for r in ex.map(_warm_one, tasks) if r]
+
+
+def sweep(device="cuda", deadline=None, skip=(), warm_procs=0, csv_path=None):
+    """Time the old default and every sensible candidate on SWEEP_SHAPES. Returns the compact
+    summary lines (one per shape: old default, best, speedup)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    plans = []
+    for fam, H, T in SWEEP_SHAPES:
+        keys = 640
+        plan = [(lab, cfg) for lab, cfg in sweep_plan(fam, H, T, keys, sms)
+                if _shape_id(cfg) not in skip]
+        plans.append((fam, H, T, plan))
+    if warm_procs:
+        t0 = time.time()
+        tasks, keyset = [], set()
+        for fam, H, T, plan in plans:
+            for _, cfg in plan:
+                k = (fam, H, cfg.num_splits > 1, cfg.num_splits if cfg.num_splits % 16 == 0
+                     else 0, -(-H // cfg.block_h) == 1, config_shape(cfg))
+                if k not in keyset:
+                    keyset.add(k)
+                    tasks.append((fam, H, cfg))
+        for line in warm(tasks, warm_procs):
+            print(line, flush=True)
+        print(f"warm: {len(tasks)} launches compiled in {time.time() - t0:.0f} s", flush=True)
+    rows, summary = [], []
+    for fam, H, T, plan in plans:
+        if deadline and time.time() > deadline:
+            summary.append(f"{fam:7s} H={H:<3d} T={T:<4d}: skipped (budget)")
+            continue
+        case = build_decode_case(T, H, device=device) if fam == "decode" else \
+            build_prefill_case(T, H, device=device)
+        ref_out, res = None, []
+        for lab, cfg in plan:
             if deadline and time.time() > deadline:
                 break
-            cfg = _cfg(t, T, H, case.keys, device)
             try:
-                us = time_decode(case, cfg)
-            except Exception as e:  # a config that does not compile / fit: report, go on
-                lines.append(f"sweep decode H={H} T={T} {cfg}: FAILED {type(e).__name__}: "
-                             f"{str(e)[:200]}")
-                print(lines[-1], flush=True)
-                continue
-            lines.append(_fmt("sweep-d", T, H, us, case.flops, case.unique_bytes[0],
-                              f"{cfg} {kernel_info()}"))
-            print(lines[-1], flush=True)
-    for H, cfgs in PREFILL_SWEEP.items():
-        case = build_prefill_case(4096, H, device=device)
-        for t in cfgs:
-            if deadline and time.time() > deadline:
-                break
-            cfg = _cfg(t, 4096, H, case.keys, device)
-            try:
-                us = time_graph([prefill_fn(case, cfg)], replays=10)
+                if fam == "decode":
+                    us = time_decode(case, cfg)
+                    out = decode_fn(case, 0, cfg)()[0].clone()
+                else:
+                    us = time_graph([prefill_fn(case, cfg)], replays=10)
+                    out = prefill_fn(case, cfg)()[0].clone()
+                torch.cuda.synchronize()
             except Exception as e:
-                lines.append(f"sweep prefill H={H} {cfg}: FAILED {type(e).__name__}: "
-                             f"{str(e)[:200]}")
-                print(lines[-1], flush=True)
+                print(f"sweep {fam} H={H} T={T} {lab}: FAILED {type(e).__name__}: "
+                      f"{str(e)[:200]}", flush=True)
                 continue
-            lines.append(_fmt("sweep-p", 4096, H, us, case.flops, case.unique_bytes,
-                              f"{cfg} {kernel_info()}"))
-            print(lines[-1], flush=True)
-    return lines
+            info = kernel_info()
+            if ref_out is None:
+                ref_out = out
+            agree = rel_err(out, ref_out)
+            ok = agree < 1e-2
+            res.append((us, lab, cfg, ok))
+            ub = case.unique_bytes[0] if fam == "decode" else case.unique_bytes
+            line = _fmt(f"sw-{fam[0]}", T, H, us, case.flops, ub,
+                        f"{lab} s{cfg.num_splits} | {info} | vs-first {agree:.1e}"
+                        f"{'' if ok else ' DISAGREES'}")
+            rows.append((fam, H, T, lab, cfg.num_splits, us, info, agree))
+            print(line, flush=True)
+        del case
+        torch.cuda.empty_cache()
+        good = [r for r in res if r[3]]
+        if not res:
+            summary.append(f"{fam:7s} H={H:<3d} T={T:<4d}: no result")
+            continue
+        old = [r for r in res if r[1] == "old-default"]
+        best = min(good or res, key=lambda r: r[0])
+        o = f"{old[0][0]:8.1f}" if old else "     n/a"
+        sp = f"{old[0][0] / best[0]:5.2f}x" if old else "   -"
+        summary.append(f"{fam:7s} H={H:<3d} T={T:<4d} old {o} us  best {best[0]:8.1f} us "
+                       f"{sp}  {best[1]} s{best[2].num_splits}")
+    if csv_path:
+        with open(csv_path, "w") as f:
+            f.write("family,heads,tokens,label,splits,us,kernel,agree\n")
+            for r in rows:
+                f.write(",".join(str(x).replace(",", ";") for x in r) + "\n")
+    return summary
 
 
 def main(argv=None):
@@ -355,6 +479,12 @@ def main(argv=None):
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--no-eager", action="store_true", help="skip do_bench eager timings")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds before skipping work")
+    ap.add_argument("--sweep-only", action="store_true", help="only the candidate sweep")
+    ap.add_argument("--skip-failed", default=None,
+                    help="pytest log: candidates named in its FAILED/ERROR lines are skipped")
+    ap.add_argument("--warm", type=int, default=0,
+                    help="processes that compile the sweep's kernels before timing")
+    ap.add_argument("--csv", default=None, help="write every sweep timing here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_attention: no CUDA device; nothing to time")
@@ -364,8 +494,17 @@ def main(argv=None):
     dev = "cuda"
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
           f"triton {triton.__version__}", flush=True)
+    skip = failed_candidates(args.skip_failed)
+    if skip:
+        print("skipping candidates that failed their GPU tests:", sorted(skip), flush=True)
+    if args.sweep_only:
+        lines = sweep(dev, deadline, skip, args.warm, args.csv)
+        print(f"\n==== sweep summary ({time.time() - t0:.0f} s; us, CUDA graph) ====")
+        for line in lines:
+            print(line)
+        return 0
     bad = [] if args.no_check else check(dev)
-    sweep_lines = sweep(dev, deadline) if args.sweep else []
+    sweep_lines = sweep(dev, deadline, skip, args.warm, args.csv) if args.sweep else []
     table = []
     heads = (8, 16, 64, 128)
     tokens = (1, 32, 128) if args.quick else (1, 8, 32, 128, 512)
