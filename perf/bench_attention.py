@@ -352,13 +352,14 @@ def sweep_plan(fam, H, T, keys, sms) -> List[tuple]:
 
 
 def failed_candidates(log_path: Optional[str]) -> set:
-    """Candidate ids ("group-16-32-4-3-True") named in FAILED/ERROR lines of a pytest log."""
+    """Candidate ids ("group-16-32-4-3-True") named in FAILED/ERROR lines of a pytest log
+    (the summary lines, or the per-test lines of ``-v`` / xdist)."""
     bad = set()
     if not log_path or not os.path.exists(log_path):
         return bad
     ids = {"-".join(map(str, c)) for f in GPU_CANDIDATES.values() for c in f}
     for line in open(log_path, errors="replace"):
-        if line.startswith(("FAILED", "ERROR")):
+        if " FAILED " in f" {line}" or " ERROR " in f" {line}":
             bad |= {i for i in ids if i in line}
     return bad
 

@@ -765,8 +765,8 @@ GPU_CANDIDATES = {
         ("tile", 64, 64, 8, 2, False),
         ("group", 16, 32, 4, 3, False), ("group", 16, 64, 4, 3, False),
         ("group", 16, 64, 4, 3, True), ("group", 32, 64, 4, 3, False),
-        ("group", 64, 64, 8, 2, False), ("group", 64, 64, 8, 2, True),
-        ("group", 64, 64, 8, 3, False),
+        ("group", 32, 64, 8, 3, False), ("group", 64, 64, 8, 2, False),
+        ("group", 64, 64, 8, 2, True), ("group", 64, 64, 8, 3, False),
     ),
 }
 
