@@ -15,6 +15,8 @@ fp8_ds_mla     [8, 64] (group 7 =   8 bytes: 7 UE8M0 + a zero byte; the RoPE dim
                the 64 RoPE dims)    copied as raw bf16
 mxfp8          [16, 32]             16 UE8M0
 nvfp4          [32, 16] -> [32, 8]  32 e4m3
+               (gather: [2, 32]
+               halves x 4 bytes)
 =============  ===================  ====================================================
 
 Exactness: the insert writes the same bytes as ``quantize_and_insert_k_cache_ref`` for every
@@ -222,22 +224,22 @@ def quantize_and_insert_k_cache(
 # gather
 # ============================================================================================
 @triton.jit
-def _gather_rows(b, seq, g, i, bt_ptr, stride_bt0, stride_bt1, max_blocks, num_blocks, page,
+def _gather_rows(b, seq, g, i, bt_ptr, stride_bt0, stride_bt1, max_blocks, num_blocks,
                  n_rows, stride_blk, scale_base,
-                 DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
+                 PAGE: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
     """Positions ``i`` (int32, rows relative to ``offset``) of request ``b`` -> (valid mask,
     data row offset, scale row offset), offsets int64 bytes from the cache base."""
     pos = seq - g + i
     ok = (i < g) & (i < n_rows) & (pos >= 0)
     pos = tl.where(ok, pos, 0)
-    col = pos // page
+    col = pos // PAGE  # constexpr page: a shift, not a division
     ok = ok & (col < max_blocks)
     col = tl.where(ok, col, 0)
     blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt0 + col.to(tl.int64) * stride_bt1,
                   mask=ok, other=-1)
     ok = ok & (blk >= 0) & (blk < num_blocks)
     blk = tl.where(ok, blk, 0).to(tl.int64)
-    off = (pos - col * page).to(tl.int64)
+    off = (pos - col * PAGE).to(tl.int64)
     base = blk * stride_blk
     return ok, base + off * DATA_BYTES, base + scale_base + off * SCALE_BYTES
 
@@ -245,9 +247,10 @@ def _gather_rows(b, seq, g, i, bt_ptr, stride_bt0, stride_bt1, max_blocks, num_b
 @triton.jit
 def _gather_fp8_ds_mla_kernel(out_ptr, stride_ob, stride_om, cache_ptr, stride_blk, scale_base,
                               seq_ptr, stride_seq, gl_ptr, stride_gl,
-                              bt_ptr, stride_bt0, stride_bt1, max_blocks, num_blocks, page,
+                              bt_ptr, stride_bt0, stride_bt1, max_blocks, num_blocks,
                               offset, n_rows,
-                              HAS_GL: tl.constexpr, BLOCK_P: tl.constexpr, SW: tl.constexpr):
+                              PAGE: tl.constexpr, HAS_GL: tl.constexpr, BLOCK_P: tl.constexpr,
+                              SW: tl.constexpr):
     b = tl.program_id(1)
     seq = tl.load(seq_ptr + b.to(tl.int64) * stride_seq)
     if HAS_GL:
@@ -259,18 +262,20 @@ def _gather_fp8_ds_mla_kernel(out_ptr, stride_ob, stride_om, cache_ptr, stride_b
         return
     i = start + tl.arange(0, BLOCK_P)
     ok, d_off, s_off = _gather_rows(b, seq, g, i, bt_ptr, stride_bt0, stride_bt1, max_blocks,
-                                    num_blocks, page, n_rows, stride_blk, scale_base, 576, 8)
+                                    num_blocks, n_rows, stride_blk, scale_base, PAGE, 576, 8)
     gr = tl.arange(0, 8)
     j = tl.arange(0, 64)
     col = gr[:, None] * 64 + j[None, :]  # [8, 64]; group 7 = dims 448..511 (RoPE, bf16)
     m3 = ok[:, None, None]
     # the whole 512-byte head of the data row: bytes 448..511 are part of the bf16 tail and
-    # are replaced below; one wide load is cheaper than a masked one
+    # are replaced below; one wide load is cheaper than a masked one. All three loads come
+    # before any use: the data tile is converted to the store layout through shared memory,
+    # and a load placed after that barrier would wait for it.
     q = tl.load(cache_ptr + d_off[:, None, None] + col[None, :, :], mask=m3, other=0)
-    sc = tl.load(cache_ptr + s_off[:, None] + gr[None, :], mask=ok[:, None], other=127)
-    v = C.f32_to_bf16(C.e4m3_bits_to_f32(q) * C.ue8m0_to_f32(sc)[:, :, None], SW)
     rope_ptr = (cache_ptr + d_off + 448).to(tl.pointer_type(tl.bfloat16))
     rope = tl.load(rope_ptr[:, None] + j[None, :], mask=ok[:, None])
+    sc = tl.load(cache_ptr + s_off[:, None] + gr[None, :], mask=ok[:, None], other=127)
+    v = C.f32_to_bf16(C.e4m3_bits_to_f32(q) * C.ue8m0_to_f32(sc)[:, :, None], SW)
     v = tl.where((gr == 7)[None, :, None], rope[:, None, :], v)
     o_off = b.to(tl.int64) * stride_ob + (offset + i).to(tl.int64) * stride_om
     tl.store(out_ptr + o_off[:, None, None] + col[None, :, :], v, mask=m3)
@@ -279,9 +284,10 @@ def _gather_fp8_ds_mla_kernel(out_ptr, stride_ob, stride_om, cache_ptr, stride_b
 @triton.jit
 def _gather_mxfp8_kernel(out_ptr, stride_ob, stride_om, cache_ptr, stride_blk, scale_base,
                          seq_ptr, stride_seq, gl_ptr, stride_gl,
-                         bt_ptr, stride_bt0, stride_bt1, max_blocks, num_blocks, page,
+                         bt_ptr, stride_bt0, stride_bt1, max_blocks, num_blocks,
                          offset, n_rows,
-                         HAS_GL: tl.constexpr, BLOCK_P: tl.constexpr, SW: tl.constexpr):
+                         PAGE: tl.constexpr, HAS_GL: tl.constexpr, BLOCK_P: tl.constexpr,
+                         SW: tl.constexpr):
     b = tl.program_id(1)
     seq = tl.load(seq_ptr + b.to(tl.int64) * stride_seq)
     if HAS_GL:
@@ -293,7 +299,7 @@ def _gather_mxfp8_kernel(out_ptr, stride_ob, stride_om, cache_ptr, stride_blk, s
         return
     i = start + tl.arange(0, BLOCK_P)
     ok, d_off, s_off = _gather_rows(b, seq, g, i, bt_ptr, stride_bt0, stride_bt1, max_blocks,
-                                    num_blocks, page, n_rows, stride_blk, scale_base, 512, 16)
+                                    num_blocks, n_rows, stride_blk, scale_base, PAGE, 512, 16)
     gr = tl.arange(0, 16)
     col = gr[:, None] * 32 + tl.arange(0, 32)[None, :]  # [16, 32]
     m3 = ok[:, None, None]
@@ -307,9 +313,16 @@ def _gather_mxfp8_kernel(out_ptr, stride_ob, stride_om, cache_ptr, stride_blk, s
 @triton.jit
 def _gather_nvfp4_kernel(out_ptr, stride_ob, stride_om, cache_ptr, stride_blk, scale_base,
                          seq_ptr, stride_seq, gl_ptr, stride_gl,
-                         bt_ptr, stride_bt0, stride_bt1, max_blocks, num_blocks, page,
+                         bt_ptr, stride_bt0, stride_bt1, max_blocks, num_blocks,
                          offset, n_rows,
-                         HAS_GL: tl.constexpr, BLOCK_P: tl.constexpr, SW: tl.constexpr):
+                         PAGE: tl.constexpr, HAS_GL: tl.constexpr, BLOCK_P: tl.constexpr,
+                         SW: tl.constexpr):
+    """Tiles ``[2, 32, BLOCK_P, 4]`` bytes in / ``[2, 32, BLOCK_P, 8]`` bf16 out: half c of
+    group g of position p, 4 data bytes -> 8 elements per thread. The decoded bytes are joined
+    in registers, so the data, its stores and the lanes (halves, then groups: 128 contiguous
+    cache bytes per warp load, 512 output bytes per warp store) share one layout and nothing
+    but the small scale tile goes through shared memory. (Dim order: Triton orders equally
+    non-contiguous dims by index, so the half dim comes first.)"""
     b = tl.program_id(1)
     seq = tl.load(seq_ptr + b.to(tl.int64) * stride_seq)
     if HAS_GL:
@@ -321,19 +334,27 @@ def _gather_nvfp4_kernel(out_ptr, stride_ob, stride_om, cache_ptr, stride_blk, s
         return
     i = start + tl.arange(0, BLOCK_P)
     ok, d_off, s_off = _gather_rows(b, seq, g, i, bt_ptr, stride_bt0, stride_bt1, max_blocks,
-                                    num_blocks, page, n_rows, stride_blk, scale_base, 256, 32)
-    gr = tl.arange(0, 32)
-    # the 256 data bytes as one flat row (wider vector loads than [32, 8]), then per group
-    q = tl.load(cache_ptr + d_off[:, None] + tl.arange(0, 256)[None, :], mask=ok[:, None], other=0)
-    q = tl.reshape(q.to(tl.int32), [BLOCK_P, 32, 8])
-    sc = tl.load(cache_ptr + s_off[:, None] + gr[None, :], mask=ok[:, None], other=0)
-    s = C.e4m3_bits_to_f32(sc)[:, :, None]
-    lo = C.e2m1_code_to_f32(q & 15) * s
-    hi = C.e2m1_code_to_f32(q >> 4) * s
-    v = tl.reshape(tl.join(lo, hi), [BLOCK_P, 512])  # even element = low nibble
+                                    num_blocks, n_rows, stride_blk, scale_base, PAGE, 256, 32)
+    gr = tl.arange(0, 32)[None, :, None, None]  # group of 16 elements (8 bytes)
+    half = tl.arange(0, 2)[:, None, None, None]
+    ok4 = ok[None, None, :, None]
+    q = tl.load(cache_ptr + d_off[None, None, :, None] + (gr * 8 + half * 4)
+                + tl.arange(0, 4)[None, None, None, :], mask=ok4, other=0).to(tl.int32)
+    sc = tl.load(cache_ptr + s_off[None, None, :, None] + gr, mask=ok4, other=0)
+    s = C.e4m3_bits_to_f32(sc)
+    # e2m1 code m (bit 3 = sign) as fp32: the bits (sign << 31) | (m & 7) << 22 are exactly
+    # e2m1(m) * 2**-126 (a subnormal for m < 2, the binade 2**-126 for m >= 2), so one exact
+    # multiply by 2**126 gives the value; times the e4m3 scale it is exact too (<= 6
+    # significant bits), and so is its bf16 rounding. Even element = low nibble.
+    lo = ((q << 22) & 0x01C00000) | ((q << 28) & -2147483648)
+    hi = ((q << 18) & 0x01C00000) | ((q << 24) & -2147483648)
+    lo = lo.to(tl.float32, bitcast=True) * 8.507059173023462e37 * s  # 2**126
+    hi = hi.to(tl.float32, bitcast=True) * 8.507059173023462e37 * s
+    v = tl.reshape(tl.join(lo, hi), [2, 32, BLOCK_P, 8])
     v = C.f32_to_bf16(v, SW)
     o_off = b.to(tl.int64) * stride_ob + (offset + i).to(tl.int64) * stride_om
-    tl.store(out_ptr + o_off[:, None] + tl.arange(0, 512)[None, :], v, mask=ok[:, None])
+    tl.store(out_ptr + o_off[None, None, :, None] + (gr * 16 + half * 8)
+             + tl.arange(0, 8)[None, None, None, :], v, mask=ok4)
 
 
 _GATHER_KERNELS = {
@@ -378,6 +399,7 @@ def dequantize_and_gather_k_cache(
         out, out.stride(0), out.stride(1), cache, cache.stride(0), page * fmt.data_bytes,
         seq_lens, seq_lens.stride(0), gl, gl.stride(0),
         block_table, block_table.stride(0), block_table.stride(1), block_table.shape[1],
-        cache.shape[0], page, offset, n_rows,
-        HAS_GL=has_gl, BLOCK_P=block_p, SW=is_interpreter(), num_warps=GATHER_NUM_WARPS,
+        cache.shape[0], offset, n_rows,
+        PAGE=page, HAS_GL=has_gl, BLOCK_P=block_p, SW=is_interpreter(),
+        num_warps=GATHER_NUM_WARPS,
     )
