@@ -235,11 +235,49 @@ GLOBAL_TOPK_NUM_WARPS = 4
 GLOBAL_TOPK_MAX_COLS = 512
 
 
-@triton.jit(do_not_specialize=["sl_k", "so_k"])
+@triton.jit
+def _global_topk_step(k, km, row_in, bt_row, row_out, count, lim, bt_m, col_max, sl_k, sb_c,
+                      shifts, BLOCK_SIZE: tl.constexpr, IN_I64: tl.constexpr):
+    """One step of :func:`_global_topk_kernel` over columns ``k [32, 1, NGROUP, PACK]`` (mask
+    ``km``): translate, left-pack, store the survivors; returns the new survivor count."""
+    # int32 math where the input is int32 (the common case); int64 inputs stay int64.
+    # IN_I64: a strided input or block table whose in-row offsets may pass 2**31
+    if IN_I64:
+        i = tl.load(row_in + k.to(tl.int64) * sl_k, mask=km, other=-1)
+    else:
+        i = tl.load(row_in + k * sl_k, mask=km, other=-1)
+    ip = tl.maximum(i, 0)
+    col = ip // BLOCK_SIZE  # constexpr divisor: a shift for power-of-two pages
+    ok = km & (i >= 0) & (col < lim)
+    # the block-table load is masked per token only (an in-table column is read for dropped
+    # entries too): per-element masks would use up the predicate registers
+    colc = tl.minimum(col, col_max)
+    if IN_I64:
+        blk = tl.load(bt_row + colc.to(tl.int64) * sb_c, mask=bt_m, other=-1)
+    else:
+        blk = tl.load(bt_row + colc * sb_c, mask=bt_m, other=-1)
+    # blk * bs + (i % bs) >= 0 exactly when blk >= 0; the int32 slot is the low 32 bits
+    # of the exact product-sum, which wrapping int32 arithmetic gives bit for bit
+    ok = ok & (blk >= 0)
+    slot = blk.to(tl.int32) * BLOCK_SIZE + (ip - col * BLOCK_SIZE).to(tl.int32)
+    # left-packed position = survivors in earlier steps + in earlier chunks (of 32 columns)
+    # of this step + in earlier columns of this chunk (= higher lanes). The lane scan and
+    # the chunk sums run on PACK chunks at once: 0/1 flags summed over <= 32 lanes fit
+    # 8-bit fields of an int32.
+    packed = tl.sum(ok.to(tl.int32) << shifts, axis=3, keep_dims=True)
+    scan = (tl.cumsum(packed, axis=0, reverse=True) >> shifts) & 255  # inclusive
+    csum = (tl.sum(packed, axis=0, keep_dims=True) >> shifts) & 255  # [1, BT, NGROUP, PACK]
+    gsum = tl.sum(csum, axis=3, keep_dims=True)  # [1, BT, NGROUP, 1]
+    before = (tl.cumsum(csum, axis=3) - csum) + (tl.cumsum(gsum, axis=2) - gsum)
+    tl.store(row_out + (count + before + scan - 1), slot, mask=ok)
+    return count + tl.sum(gsum, axis=2, keep_dims=True)
+
+
+@triton.jit
 def _global_topk_kernel(
     local_ptr, req_ptr, bt_ptr, valid_ptr, out_ptr, lens_ptr,
     T, K, R, MB,
-    sl_t, sl_k, s_req, sb_r, sb_c, s_valid, so_t, so_k,
+    sl_t, sl_k, s_req, sb_r, sb_c, s_valid, so_t,
     BLOCK_SIZE: tl.constexpr,
     HAS_VALID: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -247,15 +285,19 @@ def _global_topk_kernel(
     PACK: tl.constexpr,
     IN_I64: tl.constexpr,
 ):
-    """BLOCK_T token rows per program. A step covers ``32 * NGROUP * PACK`` columns of each row
-    as a ``[32, BLOCK_T, NGROUP, PACK]`` tile: column ``k0 + lane + 32 * (PACK * g + p)``.
+    """BLOCK_T token rows per program. A step covers ``STEP = 32 * NGROUP * PACK`` columns of
+    each row as a ``[32, BLOCK_T, NGROUP, PACK]`` tile: lane ``l`` holds column
+    ``k0 + 32 * (PACK * g + p) + 31 - l``.
 
     Layout: the left-packing store has data-dependent addresses, so Triton gives it one element
-    per thread with the dims in index order (lanes on dim 0, warps on dim 1). Every other access
-    of the tile is made to look the same (the column strides ``sl_k`` / ``so_k`` are not
-    specialized, so no access is vectorized): one layout throughout, no shared-memory
-    conversions, each warp owns one token row, and every access of a warp touches 32
-    consecutive int32 (coalesced).
+    per thread with the dims in index order (lanes on dim 0, warps on dim 1). The lanes are
+    numbered backwards so that Triton's analysis sees no contiguity in the other accesses
+    either (it does not treat decreasing runs as contiguous): every access of the tile gets that
+    same layout, so nothing goes through shared memory, each warp owns one token row, and a
+    warp access still touches 32 consecutive int32 (coalesced). With unit column strides a
+    thread's addresses are one base plus immediate offsets, and whole steps (``k0 + STEP <=
+    K``) need no column mask, so the loads of a step share one predicate (few registers and
+    predicates: the loads are issued together). The in-row scan runs backwards to match.
     """
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
@@ -271,46 +313,28 @@ def _global_topk_kernel(
     row_in = (local_ptr + t64 * sl_t)[None, :, None, None]
     row_out = (out_ptr + t64 * so_t)[None, :, None, None]
     tm4 = tm[None, :, None, None]
+    # (a select, not `tm4 & scalar`: the interpreter turns scalar-bool & bool-tile into ints)
+    bt_m = tl.where((R > 0) & (MB > 0), tm4, tl.zeros_like(tm4))
+    col_max = tl.maximum(MB - 1, 0)
     shifts = tl.arange(0, PACK)[None, None, None, :]
-    kk = (tl.arange(0, 32)[:, None, None, None]
+    kk = ((31 - tl.arange(0, 32))[:, None, None, None]
           + (tl.arange(0, NGROUP)[None, None, :, None] * PACK + shifts) * 32)
     shifts = shifts * 8
+    STEP: tl.constexpr = NGROUP * PACK * 32
+    k_full = (K // STEP) * STEP
     count = tl.zeros((1, BLOCK_T, 1, 1), dtype=tl.int32)  # kept 4-D: no layout conversions
-    for k0 in range(0, K, NGROUP * PACK * 32):
-        k = k0 + kk  # [32, 1, NGROUP, PACK]
-        km = (k < K) & tm4
-        # int32 math where the input is int32 (the common case); int64 inputs stay int64.
-        # IN_I64: a strided input or block table whose in-row offsets may pass 2**31
-        if IN_I64:
-            i = tl.load(row_in + k.to(tl.int64) * sl_k, mask=km, other=-1)
-        else:
-            i = tl.load(row_in + k * sl_k, mask=km, other=-1)
-        ip = tl.maximum(i, 0)
-        col = ip // BLOCK_SIZE  # constexpr divisor: a shift for power-of-two pages
-        ok = km & (i >= 0) & (col < lim)
-        if IN_I64:
-            blk = tl.load(bt_row + col.to(tl.int64) * sb_c, mask=ok, other=-1)
-        else:
-            blk = tl.load(bt_row + col * sb_c, mask=ok, other=-1)
-        # blk * bs + (i % bs) >= 0 exactly when blk >= 0; the int32 slot is the low 32 bits
-        # of the exact product-sum, which wrapping int32 arithmetic gives bit for bit
-        ok = ok & (blk >= 0)
-        slot = blk.to(tl.int32) * BLOCK_SIZE + (ip - col * BLOCK_SIZE).to(tl.int32)
-        # left-packed position = survivors in earlier steps + in earlier chunks (of 32 columns)
-        # of this step + in earlier lanes of this chunk. The lane scan and the chunk sums run
-        # on PACK chunks at once: 0/1 flags summed over <= 32 lanes fit 8-bit fields.
-        packed = tl.sum(ok.to(tl.int32) << shifts, axis=3, keep_dims=True)
-        scan = (tl.cumsum(packed, axis=0) >> shifts) & 255  # inclusive, [32, BT, NGROUP, PACK]
-        csum = (tl.sum(packed, axis=0, keep_dims=True) >> shifts) & 255  # [1, BT, NGROUP, PACK]
-        gsum = tl.sum(csum, axis=3, keep_dims=True)  # [1, BT, NGROUP, 1]
-        before = (tl.cumsum(csum, axis=3) - csum) + (tl.cumsum(gsum, axis=2) - gsum)
-        tl.store(row_out + (count + before + scan - 1), slot, mask=ok)
-        count += tl.sum(gsum, axis=2, keep_dims=True)
+    for k0 in range(0, k_full, STEP):
+        count = _global_topk_step(k0 + kk, tm4, row_in, bt_row, row_out, count, lim, bt_m,
+                                  col_max, sl_k, sb_c, shifts, BLOCK_SIZE, IN_I64)
+    if k_full < K:
+        k = k_full + kk
+        count = _global_topk_step(k, (k < K) & tm4, row_in, bt_row, row_out, count, lim, bt_m,
+                                  col_max, sl_k, sb_c, shifts, BLOCK_SIZE, IN_I64)
     # the tail after the survivors (disjoint from the addresses written above)
     minus1 = tl.full((32, BLOCK_T, NGROUP, PACK), -1, tl.int32)
-    for k0 in range(0, K, NGROUP * PACK * 32):
+    for k0 in range(0, K, STEP):
         k = k0 + kk
-        tl.store(row_out + k * so_k, minus1, mask=(k < K) & (k >= count) & tm4)
+        tl.store(row_out + k, minus1, mask=(k < K) & (k >= count) & tm4)
     count = tl.sum(tl.sum(tl.sum(count, axis=3), axis=2), axis=0)  # [BLOCK_T]
     if HAS_VALID:
         count = tl.where(v != 0, count, 0)
@@ -373,7 +397,7 @@ def compute_global_topk_indices_and_lens(
         topk_indices.stride(0), topk_indices.stride(1), token_to_req_indices.stride(0),
         block_table.stride(0), block_table.stride(1),
         is_valid_token.stride(0) if is_valid_token is not None else 0,
-        indices.stride(0), indices.stride(1),
+        indices.stride(0),
         BLOCK_SIZE=block_size,
         HAS_VALID=is_valid_token is not None,
         BLOCK_T=block_t,
