@@ -106,11 +106,13 @@ def _nvfp4_quantize_groups(x, SW: tl.constexpr):
     ~2**-9 relative, far more than the half-ulp by which RN(x / s) could move ``|x| / s``
     across ``t``. The sign is ``x < 0`` (= ``y < 0``: ``|x| / s`` never underflows to 0).
     The code is found with a 3-level comparison tree: 3 compares and 4 selects per element
-    instead of a division and 7 compares.
+    instead of a division and 7 compares. The scale needs no division either (see below).
     """
     a = tl.abs(x)
     amax = tl.max(a, axis=2)
-    s = tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32))
+    # amax * fp32(1/6) can differ from amax / 6 in the last bit, but for every finite bf16
+    # amax (all 32640 were checked) the clamped e4m3 scale is the same byte: no IEEE division
+    s = amax * 0.16666666666666666
     s = tl.minimum(tl.maximum(s, 0.001953125), 448.0)  # 2**-9 .. 448
     s_bits = C.f32_to_e4m3_bits(s, SW)
     sf = C.e4m3_bits_to_f32(s_bits)
