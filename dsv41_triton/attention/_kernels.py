@@ -737,13 +737,16 @@ def _sm_count(device: torch.device) -> int:
 #: num_stages, lazy_rescale), resident programs per SM). The split count is derived from the
 #: last number (splitting the keys pays only up to about one wave of resident programs: the
 #: fp32 partials cost bandwidth). Every shape here is in ``GPU_CANDIDATES``.
+#: Measured (H200, triton 3.6, CUDA graph; perf/NOTES.md "Session 2 results"): decode 8 heads
+#: x 128 tokens 82.8 -> 39.2 us, 64 heads 208.8 -> 89.4 us; prefill 8 heads 733 -> 528 us,
+#: 64 heads 1548 -> 1472 us. The 32-head templates were timed at 64/128 heads (two tiles).
 _GPU_TEMPLATES = {
-    (True, 16): (("tile", 16, 32, 4, 3, False), 2),
-    (True, 32): (("tile", 32, 32, 4, 3, False), 2),
-    (True, 64): (("tile", 64, 32, 8, 2, False), 1),
-    (False, 16): (("tile", 16, 32, 4, 3, False), 2),
-    (False, 32): (("tile", 32, 32, 4, 3, False), 2),
-    (False, 64): (("tile", 64, 64, 8, 2, False), 1),
+    (True, 16): (("group", 16, 64, 4, 2, False), 2),
+    (True, 32): (("group", 32, 64, 8, 3, False), 1),
+    (True, 64): (("group", 64, 64, 8, 2, False), 1),
+    (False, 16): (("group", 16, 64, 4, 3, True), 2),
+    (False, 32): (("group", 32, 64, 4, 3, False), 2),
+    (False, 64): (("group", 64, 64, 8, 3, False), 1),
 }
 
 #: launch shapes (variant, block_h, block_n, num_warps, num_stages, lazy_rescale) that the GPU
@@ -778,7 +781,9 @@ def config_shape(cfg: "KernelConfig") -> tuple:
 
 
 def _default_block_h(T: int, H: int, paged: bool) -> int:
-    if H <= 16 or (paged and T * cdiv(H, 64) <= 16):
+    # decode, 64 heads: 16-head tiles win at 1 and 32 tokens (16.0 vs 24.1 / 37.4 vs 45.8 us
+    # for 64-head tiles), 64-head tiles at 128 (89.4 vs 115.1 us)
+    if H <= 16 or (paged and T * cdiv(H, 64) <= 32):
         return 16  # few heads, or few tokens: more (smaller) programs
     if H <= 32:
         return 32
@@ -811,9 +816,11 @@ def default_config(T: int, H: int, total_width: int, device: torch.device, *,
     ``_default_block_h``; the key split count fills about one wave of resident programs.
     """
     if device.type != "cuda" or is_interpreter():
-        # the interpreter: few, large steps; split only when asked
+        # the interpreter: few, large steps; split only when asked; the variant the GPU
+        # defaults use, so that CPU runs exercise it
         return KernelConfig(block_h=block_h or min(64, max(16, next_power_of_2(H))),
-                            block_n=block_n or 64, num_splits=1, num_warps=4, num_stages=1)
+                            block_n=block_n or 64, num_splits=1, num_warps=4, num_stages=1,
+                            variant="group")
     bh = block_h or _default_block_h(T, H, paged)
     shape, resident = _GPU_TEMPLATES[(paged, min(64, max(16, bh)))]
     shape = (shape[0], bh) + shape[2:]
