@@ -16,11 +16,15 @@ and GB/s of unique bytes (distinct key records + q + out).
 Importable: ``build_decode_case`` / ``build_prefill_case`` return cases, ``decode_fn`` /
 ``prefill_fn`` return zero-argument callables, ``time_graph`` / ``time_eager`` time them.
 
-Measured on the lent H200 (triton 3.6, CUDA graph, us; FlashMLA from PERF-NOTES.md):
-decode 8 heads, 1/8/32/128/512 tokens: 16.7 / 19.9 / 31.6 / 83.0 / 267.2 (vLLM Triton 13.3 /
-- / 35.0 / 111.5 / 422.3); 64 heads with 64x64 tiles, 128 / 512 tokens: 126 / 477 (FlashMLA
-48.5 / 173.6); prefill 4096 x 640, 8 / 64 / 128 heads: 739 / 1556 / 3089 (FlashMLA 64 / 128
-heads: 659.5 / 1274).
+Measured on the lent H200 (triton 3.6, CUDA graph, us; perf/NOTES.md has the full table):
+decode 8 heads, 1/32/128/512 tokens: 13.7 / 22.6 / 39.2 / 117.8 (before the 'group' variant
+16.6 / 32.3 / 82.8 / 264.5); 64 heads, 128 / 512 tokens: 89.4 / 332.0 (FlashMLA 48.5 /
+173.6); prefill 4096 x 640, 8 / 64 / 128 heads: 528 / 1472 / 2931 (FlashMLA 64 / 128 heads:
+659.5 / 1274).
+
+``--sweep-only`` times every launch shape of ``GPU_CANDIDATES`` against the old defaults on
+the key shapes (``--warm N`` compiles them in N processes first, ``--skip-failed LOG`` drops
+candidates whose GPU tests failed in a pytest log, ``--csv`` keeps every timing).
 """
 from __future__ import annotations
 

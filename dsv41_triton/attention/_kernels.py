@@ -22,6 +22,14 @@ the raw bf16 RoPE tail goes through its own ``[BLOCK_N, 64]`` tile and ``[BLOCK_
 accumulator; other records then split their dims the same way. Dots take bf16 operands with
 fp32 accumulation (fp32 operands under the interpreter, whose bf16 dot is wrong).
 
+Two kernel variants share that contract (``KernelConfig.variant``): ``"tile"`` (above: one
+``[BLOCK_N, 512]`` tile, ``_sparse_mla_fwd_kernel``) and ``"group"`` (the GPU default,
+``_sparse_mla_fwd_grouped_kernel``): the 512 dims as 8 groups of 64 — for 584 records one
+UE8M0 scale per group and the bf16 RoPE tail as group 7 — with a ``[BLOCK_N, 64]`` key piece,
+a ``[BLOCK_H, 64]`` Q piece and accumulator per group. Each piece is dequantized once (an
+opaque bf16 pack stops Triton from re-deriving it per dot operand) and its raw bytes are
+pipelined with ``cp.async``; on the H200 this halves decode time (perf/NOTES.md).
+
 With ``num_splits > 1`` each program writes a normalized partial output and its log2-sum-exp
 to fp32 workspaces, and ``_merge_kernel`` combines the splits and applies the sink. With one
 split the attention kernel applies the sink and writes ``out``/``lse`` itself. No host sync and
