@@ -206,7 +206,10 @@ def combine_topk_swa_indices(
         return indices, lens
     block_t = 32 if is_interpreter() else COMBINE_BLOCK_T
     tk = topk if compress_ratio > 0 else 0
-    nck = min(next_power_of_2(triton.cdiv(tk, COMBINE_ALIGN_C)), COMBINE_MAX_TOPK_COLS // COMBINE_ALIGN_C) if tk else 0
+    nck = 0
+    if tk:
+        nck = min(next_power_of_2(triton.cdiv(tk, COMBINE_ALIGN_C)),
+                  COMBINE_MAX_TOPK_COLS // COMBINE_ALIGN_C)
     grid = (triton.cdiv(T, block_t),)
     _combine_topk_swa_kernel[grid](
         topk_indices, query_start_loc, seq_lens,
