@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"check at most this many tokens per case (default {GPU_MAX_REF_TOKENS} "
                         "on a GPU, all on the CPU)")
     p.add_argument("--no-graphs", action="store_true", help="never use CUDA graphs")
+    p.add_argument("--time-limit", type=float, default=None, metavar="S",
+                   help="start no new case after S seconds (the rest are reported as skipped)")
     p.add_argument("--remeasure-ceilings", action="store_true",
                    help="measure copy/matmul ceilings even when cached")
     p.add_argument("--no-ceilings", action="store_true", help="do not measure ceilings")
@@ -175,6 +177,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         seed=args.seed,
         max_work=({"torch": GPU_TORCH_MAX_WORK >> (4 if args.quick else 0)} if gpu else {}),
         progress=say,
+        time_limit_s=args.time_limit,
     )
     say(f"{len(cases)} cases x {len(impls)} backends ({', '.join(i.name for i in impls)}) "
         f"on {device}")

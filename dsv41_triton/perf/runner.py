@@ -59,6 +59,8 @@ class RunConfig:
     max_work: Dict[str, int] = field(default_factory=dict)
     #: called with one line per event (None = quiet)
     progress: Optional[Callable[[str], None]] = None
+    #: stop starting new cases after this many seconds; the rest get ``skipped`` rows
+    time_limit_s: Optional[float] = None
 
 
 def _stderr(line: str) -> None:
@@ -108,6 +110,13 @@ def run_benchmark(
         if not its:
             continue
         base = {k: v for k, v in case.params().items() if k in COLUMNS}
+        if cfg.time_limit_s is not None and time.perf_counter() - t_start > cfg.time_limit_s:
+            for impl in its:
+                done += 1
+                rows.append(dict(base, backend=impl.name, device=dev_name, status="skipped",
+                                 note=f"not run: the run's time limit ({cfg.time_limit_s:g} s) "
+                                      f"was reached"))
+            continue
         state, ref, ref_note, flops, nbytes = None, None, "", math.nan, math.nan
         try:
             state = fam.build(case, dev, case_seed(case, cfg.seed))

@@ -209,6 +209,11 @@ def test_runner_rows_errors_skips_and_progress():
     assert "ZeroDivisionError" in st[("T5", "probe_raises")].note
     assert len([ln for ln in lines if ln.startswith("[")]) == 10 and lines[-1].startswith("done")
 
+    # a time limit already reached: every case is reported, none is run
+    df2 = run_benchmark(cases, impls, RunConfig(time_limit_s=0.0))
+    assert len(df2) == 10 and (df2["status"] == "skipped").all()
+    assert df2["note"].str.contains("time limit").all() and df2["time_us"].isna().all()
+
 
 def test_runner_without_reference_marks_unchecked(monkeypatch):
     from dsv41_triton.ops.indices_ref import compute_global_topk_indices_and_lens_ref as gt
