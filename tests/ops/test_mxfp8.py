@@ -231,12 +231,6 @@ def test_epilogue_bad_inputs():
         # MN-major but the dim-2 stride (3) is not TMA-aligned (a multiple of 4)
         s3 = torch.empty(2 * 32 * 3, dtype=torch.int32).as_strided((3, 2, 32), (1, 96, 3))
         rope_mxfp8_epilogue(o, pos, cs, data=data, scale=s3)
-    # a token-range slice of a bigger step buffer is accepted (and written in place)
-    d5, s5 = alloc_mxfp8_output(5, 2)
-    poison_(d5), poison_(s5)
-    rope_mxfp8_epilogue(o, pos, cs, data=d5[1:4], scale=s5[1:4])
-    ref_d, ref_s = rope_mxfp8_epilogue(o, pos, cs)
-    assert torch.equal(s5[1:4], ref_s) and torch.equal(d5[1:4].view(torch.uint8), ref_d.view(torch.uint8))
     with pytest.raises(TypeError, match="scale"):
         rope_mxfp8_epilogue(o, pos, cs, data=data, scale=scale.to(torch.int64))
     with pytest.raises(TypeError, match="data"):
@@ -282,3 +276,19 @@ def test_mxfp8_quantize_large_gpu():
     mxfp8_quantize(x, data, scale)
     assert_mxfp8_equal(data, scale, *mxfp8_quantize_ref(x.cpu()))
     assert _padding_untouched(scale, storage, T)
+
+
+def test_epilogue_writes_a_token_slice_of_a_step_buffer(device):
+    """A token-range slice of a bigger step buffer is accepted and written in place; the rows
+    around it stay untouched."""
+    cs = make_cos_sin_cache(10, device=device)
+    o = torch.randn(3, 16, 512).to(torch.bfloat16).to(device)
+    pos = torch.tensor([0, 1, 9], device=device)
+    d5, s5 = alloc_mxfp8_output(5, 2, device)
+    poison_(d5), poison_(s5)
+    rope_mxfp8_epilogue(o, pos, cs, data=d5[1:4], scale=s5[1:4])
+    ref_d, ref_s = rope_mxfp8_epilogue(o, pos, cs)
+    assert torch.equal(s5[1:4], ref_s)
+    assert torch.equal(d5[1:4].view(torch.uint8), ref_d.view(torch.uint8))
+    for t in (0, 4):
+        assert (d5[t].view(torch.uint8) == 0x7F).all() and (s5[t] == -123456789).all()
