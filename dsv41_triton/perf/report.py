@@ -337,24 +337,30 @@ def make_plots(df: pd.DataFrame, outdir, meta: Dict[str, object]) -> Tuple[List[
     cpu = " (CPU: not meaningful)" if meta.get("cpu_run") else ""
     paths: List[str] = []
     timed = df[df["status"].isin(TIMED) & df["time_us"].notna()]
+    # one colour per backend across every panel
+    color = {b: f"C{i}" for i, b in enumerate(dict.fromkeys(df["backend"]))}
     for fam in ATTENTION_FAMILIES:
         g = timed[timed["family"] == fam]
         if g.empty:
             continue
         keycols = ["heads", "layer", "keys", "records"] + (
             ["layout"] if fam.endswith("_fused") and "layout" in g.columns else [])
-        groups = list(g.groupby(keycols, sort=False))[:12]
+        # dropna=False: a key column can be empty for a family (e.g. after a CSV round trip)
+        groups = list(g.groupby(keycols, sort=False, dropna=False))[:12]
         n = len(groups)
+        if n == 0:
+            continue
         cols = min(3, n)
         rows = math.ceil(n / cols)
         fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
         for ax, (key, sg) in zip(axes.flat, groups):
             for b, bg in sg.groupby("backend", sort=False):
                 bg = bg.sort_values("tokens")
-                ax.plot(bg["tokens"], bg["time_us"], marker="o", label=b)
+                ax.plot(bg["tokens"], bg["time_us"], marker="o", label=b, color=color[b])
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
-            ax.set_title(f"H{key[0]} {key[1]} keys {key[2]} rec {key[3]} "
+            rec = key[3] if pd.notna(key[3]) else "bf16 workspace"  # prefill reads no records
+            ax.set_title(f"H{key[0]} {key[1]} keys {key[2]} rec {rec} "
                          + " ".join(str(k) for k in key[4:]), fontsize=9)
             ax.set_xlabel("query tokens")
             ax.set_ylabel("time (us)")
@@ -403,7 +409,7 @@ def make_plots(df: pd.DataFrame, outdir, meta: Dict[str, object]) -> Tuple[List[
         for j, b in enumerate(backends):
             bg = ops[ops["backend"] == b].set_index("case_id")["pct_bw"]
             ax.bar([i + j * w for i in range(len(labels))], [bg.get(c, 0) for c in labels],
-                   width=w, label=b)
+                   width=w, label=b, color=color[b])
         ax.set_xticks([i + 0.4 - w / 2 for i in range(len(labels))])
         ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
         ax.set_ylabel("% of copy ceiling")
