@@ -33,6 +33,18 @@ _DECODE_TOPK_MULTIPLE = 64
 _PREFILL_TOPK_MULTIPLE = 128
 
 
+def _prepare(q, softmax_scale, out):
+    """FlashMLA's ops (or RuntimeError), the logit scale, and the ``out [T, H, 512]`` /
+    ``lse [T, H]`` buffers every entry point fills."""
+    ops, why = load_flashmla()
+    if ops is None:
+        raise RuntimeError(f"FlashMLA is not available: {why}")
+    T, H, D = q.shape
+    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    out = torch.empty_like(q) if out is None else out
+    return ops, scale, out, torch.empty((T, H), dtype=torch.float32, device=q.device)
+
+
 class FlashMLABackend(ComposedFusedMixin, AttentionBackend):
     name = "flashmla"
     fused_steps_impl = "triton"  # our RoPE prologue and MXFP8 epilogue around FlashMLA
@@ -80,14 +92,8 @@ class FlashMLABackend(ComposedFusedMixin, AttentionBackend):
                           softmax_scale=None, out=None) -> Tuple[torch.Tensor, torch.Tensor]:
         _checks.check_decode(q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices,
                              extra_lens, attn_sink, out)
-        ops, why = load_flashmla()
-        if ops is None:
-            raise RuntimeError(f"FlashMLA is not available: {why}")
+        ops, scale, out, lse = _prepare(q, softmax_scale, out)
         T, H, D = q.shape
-        scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
-        if out is None:
-            out = torch.empty_like(q)
-        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
         if T == 0:
             return out, lse
         hp = padded_heads(H)
@@ -111,14 +117,8 @@ class FlashMLABackend(ComposedFusedMixin, AttentionBackend):
     def sparse_mla_prefill(self, q, kv, indices, lens=None, attn_sink=None, softmax_scale=None,
                            out=None) -> Tuple[torch.Tensor, torch.Tensor]:
         _checks.check_prefill(q, kv, indices, lens, attn_sink, out)
-        ops, why = load_flashmla()
-        if ops is None:
-            raise RuntimeError(f"FlashMLA is not available: {why}")
+        ops, scale, out, lse = _prepare(q, softmax_scale, out)
         T, H, D = q.shape
-        scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
-        if out is None:
-            out = torch.empty_like(q)
-        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
         if T == 0:
             return out, lse
         hp = padded_heads(H)
