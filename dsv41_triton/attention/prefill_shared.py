@@ -18,8 +18,15 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._utils import HEAD_DIM, INT_DTYPES, check_int, check_same_device, check_tensor, \
-    is_interpreter, next_power_of_2
+from .._utils import (
+    HEAD_DIM,
+    INT_DTYPES,
+    check_int,
+    check_same_device,
+    check_tensor,
+    is_interpreter,
+    next_power_of_2,
+)
 from ..ops.indices_ref import token_requests_ref
 from ._kernels import check_common, check_indices, check_lens, new_outputs
 from ._shared_window_kernel import _shared_window_fwd_kernel

@@ -4,9 +4,11 @@ import pytest
 import torch
 
 from dsv41_triton.attention.prefill import sparse_mla_prefill
-from dsv41_triton.attention.prefill_shared import (shared_window_tiles,
-                                                   sparse_mla_prefill_shared_window,
-                                                   workspace_window_rows)
+from dsv41_triton.attention.prefill_shared import (
+    shared_window_tiles,
+    sparse_mla_prefill_shared_window,
+    workspace_window_rows,
+)
 from dsv41_triton.attention.prefill_shared_ref import sparse_mla_prefill_shared_window_ref
 from dsv41_triton.ops.indices import combine_topk_swa_indices
 from dsv41_triton.ops.kv_cache import dequantize_and_gather_k_cache
