@@ -16,15 +16,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv41_triton.attention.config import DeepseekV41AttentionConfig, build_cos_sin_cache
-from dsv41_triton.attention.layer import (
+from dsv41_triton.layers.config import DeepseekV41AttentionConfig, build_cos_sin_cache
+from dsv41_triton.layers.layer import (
     DeepseekV41Attention,
     MXFP8Activation,
     canonicalize_attention_state_dict,
     random_attention_state_dict,
     shard_attention_state_dict,
 )
-from dsv41_triton.attention.scenario import Scenario as BaseScenario
+from dsv41_triton.layers.scenario import Scenario as BaseScenario
 from dsv41_triton.backends import available_backends, Problem
 from dsv41_triton.ops.records import quantize_dequantize_ref
 from dsv41_triton.ops.rope_ref import apply_rope_ref
@@ -114,7 +114,7 @@ def oracle_request(sd, cfg, layer_id, hidden, ckv, topk, swa_record=584, c_recor
 # the scenario
 # --------------------------------------------------------------------------------------------
 class Scenario(BaseScenario):
-    """The shared scenario (``dsv41_triton.attention.scenario``) with this file's defaults and
+    """The shared scenario (``dsv41_triton.layers.scenario``) with this file's defaults and
     the float64 oracle of its requests."""
 
     def __init__(self, cfg, layer_id, seed=0, num_blocks=64, page=PAGE, cpage=CPAGE,
@@ -459,7 +459,7 @@ def test_presets_and_hf_config():
 
 
 def test_rope_tables_per_layer_type():
-    from dsv41_triton.attention.config import yarn_inv_freq
+    from dsv41_triton.layers.config import yarn_inv_freq
     from dsv41_triton.ops.rope_ref import make_cos_sin_cache
 
     c = DeepseekV41AttentionConfig.v41_flash()
