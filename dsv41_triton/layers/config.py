@@ -39,7 +39,8 @@ class DeepseekV41AttentionConfig:
     ``index_n_heads`` / ``index_head_dim`` / ``index_topk`` describe the indexer that feeds the
     layer its top-k rows; ``kv_source_layer_ids`` / ``index_source_layer_ids`` (V4.1) name the
     layers that compute compressed KV / indexer keys for the others (recorded as given; the
-    caller shares the caches).
+    caller shares the caches). Layers whose ratio is in ``hca_ratios`` (heavily compressed
+    attention) have no indexer: they attend to every completed compressed entry.
     """
 
     name: str = "custom"
@@ -67,6 +68,7 @@ class DeepseekV41AttentionConfig:
     num_hidden_layers: Optional[int] = None
     kv_source_layer_ids: Tuple[int, ...] = field(default_factory=tuple)
     index_source_layer_ids: Tuple[int, ...] = field(default_factory=tuple)
+    hca_ratios: Tuple[int, ...] = (128,)
 
     def __post_init__(self):
         if self.head_dim != HEAD_DIM or self.qk_rope_head_dim != ROPE_DIM:
@@ -83,7 +85,7 @@ class DeepseekV41AttentionConfig:
         if any((not isinstance(r, int)) or r < 0 for r in self.compress_ratios):
             raise ValueError(f"compress_ratios: expected ints >= 0, got {self.compress_ratios}")
         object.__setattr__(self, "compress_ratios", tuple(self.compress_ratios))
-        for f in ("kv_source_layer_ids", "index_source_layer_ids"):
+        for f in ("kv_source_layer_ids", "index_source_layer_ids", "hca_ratios"):
             object.__setattr__(self, f, tuple(int(i) for i in getattr(self, f)))
         for f in ("index_topk", "index_n_heads", "index_head_dim"):
             v = getattr(self, f)
@@ -98,6 +100,11 @@ class DeepseekV41AttentionConfig:
     def compress_ratio(self, layer_id: int) -> int:
         """The layer's ratio (0 past the list)."""
         return self.compress_ratios[layer_id] if 0 <= layer_id < len(self.compress_ratios) else 0
+
+    def has_indexer(self, layer_id: int) -> bool:
+        """Whether the layer's top-k rows come from an indexer (compressed, not HCA)."""
+        r = self.compress_ratio(layer_id)
+        return r > 0 and r not in self.hca_ratios
 
     def replace(self, **changes) -> "DeepseekV41AttentionConfig":
         return dataclasses.replace(self, **changes)

@@ -145,8 +145,10 @@ def _int(d: Mapping[str, Any], key: str, default: Any = None, required: bool = F
     return int(v)
 
 
-def _ratios(d: Mapping[str, Any]) -> Tuple[int, ...]:
-    """Per-layer ratios from ``compress_ratios`` and/or ``layer_types`` + ``compress_rates``."""
+def _ratios(d: Mapping[str, Any]) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """Per-layer ratios from ``compress_ratios`` and/or ``layer_types`` + ``compress_rates``,
+    and the ratios of the layers without an indexer (HCA)."""
+    hca = (DEFAULT_COMPRESS_RATES["heavily_compressed_attention"],)
     n_layers = _int(d, "num_hidden_layers")
     from_list: Optional[List[int]] = None
     if d.get("compress_ratios") is not None:
@@ -179,6 +181,11 @@ def _ratios(d: Mapping[str, Any]) -> Tuple[int, ...]:
                     raise ValueError(f"config: {key}={d[key]!r} contradicts compress_rates[{t!r}]="
                                      f"{given[t]!r}")
                 rates[t] = _int(d, key)
+        csa_r, hca_r = rates["compressed_sparse_attention"], rates["heavily_compressed_attention"]
+        if csa_r == hca_r:
+            raise ValueError(f"config: compress_rates gives CSA and HCA the same ratio {csa_r}; "
+                             "the layers could not be told apart")
+        hca = (hca_r,)
         from_types = []
         for i, t in enumerate(d["layer_types"]):
             if t == "sliding_attention":
@@ -197,14 +204,14 @@ def _ratios(d: Mapping[str, Any]) -> Tuple[int, ...]:
         if from_list[:n] != from_types:
             raise ValueError(f"config: compress_ratios {from_list[:n]} contradicts layer_types + "
                              f"compress_rates {from_types}")
-        return tuple(from_list) if len(from_list) > n else tuple(from_types)
+        return (tuple(from_list) if len(from_list) > n else tuple(from_types)), hca
     if from_list is not None:
         if n_layers is not None and len(from_list) < n_layers:
             raise ValueError(f"config: compress_ratios has {len(from_list)} entries for "
                              f"{n_layers} layers")
-        return tuple(from_list)
+        return tuple(from_list), hca
     if from_types is not None:
-        return tuple(from_types)
+        return tuple(from_types), hca
     raise ValueError("config: no per-layer compress ratios (expected compress_ratios, or "
                      "layer_types with compress_rates); refusing to build window-only layers")
 
@@ -358,7 +365,7 @@ def attention_config_kwargs(cfg: Any) -> Dict[str, Any]:
             raise ValueError(f"config: qk_rope_head_dim={rope_dim} contradicts "
                              f"partial_rotary_factor x head_dim = {int(from_prf)}")
         rope_dim = int(from_prf)
-    ratios = _ratios(d)
+    ratios, hca_ratios = _ratios(d)
     kw: Dict[str, Any] = dict(
         name=str(d.get("model_type") or "deepseek"),
         hidden_size=_int(d, "hidden_size", required=True),
@@ -377,6 +384,7 @@ def attention_config_kwargs(cfg: Any) -> Dict[str, Any]:
         max_position_embeddings=_int(d, "max_position_embeddings", 1048576),
         num_hidden_layers=_int(d, "num_hidden_layers"),
         q_head_norm=_q_head_norm(d, ratios),
+        hca_ratios=hca_ratios,
     )
     for key in ("kv_source_layer_ids", "index_source_layer_ids"):
         if d.get(key) is not None:

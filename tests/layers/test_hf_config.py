@@ -54,6 +54,7 @@ def test_checkpoint_config_json():
     assert (c.sliding_window, c.o_groups, c.index_topk, c.index_n_heads, c.index_head_dim) == \
         (128, 8, 512, 64, 128)
     assert (c.q_lora_rank, c.o_lora_rank, c.q_head_norm) == (1024, 1024, True)
+    assert (c.has_indexer(2), c.has_indexer(3), c.has_indexer(0)) == (True, False, False)
     assert c == Cfg.v4_flash().replace(name=c.name, num_hidden_layers=43,
                                        compress_ratios=V4_RATIOS)
 
@@ -79,6 +80,9 @@ def test_transformers_object_dict_and_json_agree():
     c2 = Cfg.from_hf_config(hf2.to_dict())
     assert c2.compress_ratios == (0, 8, 64)
     assert c2.rope_factor == 1.0  # no rope_scaling: transformers' compressed RoPE is plain
+    assert c2.hca_ratios == (64,) and [c2.has_indexer(i) for i in range(3)] == [False, True, False]
+    with pytest.raises(ValueError, match="same ratio"):
+        Cfg.from_hf_config(dict(hf2.to_dict(), compress_rates={C: 8, H: 8}))
 
 
 @pytest.mark.parametrize("with_yarn", [True, False])
