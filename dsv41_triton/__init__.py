@@ -1,8 +1,9 @@
 """dsv41_triton: DeepSeek V4.1 sparse MLA attention in Triton, with a FlashMLA fast path.
 
 The contract is SPEC.md. Subpackages: ``ops`` (records, cache and index ops, RoPE, MXFP8),
-``attention`` (sparse MLA kernels, the fused contract, the drop-in layer), ``backends`` (the
-dispatcher), ``perf`` (the comparison harness, ``dsv41-bench``).
+``attention`` (sparse MLA kernels, the fused contract), ``backends`` (the dispatcher),
+``layers`` (the drop-in layer, its config and step metadata), ``perf`` (the comparison
+harness, ``dsv41-bench``). Imports run one way: ops <- attention <- backends <- layers <- perf.
 
 The most used names are re-exported here::
 
@@ -21,9 +22,9 @@ _EXPORTS = {
     "sparse_mla_prefill": "attention",
     "sparse_mla_decode_fused": "attention",
     "sparse_mla_prefill_fused": "attention",
-    "DeepseekV41Attention": "attention",
-    "DeepseekV41AttentionConfig": "attention",
-    "build_step_metadata": "attention",
+    "DeepseekV41Attention": "layers",
+    "DeepseekV41AttentionConfig": "layers",
+    "build_step_metadata": "layers",
     "select_backend": "backends",
     "get_backend": "backends",
     "available_backends": "backends",

@@ -40,7 +40,7 @@ if not torch.cuda.is_available() or "--device cpu" in _argv:
     # Triton decides interpreter vs GPU when a kernel is defined: before importing any kernel
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from dsv41_triton.attention.distributed import (  # noqa: E402
+from dsv41_triton.layers.distributed import (  # noqa: E402
     NCCL_ENV_DEFAULTS,
     ScenarioSetup,
     TPContext,
@@ -55,7 +55,7 @@ set_nccl_env_defaults()  # before anything can initialise NCCL
 
 import torch.distributed as dist  # noqa: E402
 
-from dsv41_triton.attention.config import DeepseekV41AttentionConfig  # noqa: E402
+from dsv41_triton.layers.config import DeepseekV41AttentionConfig  # noqa: E402
 
 #: the CPU test's tiny layer (8 heads, 4 groups of 2): TP up to 4 on the torch backend
 TINY = DeepseekV41AttentionConfig(

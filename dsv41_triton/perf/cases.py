@@ -136,8 +136,8 @@ class Preset:
 
 
 def _from_model(name: str, model: str, tp: Tuple[int, ...], **kw) -> Preset:
-    """A preset whose heads / top-k / window / ratios come from ``attention.config``."""
-    from ..attention.config import DeepseekV41AttentionConfig as Cfg
+    """A preset whose heads / top-k / window / ratios come from ``layers.config``."""
+    from ..layers.config import DeepseekV41AttentionConfig as Cfg
 
     cfg = {"v41-flash": Cfg.v41_flash, "v4-flash": Cfg.v4_flash, "v4-pro": Cfg.v4_pro}[model]()
     H = cfg.num_attention_heads
@@ -169,7 +169,7 @@ _PRESETS: Dict[str, Preset] = {}
 
 def presets() -> Dict[str, Preset]:
     """``{name: Preset}`` (built on first use: the model numbers come from
-    ``attention.config``, imported only once the CLI has set up Triton)."""
+    ``layers.config``, imported only once the CLI has set up Triton)."""
     if not _PRESETS:
         _PRESETS.update(_presets())
     return _PRESETS

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from dsv41_triton.attention.metadata import (
+from dsv41_triton.layers.metadata import (
     RequestSpec,
     build_step_metadata,
     plan_prefill_chunks,

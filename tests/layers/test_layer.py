@@ -16,15 +16,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv41_triton.attention.config import DeepseekV41AttentionConfig, build_cos_sin_cache
-from dsv41_triton.attention.layer import (
+from dsv41_triton.layers.config import DeepseekV41AttentionConfig, build_cos_sin_cache
+from dsv41_triton.layers.layer import (
     DeepseekV41Attention,
     MXFP8Activation,
     canonicalize_attention_state_dict,
     random_attention_state_dict,
     shard_attention_state_dict,
 )
-from dsv41_triton.attention.scenario import Scenario as BaseScenario
+from dsv41_triton.layers.scenario import Scenario as BaseScenario
 from dsv41_triton.backends import available_backends, Problem
 from dsv41_triton.ops.records import quantize_dequantize_ref
 from dsv41_triton.ops.rope_ref import apply_rope_ref
@@ -114,7 +114,7 @@ def oracle_request(sd, cfg, layer_id, hidden, ckv, topk, swa_record=584, c_recor
 # the scenario
 # --------------------------------------------------------------------------------------------
 class Scenario(BaseScenario):
-    """The shared scenario (``dsv41_triton.attention.scenario``) with this file's defaults and
+    """The shared scenario (``dsv41_triton.layers.scenario``) with this file's defaults and
     the float64 oracle of its requests."""
 
     def __init__(self, cfg, layer_id, seed=0, num_blocks=64, page=PAGE, cpage=CPAGE,
@@ -293,7 +293,7 @@ def test_checkpoint_names_and_fp8_weights():
     ck = {pre + "wq_a.weight": qa, pre + "wkv.weight": wkv, pre + "attn_sink": sd["attn_sink"],
           pre + "q_norm.weight": sd["q_norm.weight"], pre + "kv_norm.weight": sd["kv_norm.weight"],
           pre + "wo_a.weight": sd["wo_a.weight"], pre + "wo_b.weight": sd["wo_b.weight"],
-          pre + "compressor.wkv.weight": torch.zeros(3, 3)}
+          pre + "compressor.wkv.weight": torch.randn(512, CFG.hidden_size).bfloat16()}
     # wq_b as block-fp8 (128x128 blocks) with power-of-two multipliers
     w = sd["wq_b.weight"].float()
     s = torch.full((w.shape[0] // 128, 1), 2.0 ** -4)
@@ -305,6 +305,7 @@ def test_checkpoint_names_and_fp8_weights():
     layer = DeepseekV41Attention(CFG, 1, backend="torch", device="cpu", max_model_len=MAX_LEN)
     layer.load_weights(ck, prefix=pre)
     assert torch.equal(layer.attn_sink, sd["attn_sink"])
+    assert torch.equal(layer.extra_weights["compressor.wkv.weight"], ck[pre + "compressor.wkv.weight"])
     with pytest.raises(ValueError, match="missing"):
         layer.load_weights({pre + "wq_a.weight": qa}, prefix=pre)
 
@@ -459,7 +460,7 @@ def test_presets_and_hf_config():
 
 
 def test_rope_tables_per_layer_type():
-    from dsv41_triton.attention.config import yarn_inv_freq
+    from dsv41_triton.layers.config import yarn_inv_freq
     from dsv41_triton.ops.rope_ref import make_cos_sin_cache
 
     c = DeepseekV41AttentionConfig.v41_flash()

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv41_triton.attention.config import DeepseekV41AttentionConfig
-from dsv41_triton.attention.distributed import (
+from dsv41_triton.layers.config import DeepseekV41AttentionConfig
+from dsv41_triton.layers.distributed import (
     DEFAULT_STEPS,
     NCCL_ENV_DEFAULTS,
     ScenarioSetup,
@@ -28,7 +28,7 @@ from dsv41_triton.attention.distributed import (
     init_tp_from_env,
     launch_local,
 )
-from dsv41_triton.attention.layer import random_attention_state_dict
+from dsv41_triton.layers.weights import random_attention_state_dict
 
 CFG = DeepseekV41AttentionConfig(
     name="tiny", hidden_size=64, num_attention_heads=8, q_lora_rank=32, o_lora_rank=16,
@@ -153,7 +153,7 @@ def test_tp2_nccl_equals_tp1_triton_backend(tmp_path, shapes):
 
 def test_scenario_is_deterministic_and_topk_rows_valid():
     """Every rank rebuilds the steps from the seed: equal seeds give equal steps."""
-    from dsv41_triton.attention.scenario import Scenario
+    from dsv41_triton.layers.scenario import Scenario
 
     def steps(seed):
         sc = Scenario(CFG, 1, seed=seed)
