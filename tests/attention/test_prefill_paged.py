@@ -3,7 +3,7 @@ workspace prefill the layer runs (same keys: the outputs agree)."""
 import pytest
 import torch
 
-from dsv41_triton.attention.metadata import RequestSpec, build_step_metadata
+from dsv41_triton.layers.metadata import RequestSpec, build_step_metadata
 from dsv41_triton.attention.prefill import sparse_mla_prefill
 from dsv41_triton.attention.prefill_paged import sparse_mla_prefill_paged
 from dsv41_triton.attention.prefill_paged_ref import sparse_mla_prefill_paged_ref

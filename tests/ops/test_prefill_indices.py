@@ -3,7 +3,7 @@ metadata's decode window rows."""
 import pytest
 import torch
 
-from dsv41_triton.attention.metadata import RequestSpec, build_step_metadata
+from dsv41_triton.layers.metadata import RequestSpec, build_step_metadata
 from dsv41_triton.ops.prefill_indices import prefill_slot_indices
 from dsv41_triton.ops.prefill_indices_ref import prefill_slot_indices_ref
 
