@@ -28,7 +28,9 @@ from .._utils import (
     next_power_of_2,
 )
 from ..ops.indices_ref import token_requests_ref
+from ._configs import MIN_BLOCK_N_GPU
 from ._kernels import check_common, check_indices, check_lens, new_outputs
+from ._launch import LAST_LAUNCH
 from ._shared_window_kernel import _shared_window_fwd_kernel
 
 LOG2E = 1.4426950408889634
@@ -149,6 +151,10 @@ def sparse_mla_prefill_shared_window(
         raise ValueError(f"block_t: block_t * next_power_of_2(H) must be in [16, 128], got "
                          f"{bt} * {hp}")
     check_int("block_n", block_n, lo=16)
+    if block_n & (block_n - 1):
+        raise ValueError(f"block_n: expected a power of two, got {block_n}")
+    if q.device.type == "cuda" and not is_interpreter() and block_n < MIN_BLOCK_N_GPU:
+        raise ValueError(f"block_n: must be >= {MIN_BLOCK_N_GPU} on a GPU, got {block_n}")
     check_same_device(q=q, kv=kv, win_start=win_start, win_len=win_len,
                       topk_indices=topk_indices, topk_lens=topk_lens,
                       query_start_loc=query_start_loc, attn_sink=attn_sink, out=out)
@@ -163,7 +169,7 @@ def sparse_mla_prefill_shared_window(
     interp = is_interpreter()
     sink_arg = attn_sink if attn_sink is not None else lse
     lens_arg = topk_lens if topk_lens is not None else win_len
-    _shared_window_fwd_kernel[(tiles.shape[0],)](
+    k = _shared_window_fwd_kernel[(tiles.shape[0],)](
         q, q.stride(0), q.stride(1),
         kv, kv.stride(0) if S > 1 else HEAD_DIM, S,
         win_start, win_len, topk_indices, topk_indices.stride(0),
@@ -178,6 +184,7 @@ def sparse_mla_prefill_shared_window(
         DOT_F32=interp, SW=interp,
         num_warps=num_warps or (8 if rows >= 64 else 4), num_stages=1 if interp else num_stages,
     )
+    LAST_LAUNCH["shared"] = (k, (bt, block_n))
     return out, lse
 
 
