@@ -32,8 +32,8 @@ def _step(device, qlens=(0, 5, 9, 1 + 6), prefixes=(3, 0, 37, 20), W=16, spage=8
         o_s, o_c = o_s + ns, o_c + nc
     md = build_step_metadata(reqs, window_size=W, swa_page_size=spage,
                              compressed_page_sizes={r: cpage} if r else None, device=device)
-    swa = random_k_cache(nb_s, spage, swa_rec, device, generator=g)
-    comp = random_k_cache(nb_c, cpage, c_rec, device, generator=g) if r else None
+    swa = random_k_cache(nb_s, spage, swa_rec, device)
+    comp = random_k_cache(nb_c, cpage, c_rec, device) if r else None
     T = md.num_tokens
     pos = md.positions.cpu()
     tk = torch.full((T, K), -1, dtype=torch.int32)
