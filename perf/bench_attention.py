@@ -16,7 +16,11 @@ and GB/s of unique bytes (distinct key records + q + out).
 Importable: ``build_decode_case`` / ``build_prefill_case`` return cases, ``decode_fn`` /
 ``prefill_fn`` return zero-argument callables, ``time_graph`` / ``time_eager`` time them.
 
-What it measured on the lent H200, against FlashMLA and vLLM: perf/NOTES.md.
+Measured on the lent H200 (triton 3.6, CUDA graph, us; perf/NOTES.md has the full table):
+decode 8 heads, 1/32/128/512 tokens: 13.7 / 22.6 / 39.2 / 117.8 (before the 'group' variant
+16.6 / 32.3 / 82.8 / 264.5); 64 heads, 128 / 512 tokens: 89.4 / 332.0 (FlashMLA 48.5 /
+173.6); prefill 4096 x 640, 8 / 64 / 128 heads: 528 / 1472 / 2931 (FlashMLA 64 / 128 heads:
+659.5 / 1274).
 
 ``--sweep-only`` times every launch shape of ``GPU_CANDIDATES`` against the old defaults on
 the key shapes (``--warm N`` compiles them in N processes first, ``--skip-failed LOG`` drops

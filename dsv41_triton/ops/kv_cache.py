@@ -111,8 +111,8 @@ def _nvfp4_quantize_groups(x, SW: tl.constexpr):
     """
     a = tl.abs(x)
     amax = tl.max(a, axis=2)
-    # amax * fp32(1/6) can differ from amax / 6 in the last bit, but the clamped e4m3 scale
-    # byte is the same for every finite bf16 amax (perf/NOTES.md, "Insert 288"): no division
+    # amax * fp32(1/6) can differ from amax / 6 in the last bit, but for every finite bf16
+    # amax (all 32640 were checked) the clamped e4m3 scale is the same byte: no IEEE division
     s = amax * 0.16666666666666666
     s = tl.minimum(tl.maximum(s, 0.001953125), 448.0)  # 2**-9 .. 448
     s_bits = C.f32_to_e4m3_bits(s, SW)
