@@ -356,8 +356,8 @@ def markdown_report(df: pd.DataFrame, meta: Dict[str, object],
                    "(`timing` column says which).")
     out += [
         "- attention FLOPs = 4·H·keys·512 per query token (QKᵀ and PV; K = V). Decode bytes = "
-        "unique records read × record bytes + q + out + lse; prefill bytes = unique workspace rows + q + out + "
-        "indices; ops bytes = records/rows read + written and the indices.",
+        "unique records read × record bytes + q + out + lse; prefill bytes = unique workspace "
+        "rows + q + out + indices; ops bytes = records/rows read + written and the indices.",
         "- `% roof`: the larger of GB/s ÷ copy ceiling and TFLOP/s ÷ matmul ceiling (bytes "
         f"count each unique byte once, so it cannot pass {ROOF_CAP:g}% unless the ceiling was "
         f"measured low; such a row shows {ROOF_CAP:g} and its note says so).",
