@@ -32,6 +32,7 @@ _EXPORTS = {
     "dequantize_and_gather_k_cache": "ops",
     "combine_topk_swa_indices": "ops",
     "compute_global_topk_indices_and_lens": "ops",
+    "allocate_k_cache": "ops",
 }
 
 __all__ = list(_EXPORTS)

@@ -1,4 +1,4 @@
-"""Benchmark of the Triton sparse MLA kernels on V4.1 shapes (H200 numbers in PERF-NOTES.md).
+"""Benchmark of the Triton sparse MLA kernels on V4.1 shapes (H200 numbers: perf/NOTES.md).
 
     python perf/bench_attention.py            # check, then the decode and prefill tables
     python perf/bench_attention.py --sweep    # also try launch configs on the key shapes

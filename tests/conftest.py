@@ -34,3 +34,51 @@ def device() -> str:
 def _seed():
     torch.manual_seed(1234)
     yield
+
+
+# The quick subset, `python -m pytest tests -q -m "not slow"` (under a minute on 2 CPU cores),
+# keeps one case of every test; the full suite runs them all. Tests are named by function, so
+# this holds wherever a test file lives; a renamed or new long test needs its name here.
+#: every case of these is slow (subprocess runs, multi-process TP, the whole CLI)
+SLOW_TESTS = {
+    "test_default_command_writes_a_checked_report",
+    "test_list_and_module_entry_point",
+    "test_tp2_gloo_equals_tp1_torch_backend",
+    "test_tp_run_script_under_torchrun",
+    "test_decode_lazy_rescale_growing_max",
+    "test_decode_seven_tokens_one_token",
+    "test_token_range_slices_of_one_step_buffer",
+}
+#: parametrized tests whose first case stays in the quick subset; the other cases are slow
+SLOW_AFTER_FIRST_CASE = {
+    "test_decode_group_variant",
+    "test_decode_record_pairs_splits",  # the name of the test above on the kernel branches
+    "test_prefill_heads_splits",
+    "test_decode_records_heads",
+    "test_decode_sink",
+    "test_decode_split_k",
+    "test_decode_sharp_softmax_and_scale",
+    "test_decode_empty_rows",
+    "test_decode_fused_matches_ref",
+    "test_prefill_fused_matches_ref",
+    "test_prefill_group_variant",
+    "test_q_norm_rope_matches_ref",
+    "test_epilogue_matches_ref",
+    "test_multistep_torch_backend_equals_oracle",
+    "test_tensor_parallel_shards_equal_tp1",
+    "test_fused_contract_torch_backend",
+    "test_flashmla_mega_plumbing",
+    "test_fused_decode_conformance",
+    "test_prefill_heads",
+    "test_mxfp8_quantize_matches_ref",
+    "test_padded_block_stride_and_block_slices_are_accepted",
+    "test_backend_status_cli",
+}
+
+
+def pytest_itemcollected(item):
+    name = getattr(item, "originalname", item.name)
+    spec = getattr(item, "callspec", None)
+    later_case = spec is not None and any(i != 0 for i in spec.indices.values())
+    if name in SLOW_TESTS or (name in SLOW_AFTER_FIRST_CASE and later_case):
+        item.add_marker(pytest.mark.slow)

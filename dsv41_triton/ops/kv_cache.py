@@ -50,10 +50,8 @@ __all__ = ["quantize_and_insert_k_cache", "dequantize_and_gather_k_cache"]
 # ---- tuning knobs --------------------------------------------------------------------------
 #: tokens per program and warps of the insert kernels, by record width. 584/528: one 16-element
 #: (32-byte) slice of k per thread (BLOCK_T * 512 / 16 threads), so all of a thread's loads
-#: are issued before their first use (with two slices per thread ptxas delays the second load
-#: and the slot load behind the first slice's shuffles: three DRAM round trips in a row).
-#: 288: the encode is instruction-bound, so more elements per thread (fixed per-thread work
-#: amortized over 32 elements); its four k loads still come first.
+#: are issued before their first use. 288: the encode is instruction-bound, so 32 elements per
+#: thread. Why, as measured: perf/NOTES.md, "What was changed, why, and the prediction".
 INSERT_BLOCK_T = {584: 8, 528: 8, 288: 8}
 INSERT_NUM_WARPS = {584: 8, 528: 8, 288: 4}
 #: positions (out rows) per program of the gather kernels, by record width
@@ -108,8 +106,8 @@ def _nvfp4_quantize_groups(x, SW: tl.constexpr):
     The code is found with a 3-level comparison tree (3 compares instead of a division and 7
     compares) kept in floats: the bits are 0.0 / 1.0 and the next threshold is an exact FMA
     of them (every sum of these thresholds has <= 8 significant bits), so no predicate has to
-    stay live (with selects, ptxas spilled predicates to registers: ~20 % more instructions
-    and 72 instead of 56 registers). The scale needs no division either (see below).
+    stay live (selects instead cost registers and instructions: perf/NOTES.md, "Insert 288").
+    The scale needs no division either (see below).
     """
     a = tl.abs(x)
     amax = tl.max(a, axis=2)

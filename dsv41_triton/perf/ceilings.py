@@ -7,12 +7,16 @@ Measured once per device and cached as JSON (``<outdir>/ceilings.json``, and
 * copy: a 1 GiB device-to-device ``copy_``; bytes = read + write.
 * matmul: ``8192 x 8192 x 8192`` bf16 ``torch.mm``; FLOPs = ``2 * M * N * K``.
 
-On a CPU both are measured tiny (64 MiB, 512^3) and labelled: they only keep the columns
-filled and mean nothing.
+The harness does not use ceilings on a CPU (:func:`get_ceilings` returns them as *not
+measured*): a CPU's memcpy rate and bf16 ``torch.mm`` rate do not bound what the Triton
+interpreter or the float64 references do (cache-resident tiny cases beat the DRAM copy, fp32 and
+fp64 work beats an emulated bf16 matmul), so a "% of ceiling" there could read above 100% and
+would mean nothing. :func:`measure_ceilings` still measures a CPU when called directly.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
@@ -30,13 +34,27 @@ class Ceilings:
     copy_gbps: float
     matmul_tflops: float
     device: str
-    source: str  # "measured" | "cached (<path>)" | "cpu (not meaningful)"
+    source: str  # "measured" | "cached (<path>)" | "cpu (not meaningful)" | "not measured (...)"
     measured_at: str = ""
     copy_bytes: int = 0
     matmul_n: int = 0
 
     def to_dict(self):
         return asdict(self)
+
+    @property
+    def measured(self) -> bool:
+        """True when both rates are real measurements (finite and positive)."""
+        return all(math.isfinite(v) and v > 0 for v in (self.copy_gbps, self.matmul_tflops))
+
+    @classmethod
+    def not_measured(cls, device: str, why: str) -> "Ceilings":
+        """Placeholder with NaN rates: every ``pct_*`` column derived from it is NaN."""
+        return cls(math.nan, math.nan, device, f"not measured ({why})")
+
+
+#: ``Ceilings.source`` of a CPU run
+CPU_NOT_MEASURED = "CPU run: a CPU's copy and matmul rates do not bound this work"
 
 
 def device_key(device) -> str:
@@ -74,6 +92,18 @@ def _cpu_median_ms(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def _copy_fn(nbytes: int, dev: torch.device):
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev).normal_()
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+def _mm_fn(n: int, dev: torch.device):
+    a = torch.randn(n, n, device=dev).to(torch.bfloat16)
+    b = torch.randn(n, n, device=dev).to(torch.bfloat16)
+    return lambda: torch.mm(a, b)
+
+
 def measure_ceilings(device) -> Ceilings:
     """Measure copy GB/s and bf16 matmul TFLOP/s on ``device`` now."""
     dev = torch.device(device)
@@ -81,14 +111,9 @@ def measure_ceilings(device) -> Ceilings:
     nbytes = (1 << 30) if gpu else (64 << 20)
     n = 8192 if gpu else 512
     med = _cuda_median_ms if gpu else _cpu_median_ms
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev).normal_()
-    dst = torch.empty_like(src)
-    t_copy = med(lambda: dst.copy_(src), 20 if gpu else 3)
-    del src, dst
-    a = torch.randn(n, n, device=dev).to(torch.bfloat16)
-    b = torch.randn(n, n, device=dev).to(torch.bfloat16)
-    t_mm = med(lambda: torch.mm(a, b), 20 if gpu else 3)
-    del a, b
+    reps = 20 if gpu else 3
+    t_copy = med(_copy_fn(nbytes, dev), reps)  # the buffers are freed when the call returns
+    t_mm = med(_mm_fn(n, dev), reps)
     if gpu:
         torch.cuda.empty_cache()
     return Ceilings(
@@ -135,9 +160,11 @@ def _write(path: Path, c: Ceilings) -> None:
 def get_ceilings(device, outdir=None, *, remeasure: bool = False,
                  use_user_cache: bool = True) -> Ceilings:
     """Cached ceilings for ``device`` (output dir first, then the user cache), else measure
-    and store them in both. CPU ceilings are always re-measured (they take a moment)."""
+    and store them in both. On a CPU: :meth:`Ceilings.not_measured` (see the module doc)."""
     key = device_key(device)
     gpu = torch.device(device).type == "cuda"
+    if not gpu:
+        return Ceilings.not_measured(key, CPU_NOT_MEASURED)
     paths = []
     if outdir is not None:
         paths.append(Path(outdir) / CACHE_NAME)
@@ -151,6 +178,6 @@ def get_ceilings(device, outdir=None, *, remeasure: bool = False,
                     _write(paths[0], c)
                 return c
     c = measure_ceilings(device)
-    for p in paths if gpu else paths[:1]:
+    for p in paths:
         _write(p, c)
     return c

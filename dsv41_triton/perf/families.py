@@ -155,6 +155,13 @@ def _attn_check(out, lse, ref_out, ref_lse, rows, note="") -> Check:
     return Check(ok, e_out, e_lse, None, int(rows.numel()), "; ".join(why))
 
 
+def _unique_slots(indices: torch.Tensor, lens: torch.Tensor) -> int:
+    """Distinct slot ids ``>= 0`` among the first ``lens[t]`` columns of each row."""
+    cols = torch.arange(indices.shape[1], device=indices.device)
+    live = (cols[None, :] < lens.long()[:, None]) & (indices >= 0)
+    return int(torch.unique(indices[live]).numel())
+
+
 class DecodeFamily(Family):
     """``sparse_mla_decode`` over a window cache (+ a compressed cache on compressed layers).
 
@@ -235,12 +242,18 @@ class DecodeFamily(Family):
         return _attn_check(out, lse, rout, rlse, rows, note)
 
     def work(self, case, state):
+        """FLOPs count every (token, key) pair; bytes count each record once, however many
+        tokens of a request read it (decode tokens of one request share window keys), plus
+        q, out and lse."""
         T, H = case.tokens, case.heads
         n_swa = int(state["swa_lens"].long().sum())
         n_ext = int(state["extra_lens"].long().sum()) if state["extra_lens"] is not None else 0
         flops = 4.0 * H * (n_swa + n_ext) * HEAD_DIM
+        u_swa = _unique_slots(state["swa_indices"], state["swa_lens"])
+        u_ext = (_unique_slots(state["extra_indices"], state["extra_lens"])
+                 if state["extra_lens"] is not None else 0)
         rec_e = case.extra_record or 0
-        byts = n_swa * case.swa_record + n_ext * rec_e + T * H * (2 * HEAD_DIM * 2 + 4)
+        byts = u_swa * case.swa_record + u_ext * rec_e + T * H * (2 * HEAD_DIM * 2 + 4)
         return flops, float(byts)
 
 

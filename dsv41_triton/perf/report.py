@@ -1,9 +1,10 @@
 """Reports: ``results.csv``, ``meta.json``, ``report.md``, PNG plots, and the two-run comparison.
 
-The Markdown has, per case family, a summary table (time of every backend and its speedup
-over the baseline backend) and a detail table (status, error figures, TFLOP/s, GB/s, fraction
-of the measured ceilings). Plots need matplotlib (the ``plots`` extra); without it they are
-skipped and the report says so.
+The Markdown has a summary (failing rows first), what to do next, the backends that cannot
+run here (one line per backend and reason), and per case family a summary table (time of every
+backend and its speedup over the baseline backend) and a detail table (status, error figures,
+TFLOP/s, GB/s, fraction of the measured ceilings). Plots use matplotlib (a dependency of the
+package); where it cannot be imported they are skipped and the report says so.
 """
 from __future__ import annotations
 
@@ -17,10 +18,15 @@ import pandas as pd
 
 from .cases import ATTENTION_FAMILIES, FAMILIES
 from .families import LSE_ABS_TOL, OUT_REL_TOL
+from .runner import ROOF_CAP, unavailable_reason
 
 #: baseline preference when ``baseline="auto"`` (first one with timings in a family)
 AUTO_BASELINE = ("flashmla", "vllm", "torch", "triton")
 TIMED = ("ok", "FAIL", "unchecked")
+#: statuses that make ``dsv41-bench`` exit with status 1 (unless ``--no-fail``)
+FAILED = ("FAIL", "error")
+#: the repository's committed reports (present in a source checkout, not in a wheel)
+REPORTS_DIR = Path(__file__).resolve().parents[2] / "perf" / "reports"
 
 FAMILY_TITLES = {
     "decode": "Decode attention (`sparse_mla_decode`, paged caches)",
@@ -124,6 +130,64 @@ def add_speedups(df: pd.DataFrame, baseline: str = "auto") -> pd.DataFrame:
 
 
 # ---------------------------------------------------------------------------------------------
+# what next, and what cannot run here
+# ---------------------------------------------------------------------------------------------
+def committed_reports(reports_dir: Optional[Path] = None) -> List[str]:
+    """Paths (relative to the repository root) of the committed GPU reports, newest first:
+    each ``*-summary.md`` and each run folder's ``report.md``. Empty outside a checkout."""
+    d = Path(reports_dir) if reports_dir is not None else REPORTS_DIR
+    if not d.is_dir():
+        return []
+    found = [p for p in d.glob("*-summary.md")] + [p for p in d.glob("*/report.md")]
+    root = d.parent.parent
+    return [str(p.relative_to(root)) for p in sorted(found, key=lambda p: str(p), reverse=True)]
+
+
+def next_steps(cpu_run: bool, failed: bool, results_csv: Optional[str] = None,
+               reports_dir: Optional[Path] = None) -> List[str]:
+    """What to do after this run, one line each (Markdown inline code for commands)."""
+    lines = []
+    if failed:
+        lines.append("fix or report the failing rows first: rerun one of them with "
+                     "`dsv41-bench --families <family> --backends <backend>`; the `note` "
+                     "column says what differed")
+    reports = committed_reports(reports_dir)
+    runs = [r for r in reports if r.endswith("/report.md")]
+    if cpu_run:
+        lines.append("measure on a GPU: `bash perf/run_gpu.sh` from a checkout (the tests on "
+                     "the GPU, GPU-only ones included, then this harness, then a summary "
+                     "table; `--quick` for a few cases), or `dsv41-bench` there")
+        if reports:
+            lines.append("measured numbers already committed: "
+                         + ", ".join(f"`{r}`" for r in reports))
+        else:
+            lines.append("measured H200 reports are committed under `perf/reports/` in the "
+                         "source repository")
+    else:
+        if runs:
+            csv = runs[0][: -len("report.md")] + "results.csv"
+            lines.append(f"compare with the committed run: `dsv41-bench --compare {csv} "
+                         f"{results_csv or '<this run>/results.csv'} --labels committed this`")
+        lines.append("kernel tuning: `python perf/bench_attention.py`; what was tried and "
+                     "measured: `perf/NOTES.md`")
+    return lines
+
+
+def unavailable_summary(df: pd.DataFrame) -> List[Tuple[str, str, List[str], int]]:
+    """One entry per (backend, reason) of the ``unavailable`` rows:
+    ``(backend, reason, families, row count)``, in the order they first appear."""
+    g = df[df["status"] == "unavailable"]
+    seen: Dict[Tuple[str, str], List] = {}
+    for _, r in g.iterrows():
+        key = (r["backend"], unavailable_reason(r["backend"], r["note"]))
+        fams, n = seen.get(key, ([], 0))
+        if r["family"] not in fams:
+            fams.append(r["family"])
+        seen[key] = (fams, n + 1)
+    return [(b, why, fams, n) for (b, why), (fams, n) in seen.items()]
+
+
+# ---------------------------------------------------------------------------------------------
 # writing
 # ---------------------------------------------------------------------------------------------
 def write_csv(df: pd.DataFrame, path) -> Path:
@@ -193,9 +257,9 @@ def family_tables(df: pd.DataFrame, family: str, baseline: Optional[str]) -> str
         rows.append(row)
     parts = [md_table(heads, rows, ["l"] + ["r"] * (len(heads) - 1))] if backends else []
     if absent:
-        full = df[df["family"] == family]
-        parts.append("Not available here: " + "; ".join(
-            f"`{b}` ({full[full['backend'] == b]['note'].iloc[0]})" for b in absent))
+        parts.append("Not available here: " + ", ".join(f"`{b}`" for b in absent)
+                     + " (why: *Not available on this machine* above).")
+    g = g[g["status"] != "unavailable"]  # their reasons are listed once, above
     # details
     attn = family in ATTENTION_FAMILIES
     dh = ["case", "backend", "status", "time (us)", "TFLOP/s" if attn else "GB/s",
@@ -257,7 +321,18 @@ def markdown_report(df: pd.DataFrame, meta: Dict[str, object],
                            str(r["note"] or "")[:200]] for _, r in bad.iterrows()])]
     else:
         out += ["- no backend failed a check"]
-    if ceil:
+    out += ["", "## What next", ""]
+    out += [f"- {line}" for line in next_steps(cpu, len(bad) > 0, meta.get("results_csv"),
+                                                 meta.get("reports_dir"))]
+    gone = unavailable_summary(df)
+    if gone:
+        out += ["", "## Not available on this machine", "",
+                f"{sum(n for *_, n in gone)} rows could not run; one line per backend and "
+                "reason:", ""]
+        out += [f"- `{b}`: {md_escape(why)} ({', '.join(fams)}: {n} rows)"
+                for b, why, fams, n in gone]
+    measured = _isnum(ceil.get("copy_gbps")) and _isnum(ceil.get("matmul_tflops"))
+    if ceil and measured:
         out += ["", "## Ceilings", "",
                 md_table(["what", "value", "how"], [
                     ["copy bandwidth", f"{fmt_sig(ceil.get('copy_gbps', math.nan))} GB/s",
@@ -267,6 +342,10 @@ def markdown_report(df: pd.DataFrame, meta: Dict[str, object],
                 ], ["l", "r", "l"]),
                 "", f"source: {ceil.get('source', '?')}" + (" — **CPU numbers, not meaningful**"
                                                             if cpu else "")]
+    elif ceil:
+        out += ["", "## Ceilings", "",
+                f"Ceilings {ceil.get('source', 'not measured')}. The `% roof` columns stay "
+                "empty; a GPU run measures them."]
     out += ["", "## How to read this", ""]
     if cpu:
         out.append("- time: wall clock of a couple of calls on the CPU (not meaningful).")
@@ -277,9 +356,11 @@ def markdown_report(df: pd.DataFrame, meta: Dict[str, object],
                    "(`timing` column says which).")
     out += [
         "- attention FLOPs = 4·H·keys·512 per query token (QKᵀ and PV; K = V). Decode bytes = "
-        "keys × record bytes + q + out + lse; prefill bytes = unique workspace rows + q + out + "
-        "indices; ops bytes = records/rows read + written and the indices.",
-        "- `% roof`: the larger of GB/s ÷ copy ceiling and TFLOP/s ÷ matmul ceiling.",
+        "unique records read × record bytes + q + out + lse; prefill bytes = unique workspace "
+        "rows + q + out + indices; ops bytes = records/rows read + written and the indices.",
+        "- `% roof`: the larger of GB/s ÷ copy ceiling and TFLOP/s ÷ matmul ceiling (bytes "
+        f"count each unique byte once, so it cannot pass {ROOF_CAP:g}% unless the ceiling was "
+        f"measured low; such a row shows {ROOF_CAP:g} and its note says so).",
         f"- attention is checked against the float64 PyTorch oracle (`attention.ref`): pass = "
         f"relative Frobenius error of `out` <= {OUT_REL_TOL:g} and max |lse error| <= "
         f"{LSE_ABS_TOL:g} (SPEC §7). Ops are checked against their exact references: pass = "
@@ -331,8 +412,8 @@ def make_plots(df: pd.DataFrame, outdir, meta: Dict[str, object]) -> Tuple[List[
     """Write the PNGs; returns (paths, note). Without matplotlib: ([], why)."""
     plt = _plt()
     if plt is None:
-        return [], ("_Plots skipped: matplotlib is not installed "
-                    "(`pip install 'dsv41-triton[plots]'`)._")
+        return [], ("_Plots skipped: matplotlib cannot be imported "
+                    "(`pip install matplotlib`)._")
     outdir = Path(outdir)
     cpu = " (CPU: not meaningful)" if meta.get("cpu_run") else ""
     paths: List[str] = []
@@ -376,7 +457,7 @@ def make_plots(df: pd.DataFrame, outdir, meta: Dict[str, object]) -> Tuple[List[
         paths.append(str(p))
     ceil = meta.get("ceilings") or {}
     att = timed[(timed["flops"] > 0) & timed["bytes"].notna()]
-    if not att.empty and ceil.get("copy_gbps") and ceil.get("matmul_tflops"):
+    if not att.empty and _isnum(ceil.get("copy_gbps")) and _isnum(ceil.get("matmul_tflops")):
         bw, mm = ceil["copy_gbps"], ceil["matmul_tflops"]
         ai = att["flops"] / att["bytes"]
         fig, ax = plt.subplots(figsize=(7, 5))
@@ -476,7 +557,7 @@ def compare_runs(csv_a, csv_b, labels: Optional[Sequence[str]] = None
     order = {f: i for i, f in enumerate(FAMILIES)}
     m["_o"] = m["family"].map(lambda f: order.get(f, 99))
     m = m.sort_values(["_o"], kind="stable").drop(columns="_o").reset_index(drop=True)
-    out = [f"# dsv41-triton: two runs compared", "",
+    out = ["# dsv41-triton: two runs compared", "",
            f"- **{la}**: {_run_label(pa, a)}", f"- **{lb}**: {_run_label(pb, b)}",
            f"- `{lb} vs {la}` = {la} time / {lb} time (> 1: {lb} is faster)", ""]
     sp = m["b_vs_a"].dropna()

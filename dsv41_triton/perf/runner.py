@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import math
+import re
 import sys
 import time
 import zlib
@@ -104,6 +105,8 @@ def run_benchmark(
     rows: List[Dict[str, object]] = []
     t_start = time.perf_counter()
     dev_name = ceilings.device if ceilings is not None else str(dev)
+    said_unavailable: set = set()
+    hidden_unavailable = 0
     for case in cases:
         fam = get_family(case.family)
         its = [i for i in impls if i.supports(case.family)]
@@ -141,12 +144,20 @@ def run_benchmark(
                 row.update(_run_one(case, fam, impl, state, ref, ref_note, cfg, dev))
             _derive(row, ceilings)
             rows.append(row)
+            if row.get("status") == "unavailable":
+                key = (impl.name, unavailable_reason(impl.name, row.get("note")))
+                if key in said_unavailable:
+                    hidden_unavailable += 1
+                    continue
+                said_unavailable.add(key)
             say(_progress_line(done, total, case, row))
         del state, ref
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     df = pd.DataFrame(rows, columns=COLUMNS)
+    if hidden_unavailable:
+        say(f"({hidden_unavailable} more unavailable rows, each for a reason printed above)")
     say(f"done: {len(df)} rows in {time.perf_counter() - t_start:.1f} s")
     return df
 
@@ -200,7 +211,17 @@ def _sync_quiet(dev) -> None:
         pass
 
 
+#: ``pct_roof`` is capped here; see :func:`_derive`
+ROOF_CAP = 100.0
+ROOF_CAP_NOTE = ("above the measured ceiling, shown as 100%: the ceiling measurement is below "
+                 "what the device sustains (re-measure: --remeasure-ceilings)")
+
+
 def _derive(row: Dict[str, object], c: Optional[Ceilings]) -> None:
+    """GB/s, TFLOP/s and the fractions of the ceilings. ``bytes`` counts each unique byte a
+    call must move once and timings flush L2 first, so a fraction above 100% can only come
+    from a ceiling measured low: ``pct_roof`` is then capped at 100 and the note says so
+    (``pct_bw`` / ``pct_mm`` keep the raw fractions)."""
     t = row.get("time_us")
     if t is None or not isinstance(t, (int, float)) or not t > 0:
         return
@@ -213,7 +234,18 @@ def _derive(row: Dict[str, object], c: Optional[Ceilings]) -> None:
         row["pct_bw"] = 100 * pb
         row["pct_mm"] = 100 * pm
         vals = [v for v in (pb, pm) if isinstance(v, float) and not math.isnan(v)]
-        row["pct_roof"] = 100 * max(vals) if vals else math.nan
+        roof = 100 * max(vals) if vals else math.nan
+        if roof > ROOF_CAP:
+            roof = ROOF_CAP
+            row["note"] = "; ".join(n for n in (row.get("note") or "", ROOF_CAP_NOTE) if n)
+        row["pct_roof"] = roof
+
+
+def unavailable_reason(backend: str, note: object) -> str:
+    """``note`` of an ``unavailable`` row without the ``"<backend> (<family>): "`` prefix the
+    probes put in front, so that one reason reads the same in every family."""
+    text = str(note or "").strip()
+    return re.sub(r"^" + re.escape(backend) + r" \([^)]*\):\s*", "", text) or "no reason given"
 
 
 def _fmt_us(t) -> str:

@@ -33,9 +33,11 @@ def _finite(v) -> bool:
 def test_default_command_writes_a_checked_report(tmp_path):
     out = tmp_path / "bench"
     rc = main(["-o", str(out), "-q"] + (["--quick"] if GPU else []))
-    assert rc == 0
-    for name in ("results.csv", "report.md", "meta.json", "ceilings.json"):
+    assert rc == 0  # every check passed (a failing row would make it 1)
+    for name in ("results.csv", "report.md", "meta.json") + (("ceilings.json",) if GPU else ()):
         assert (out / name).is_file(), name
+    # plots by default (matplotlib is a dependency)
+    assert (out / "time_vs_tokens_decode.png").is_file()
     df = read_csv(out / "results.csv")
 
     # one row per (case, backend that has the case's family)
@@ -82,7 +84,10 @@ def test_default_command_writes_a_checked_report(tmp_path):
     timed = df[df["time_us"].notna()]
     assert (timed["gbps"] > 0).all()
     assert (timed[timed["family"].isin(ATTN)]["tflops"] > 0).all()
-    assert timed["pct_roof"].notna().all()
+    if GPU:
+        assert timed["pct_roof"].notna().all() and (timed["pct_roof"] <= 100).all()
+    else:  # CPU ceilings are not measured: no fraction of them
+        assert timed["pct_roof"].isna().all() and timed["pct_bw"].isna().all()
 
     md = (out / "report.md").read_text()
     for fam in ("Decode attention", "Prefill attention", "Fused decode", "Fused prefill",
@@ -92,6 +97,19 @@ def test_default_command_writes_a_checked_report(tmp_path):
     assert "vs torch" in md or "vs flashmla" in md  # speedup columns
     meta = json.loads((out / "meta.json").read_text())
     assert meta["environment"]["torch"] == torch.__version__
+    # what next, and each unavailable backend + reason said once
+    nxt = md.split("## What next")[1].split("\n## ")[0]
+    assert ("bash perf/run_gpu.sh" in nxt) == (not GPU)
+    assert "perf/reports/" in nxt or "--compare" in nxt
+    gone = df[df["status"] == "unavailable"]
+    if len(gone):
+        listed = md.split("## Not available on this machine")[1].split("\n## ")[0]
+        lines = [ln for ln in listed.splitlines() if ln.startswith("- `")]
+        keys = {(r["backend"], r["note"].split("): ", 1)[-1]) for _, r in gone.iterrows()}
+        assert len(lines) == len(keys), lines
+        assert sum(int(ln.rsplit(": ", 1)[1].split()[0]) for ln in lines) == len(gone)
+        for b, why in keys:
+            assert md.count(why) == 1, why  # not repeated in the family tables
     if GPU:
         assert "CPU run" not in md and meta["ceilings"]["source"] != "cpu (not meaningful)"
         small = df[(df["family"] == "decode") & (df["tokens"] <= 128) & (df["backend"] == "triton")
@@ -101,6 +119,7 @@ def test_default_command_writes_a_checked_report(tmp_path):
     else:
         assert "CPU run" in md and "mean nothing" in md
         assert meta["cpu_run"] is True
+        assert "Ceilings not measured (CPU run" in md and "bf16 matmul" not in md
         assert set(df.loc[df["time_us"].notna(), "timing"]) == {"cpu-wall"}
 
 
@@ -109,8 +128,11 @@ def test_wrong_backends_are_flagged_and_the_run_goes_on(tmp_path):
     args = ["-o", str(out), "-q", "--quick", "--no-plots",
             "--families", "decode,prefill,decode_fused,insert,global_topk",
             "--backends", "torch,double_scaled,double_exact,double_raising,corrupt_ops"]
-    assert main(args + DOUBLES) == 0
-    assert main(args + DOUBLES + ["--strict", "-o", str(tmp_path / "b2")]) == 1
+    # failing rows make the exit status 1; --no-fail makes it 0 with the same report
+    assert main(args + DOUBLES) == 1
+    assert main(args + DOUBLES + ["--no-fail", "-o", str(tmp_path / "b2")]) == 0
+    md_no_fail = (tmp_path / "b2" / "report.md").read_text()
+    assert "failing rows** (wrong numbers or an exception)" in md_no_fail
     df = read_csv(out / "results.csv")
     by = {b: g for b, g in df.groupby("backend")}
     assert set(by) == {"torch", "double_scaled", "double_exact", "double_raising", "corrupt_ops"}

@@ -1,5 +1,4 @@
 """The harness's pieces: cases, checks, runner bookkeeping, timing, ceilings, report, plots."""
-import json
 import math
 
 import pandas as pd
@@ -7,7 +6,7 @@ import pytest
 import torch
 
 from dsv41_triton.perf import (PRESETS, Case, Impl, RunConfig, build_cases, get_ceilings,
-                               markdown_report, run_benchmark, time_call, write_report)
+                               run_benchmark, time_call, write_report)
 from dsv41_triton.perf import ceilings as ceil_mod
 from dsv41_triton.perf import report as report_mod
 from dsv41_triton.perf.families import get_family
@@ -207,7 +206,10 @@ def test_runner_rows_errors_skips_and_progress():
     assert st[("T5", "never")].status == "unavailable" and st[("T5", "never")].note == "no device"
     assert st[("T5", "probe_raises")].status == "unavailable"
     assert "ZeroDivisionError" in st[("T5", "probe_raises")].note
-    assert len([ln for ln in lines if ln.startswith("[")]) == 10 and lines[-1].startswith("done")
+    # an unavailable backend is said once per reason: "never" and "probe_raises" print their
+    # first case only
+    assert len([ln for ln in lines if ln.startswith("[")]) == 8 and lines[-1].startswith("done")
+    assert lines[-2] == "(2 more unavailable rows, each for a reason printed above)"
 
     # a time limit already reached: every case is reported, none is run
     df2 = run_benchmark(cases, impls, RunConfig(time_limit_s=0.0))
@@ -229,13 +231,45 @@ def test_runner_without_reference_marks_unchecked(monkeypatch):
 def test_derived_columns_from_ceilings():
     from dsv41_triton.ops.indices_ref import compute_global_topk_indices_and_lens_ref as gt
 
-    c = ceil_mod.Ceilings(copy_gbps=1e-3, matmul_tflops=1.0, device="x", source="test")
+    c = ceil_mod.Ceilings(copy_gbps=1e3, matmul_tflops=1.0, device="x", source="test")
     df = run_benchmark([Case("global_topk", 4, topk=8, page=4)], [_impl("g", global_topk=gt)],
                        ceilings=c)
     r = df.iloc[0]
     assert r["gbps"] == pytest.approx(r["bytes"] / (r["time_us"] * 1e-6) / 1e9)
-    assert r["pct_bw"] == pytest.approx(100 * r["gbps"] / 1e-3)
+    assert r["pct_bw"] == pytest.approx(100 * r["gbps"] / 1e3) and 0 < r["pct_bw"] < 100
     assert r["pct_roof"] == pytest.approx(r["pct_bw"]) and math.isnan(r["tflops"])
+
+
+def test_roof_above_the_ceiling_is_capped_with_a_note():
+    """A ceiling measured below what a call achieves: pct_roof shows 100 and says why; the raw
+    fractions stay in pct_bw / pct_mm."""
+    from dsv41_triton.perf.runner import ROOF_CAP_NOTE, _derive
+
+    c = ceil_mod.Ceilings(copy_gbps=1.0, matmul_tflops=1.0, device="x", source="test")
+    row = dict(time_us=1.0, flops=0.0, bytes=5e3, note="")  # 5 GB/s against a 1 GB/s ceiling
+    _derive(row, c)
+    assert row["pct_bw"] == pytest.approx(500.0) and row["pct_roof"] == 100.0
+    assert row["note"] == ROOF_CAP_NOTE
+    row = dict(time_us=1.0, flops=0.0, bytes=5e2, note="checked 3 tokens")
+    _derive(row, c)
+    assert row["pct_roof"] == pytest.approx(50.0) and row["note"] == "checked 3 tokens"
+    # ceilings not measured (a CPU run): no fraction at all
+    row = dict(time_us=1.0, flops=1e6, bytes=5e2, note="")
+    _derive(row, ceil_mod.Ceilings.not_measured("cpu", "CPU run"))
+    assert math.isnan(row["pct_roof"]) and math.isnan(row["pct_bw"]) and row["gbps"] > 0
+
+
+def test_decode_bytes_count_shared_window_keys_once():
+    """Decode tokens of one request share window keys: bytes count each record once."""
+    fam = get_family("decode")
+    one = Case("decode", 4, 1, 584, None, 8, 8, 0, 4, requests=4)
+    shared = Case("decode", 4, 1, 584, None, 8, 8, 0, 4, requests=1)
+    qol = 4 * 1 * (2 * 512 * 2 + 4)  # q, out, lse
+    for case, keys in ((one, 4 * 8), (shared, 8 + 3)):  # one request: W + 3 distinct positions
+        st = fam.build(case, torch.device("cpu"), 0)
+        flops, nbytes = fam.work(case, st)
+        assert flops == 4.0 * 1 * 4 * 8 * 512
+        assert nbytes == keys * 584 + qol, case.case_id
 
 
 def test_load_impl_forms():
@@ -257,12 +291,15 @@ def test_time_call_cpu():
     assert 0 <= t.min_us <= t.median_us and "not meaningful" in t.note
 
 
-def test_ceilings_cpu_measured_and_cache_roundtrip(tmp_path, monkeypatch):
+def test_ceilings_not_measured_on_cpu_and_cache_roundtrip(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     c = get_ceilings("cpu", tmp_path)
-    assert c.copy_gbps > 0 and c.matmul_tflops > 0 and "not meaningful" in c.source
-    data = json.loads((tmp_path / "ceilings.json").read_text())
-    assert c.device in data
+    assert not c.measured and math.isnan(c.copy_gbps) and math.isnan(c.matmul_tflops)
+    assert c.source.startswith("not measured (CPU run")
+    assert not (tmp_path / "ceilings.json").exists() and not (tmp_path / "xdg").exists()
+    # measuring a CPU on purpose still works
+    m = ceil_mod.measure_ceilings("cpu")
+    assert m.measured and "not meaningful" in m.source
     # the cache format round-trips
     c2 = ceil_mod.Ceilings(1.5, 2.5, "fake gpu", "measured")
     ceil_mod._write(tmp_path / "c.json", c2)
@@ -339,12 +376,52 @@ def test_markdown_report_tables(tmp_path, monkeypatch):
     assert "flashmla vs ... " not in md
     assert "| case | flashmla (us) | triton (us) | torch (us) | triton vs flashmla | torch vs flashmla |" in md
     assert "0.50x" in md and "4.00x" in md and "FAIL" in md
-    assert "Plots skipped: matplotlib is not installed" in md
+    assert "Plots skipped: matplotlib cannot be imported" in md
     assert "4,000 GB/s" in md and "700 TFLOP/s" in md and "CPU run" not in md
     assert "Not available here: `flashmla`" in md  # insert: flashmla never ran
+    # one line for flashmla's one reason, whatever the number of rows and families
+    gone = md.split("## Not available on this machine")[1].split("##")[0]
+    assert gone.count("`flashmla`") == 1 and "why not (decode, insert: 2 rows)" in gone
+    assert md.count("why not") == 1
+    nxt = md.split("## What next")[1].split("##")[0]
+    assert "dsv41-bench --families <family> --backends <backend>" in nxt  # a row failed
+    assert "--compare" in nxt and "perf/bench_attention.py" in nxt  # a GPU run
     assert "1 failing rows" in md
     back = read_csv(paths["csv"])
     assert len(back) == 9 and "speedup" in back.columns and "baseline" in back.columns
+
+
+def test_next_steps_name_the_gpu_command_and_the_committed_reports(tmp_path):
+    from dsv41_triton.perf.report import committed_reports, next_steps
+
+    reports = tmp_path / "perf" / "reports"
+    (reports / "2026-11-29-h200-x").mkdir(parents=True)
+    (reports / "2026-11-29-h200-x" / "report.md").write_text("x")
+    (reports / "2026-11-29-h200-summary.md").write_text("x")
+    assert committed_reports(reports) == ["perf/reports/2026-11-29-h200-x/report.md",
+                                          "perf/reports/2026-11-29-h200-summary.md"]
+    cpu = next_steps(cpu_run=True, failed=False, reports_dir=reports)
+    assert len(cpu) == 2 and "bash perf/run_gpu.sh" in cpu[0]
+    assert "`perf/reports/2026-11-29-h200-summary.md`" in cpu[1]
+    assert "perf/reports/" in next_steps(True, False, reports_dir=tmp_path / "none")[1]
+    gpu = next_steps(cpu_run=False, failed=True, results_csv="o/results.csv", reports_dir=reports)
+    assert "--backends <backend>" in gpu[0]
+    assert ("dsv41-bench --compare perf/reports/2026-11-29-h200-x/results.csv o/results.csv"
+            in gpu[1])
+    # the repository's own reports are found from an editable install or a checkout
+    assert any(r.endswith("-summary.md") for r in committed_reports())
+
+
+def test_cpu_report_says_ceilings_are_not_measured(tmp_path, monkeypatch):
+    monkeypatch.setattr(report_mod, "_plt", lambda: None)
+    df = _df()
+    df["pct_roof"] = math.nan
+    meta = dict(preset="v41-flash", environment={"device": "cpu"}, cpu_run=True,
+                ceilings=ceil_mod.Ceilings.not_measured("cpu", "CPU run: x").to_dict())
+    md = write_report(df, tmp_path, meta)["md"].read_text()
+    assert "Ceilings not measured (CPU run: x). The `% roof` columns stay empty" in md
+    assert "bf16 matmul" not in md
+    assert "bash perf/run_gpu.sh" in md.split("## What next")[1].split("##")[0]
 
 
 def test_plots_written_with_matplotlib(tmp_path):
