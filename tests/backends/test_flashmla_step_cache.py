@@ -176,3 +176,55 @@ def test_layers_of_a_step_share_one_schedule(fake):
             assert rel_err(y, y_ref) <= 1e-2, (step, i)
         if step > 0:  # decode steps: window-only and compressed shapes, once each
             assert fake.schedules - before == 2, fake.schedules - before
+
+
+def _real_flashmla_or_skip():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    _flashmla_common._CACHE.clear()
+    ops, why = _flashmla_common.load_flashmla()
+    if ops is None or ops.source != "flash_mla":
+        pytest.skip(f"FlashMLA not available: {why}")
+    if torch.cuda.get_device_capability()[0] not in (9, 10):
+        pytest.skip("FlashMLA's sparse kernels: SM90/SM100")
+    return ops
+
+
+@pytest.mark.gpu
+def test_real_flashmla_shared_schedule_eager_graph_and_no_sync():
+    """On the GPU with FlashMLA: the shared schedule gives the reference's values eagerly and
+    when first filled inside a CUDA graph capture (three 'layers' sharing one step cache), and
+    the backend's decode does not synchronize with the host."""
+    _real_flashmla_or_skip()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
+    from bench_flashmla_backend import build_case
+
+    be = FlashMLABackend()
+    for H in (8, 64):
+        case = build_case(16, H, seed=H)
+        ro, rl = sparse_mla_decode_ref(**case)
+        step: dict = {}
+        o, l = be.sparse_mla_decode(**case, step_cache=step)
+        o2, _ = be.sparse_mla_decode(**case, step_cache=step)  # reused schedule
+        assert rel_err(o, ro) <= 1e-2 and rel_err(o2, ro) <= 1e-2
+        assert float((l.double() - rl.double()).abs().max()) <= 1e-3
+        prev = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            be.sparse_mla_decode(**case, step_cache={})
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+        outs = [torch.full_like(case["q"], float("nan")) for _ in range(3)]
+        graph_step: dict = {}
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s), torch.cuda.graph(g):
+            for out in outs:
+                be.sparse_mla_decode(**case, step_cache=graph_step, out=out)
+        torch.cuda.current_stream().wait_stream(s)
+        g.replay()
+        torch.cuda.synchronize()
+        for out in outs:
+            assert rel_err(out, ro) <= 1e-2
+        del g
