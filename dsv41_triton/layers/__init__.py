@@ -9,7 +9,13 @@
   (``distributed.py``: torchrun init, the rank's layer, TP=N vs TP=1 check).
 """
 from .config import DeepseekV41AttentionConfig, build_cos_sin_cache
-from .metadata import PrefillChunk, RequestSpec, StepMetadata, build_step_metadata
+from .metadata import (
+    PrefillChunk,
+    RequestSpec,
+    StepMetadata,
+    build_step_metadata,
+    completed_entries_topk,
+)
 from .weights import (
     PARAM_NAMES,
     canonicalize_attention_state_dict,
@@ -30,7 +36,7 @@ from .distributed import (
 
 __all__ = [
     "DeepseekV41AttentionConfig", "build_cos_sin_cache",
-    "RequestSpec", "StepMetadata", "PrefillChunk", "build_step_metadata",
+    "RequestSpec", "StepMetadata", "PrefillChunk", "build_step_metadata", "completed_entries_topk",
     "DeepseekV41Attention", "MXFP8Activation", "PARAM_NAMES", "random_attention_state_dict",
     "shard_attention_state_dict", "canonicalize_attention_state_dict",
     "Scenario", "ScenarioStep", "TPContext", "build_tp_layer", "check_tp_against_tp1",
