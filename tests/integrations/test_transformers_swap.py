@@ -156,6 +156,14 @@ def test_batch_rows_and_stateless_calls(device):
         stateless = m(ids, use_cache=False).logits
     assert torch.allclose(both, torch.cat(rows), atol=1e-5)
     assert torch.allclose(both, stateless, atol=1e-5)
+    with torch.no_grad():  # batched decode steps: each row as if alone (to bf16 GEMM rounding)
+        g2 = m.generate(ids, max_new_tokens=3, do_sample=False, output_scores=True,
+                        return_dict_in_generate=True)
+        g1 = [m.generate(ids[b:b + 1], max_new_tokens=3, do_sample=False, output_scores=True,
+                         return_dict_in_generate=True) for b in range(2)]
+    for b in range(2):
+        for s2, s1 in zip(g2.scores, g1[b].scores):
+            assert rel_err(s2[b], s1[0]) <= 5e-3
 
 
 def test_unsupported_inputs_raise(device):
