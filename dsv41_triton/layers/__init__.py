@@ -2,7 +2,8 @@
 
 - ``DeepseekV41Attention`` (``layer.py``): one tensor-parallel shard of the layer, running
   attention through a backend (``dsv41_triton.backends``).
-- ``DeepseekV41AttentionConfig`` and the RoPE tables (``config.py``).
+- ``DeepseekV41AttentionConfig`` and the RoPE tables (``config.py``); its ``from_hf_config``
+  reader of transformers', the checkpoint's, vLLM's and DeepSeek's configs (``hf_config.py``).
 - Step metadata: ``RequestSpec`` -> ``build_step_metadata`` -> ``StepMetadata`` (``metadata.py``).
 - Weights: checkpoint names, random init, TP sharding (``weights.py``).
 - Synthetic serving steps (``scenario.py``) and tensor parallel under ``torch.distributed``
