@@ -122,12 +122,16 @@ def test_one_schedule_per_shape_and_step(fake, H):
         assert o.shape == (5, H, 512) and l.shape == (5, H)
     assert fake.calls == 6 and fake.schedules == 2  # one per shape
     assert sum(1 for k in step if k[0] == "swa_idx") == 1  # window rows masked once
-    # a new step gets new schedules; no step cache: one per call (the old behaviour)
+    # a new step gets new schedules; eager calls without a step cache share one per shape
     be.sparse_mla_decode(**window, step_cache={})
     assert fake.schedules == 3
-    be.sparse_mla_decode(**window)
-    be.sparse_mla_decode(**window)
+    for _ in range(3):
+        be.sparse_mla_decode(**window)
+    assert fake.schedules == 4
+    be.sparse_mla_decode(**compressed)
+    be.sparse_mla_decode(**compressed)
     assert fake.schedules == 5
+    assert FlashMLABackend().sparse_mla_decode(**window) and fake.schedules == 6  # per backend
 
 
 def test_out_buffer_and_empty_step(fake):
@@ -227,4 +231,21 @@ def test_real_flashmla_shared_schedule_eager_graph_and_no_sync():
         torch.cuda.synchronize()
         for out in outs:
             assert rel_err(out, ro) <= 1e-2
-        del g
+        # no step cache: the eagerly kept schedule inside a capture, a fresh one for a new shape
+        be.sparse_mla_decode(**case)
+        small = dict(case, q=case["q"][:4], swa_indices=case["swa_indices"][:4],
+                     swa_lens=case["swa_lens"][:4], extra_indices=case["extra_indices"][:4],
+                     extra_lens=case["extra_lens"][:4])
+        o_small = torch.full_like(small["q"], float("nan"))
+        g2 = torch.cuda.CUDAGraph()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s), torch.cuda.graph(g2):
+            be.sparse_mla_decode(**case, out=outs[0])
+            be.sparse_mla_decode(**small, out=o_small)
+        torch.cuda.current_stream().wait_stream(s)
+        for out in outs:
+            out.fill_(float("nan"))
+        g2.replay()
+        torch.cuda.synchronize()
+        assert rel_err(outs[0], ro) <= 1e-2 and rel_err(o_small, ro[:4]) <= 1e-2
+        del g, g2
