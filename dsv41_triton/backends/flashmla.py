@@ -133,8 +133,9 @@ class FlashMLABackend(ComposedFusedMixin, AttentionBackend):
         hp = padded_heads(H)
         qp = pad_heads(q, hp).unsqueeze(1)  # [T, 1, hp, 512]: each token its own "batch"
         cache4 = as_cache4(swa_cache)
-        key = ("swa_idx", swa_indices.data_ptr(), tuple(swa_indices.shape),
-               swa_lens.data_ptr())
+        # the same tensors, not modified in place since (version counters)
+        key = ("swa_idx", swa_indices.data_ptr(), swa_indices._version, tuple(swa_indices.shape),
+               None if swa_lens is None else (swa_lens.data_ptr(), swa_lens._version))
         idx = None if step_cache is None else step_cache.get(key)
         if idx is None:
             idx = masked_indices(swa_indices, swa_lens, _DECODE_TOPK_MULTIPLE).unsqueeze(1)

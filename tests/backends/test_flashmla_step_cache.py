@@ -122,6 +122,10 @@ def test_one_schedule_per_shape_and_step(fake, H):
         assert o.shape == (5, H, 512) and l.shape == (5, H)
     assert fake.calls == 6 and fake.schedules == 2  # one per shape
     assert sum(1 for k in step if k[0] == "swa_idx") == 1  # window rows masked once
+    window["swa_lens"].clamp_(max=3)  # refilled in place: the kept rows are not reused
+    o, _ = be.sparse_mla_decode(**window, step_cache=step)
+    assert rel_err(o, _ref(window)[0]) <= 1e-2
+    assert sum(1 for k in step if k[0] == "swa_idx") == 2
     # a new step gets new schedules; eager calls without a step cache share one per shape
     be.sparse_mla_decode(**window, step_cache={})
     assert fake.schedules == 3
