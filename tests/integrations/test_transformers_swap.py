@@ -88,14 +88,26 @@ def _ids(device, batch=1, n=PROMPT + DECODE, seed=1):
     return torch.randint(3, 64, (batch, n), generator=torch.Generator().manual_seed(seed)).to(device)
 
 
+def _backend_or_skip(backend, device):
+    if backend == "auto":
+        return
+    from dsv41_triton.backends import Problem, probe
+
+    a = probe(backend, Problem("decode", 8, torch.device(device), 584, 584))
+    if not a.available:
+        pytest.skip(f"{backend}: {a.reason}")
+
+
+@pytest.mark.parametrize("backend", ["auto", pytest.param("flashmla", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("layer_type", [SW, CSA, HCA], ids=["window", "csa4", "hca128"])
-def test_logits_within_the_fp8_floor(layer_type, device):
+def test_logits_within_the_fp8_floor(layer_type, backend, device):
+    _backend_or_skip(backend, device)
     m = tiny_model([layer_type], device)
     plain, ref = copy.deepcopy(m), with_fp8_keys(copy.deepcopy(m))
     a_plain, a_ref = record_attention(plain), record_attention(ref)
     p_one, p_inc = run(plain, _ids(device))
     r_one, r_inc = run(ref, _ids(device))
-    assert replace_attention(m, backend="auto") is m
+    assert replace_attention(m, backend=backend) is m
     assert isinstance(m.model.layers[0].self_attn, DeepseekV41TransformersAttention)
     a_ours = record_attention(m)
     o_one, o_inc = run(m, _ids(device))
