@@ -1,0 +1,463 @@
+"""Sparse MLA decode for Hopper in Gluon: the contract of ``sparse_mla_decode`` (SPEC §3, §4, §6).
+
+One CTA (one warpgroup, 4 warps) owns ``BH`` heads of one query token and one key split; it
+walks the window keys then the extra keys of its split in blocks of ``BN = 64`` keys through one
+online softmax. Per block:
+
+1. **gather** (issued ``NS - 1`` blocks ahead): the block's slot ids (loaded one more block
+   ahead, into registers) become byte offsets of each key's data and scale rows; ``cp.async``
+   copies the raw record bytes into stage ``k % NS`` of a shared ring: eight ``[64, 64]`` byte
+   tiles (one per 64 dims; 288 records fill 32 bytes of each), the scale row (8/16/32 bytes)
+   and, for 584 records, the raw bf16 RoPE tail straight into a ``[64, 64]`` bf16 wgmma tile.
+   Invalid keys (``< 0``, past ``rows``, past ``len``) copy nothing (zero fill) and are marked
+   ``-1`` in the stage's index row.
+2. **dequant**: each byte tile becomes exact bf16 in registers (e4m3 or e2m1 bits moved into
+   bf16 fields, two ``mul.rn.bf16x2``: the exponent bias and the group scale) and is stored to
+   the bf16 key tile (NVMMA-swizzled shared memory).
+3. **swap-AB wgmma**: keys are the MMA's M (64), heads its N (``BH`` = 8/16/32):
+   ``S^T [64, BH] = K [64, 512] · Q^T`` (Q resident in shared memory), softmax along M,
+   ``O^T_g [64, BH] += K_g^T · P^T`` for each 64-dim group ``g`` (K read transposed from the
+   same tile), so few heads do not pay for 64 MMA rows.
+
+Splits write normalized fp32 partials and their log2-sum-exp, combined (with the sink) by the
+``tl`` merge kernel. No host sync, fixed launch shapes: CUDA-graph safe.
+"""
+from __future__ import annotations
+
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+
+#: keys per block (the wgmma M of the swap-AB products)
+BN = 64
+#: record width -> (data bytes, scale bytes)
+SRC_BYTES = {584: (576, 8), 528: (512, 16), 288: (256, 32)}
+
+LOG2E = gl.constexpr(1.4426950408889634)
+
+# e4m3 byte pair -> bf16x2 with the e4m3 value * 2**-120 (sign at bit 15, exponent+mantissa at
+# bits 4..10 of each lane), then * 2**120 and * the scale: both multiplies are exact.
+_E4M3_ASM = gl.constexpr("""{
+.reg .b32 t0, t1, u0, u1, z, c;
+mov.b32 z, 0;
+mov.b32 c, 0x7B807B80;
+prmt.b32 t0, $2, z, 0x1404;
+prmt.b32 t1, $2, z, 0x3424;
+shr.b32 u0, t0, 4;
+shr.b32 u1, t1, 4;
+and.b32 u0, u0, 0x07F007F0;
+and.b32 u1, u1, 0x07F007F0;
+and.b32 t0, t0, 0x80008000;
+and.b32 t1, t1, 0x80008000;
+or.b32 t0, t0, u0;
+or.b32 t1, t1, u1;
+mul.rn.bf16x2 t0, t0, c;
+mul.rn.bf16x2 t1, t1, c;
+mul.rn.bf16x2 $0, t0, $3;
+mul.rn.bf16x2 $1, t1, $4;
+}""")
+
+# four bytes (b0 b0 b1 b1: each e2m1 byte duplicated) -> bf16 of the low nibble of b0, high
+# nibble of b0, low of b1, high of b1 (value * 2**-126: sign to bit 15, e2m1 code to bits 6..8),
+# then * 2**126 and * the scale.
+_E2M1_ASM = gl.constexpr("""{
+.reg .b32 w, lo, hi, x, y, c;
+mov.b32 w, $2;
+mov.b32 c, 0x7E807E80;
+and.b32 lo, w, 0x7;
+shl.b32 lo, lo, 6;
+and.b32 x, w, 0x8;
+shl.b32 x, x, 12;
+or.b32 lo, lo, x;
+and.b32 hi, w, 0x7000;
+shl.b32 hi, hi, 10;
+and.b32 x, w, 0x8000;
+shl.b32 x, x, 16;
+or.b32 hi, hi, x;
+or.b32 lo, lo, hi;
+shr.b32 y, w, 16;
+and.b32 hi, y, 0x7;
+shl.b32 hi, hi, 6;
+and.b32 x, y, 0x8;
+shl.b32 x, x, 12;
+or.b32 hi, hi, x;
+and.b32 x, w, 0x70000000;
+shr.b32 x, x, 6;
+or.b32 hi, hi, x;
+and.b32 x, w, 0x80000000;
+or.b32 hi, hi, x;
+mul.rn.bf16x2 lo, lo, c;
+mul.rn.bf16x2 hi, hi, c;
+mul.rn.bf16x2 $0, lo, $3;
+mul.rn.bf16x2 $1, hi, $4;
+}""")
+
+
+# ------------------------------------------------------------------------------------------
+# layouts (4 warps)
+# ------------------------------------------------------------------------------------------
+@gluon.constexpr_function
+def _copy_layout(vec):
+    """[64, w] copy tiles: ``vec`` elements (16 or 8 bytes) per thread, 4 threads per row."""
+    return gl.BlockedLayout([1, vec], [8, 4], [4, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _acc_layout(bh):
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, bh, 16])
+
+
+# ------------------------------------------------------------------------------------------
+# device helpers
+# ------------------------------------------------------------------------------------------
+@gluon.jit
+def _load_idx(k, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b, hi_b, b_rows,
+              HAS_B: gl.constexpr, L: gl.constexpr):
+    """Slot ids of block ``k`` ([BN] int32 in ``L``), ``-1`` where a key is not read."""
+    r = gl.arange(0, 64, layout=L)
+    in_a = k < nblk_a
+    ca = lo_a + k * 64 + r
+    ma = (ca < hi_a) & in_a
+    ia = gl.load(a_idx_row + ca, mask=ma, other=-1).to(gl.int32)
+    ok = ma & (ia >= 0) & (ia < a_rows)
+    idx = gl.where(ok, ia, -1)
+    if HAS_B:
+        cb = lo_b + (k - nblk_a) * 64 + r
+        mb = (cb < hi_b) & (k >= nblk_a) & (k < nblk)
+        ib = gl.load(b_idx_row + cb, mask=mb, other=-1).to(gl.int32)
+        okb = mb & (ib >= 0) & (ib < b_rows)
+        idx = gl.where(okb, ib, idx)
+    return idx
+
+
+@gluon.jit
+def _copy_keys(base, idx, bstride, page, main_ring, m0, rope_s, scale_s, SRC: gl.constexpr):
+    """cp.async the records of one block (slot ids ``idx``, -1 = none) into one ring stage."""
+    DATA: gl.constexpr = 576 if SRC == 584 else (512 if SRC == 528 else 256)
+    SB: gl.constexpr = 8 if SRC == 584 else (16 if SRC == 528 else 32)
+    L16: gl.constexpr = _copy_layout(16)
+    L8: gl.constexpr = _copy_layout(8)
+    valid = idx >= 0
+    slot = gl.where(valid, idx, 0)
+    blk = slot // page
+    off = slot - blk * page
+    bbase = blk.to(gl.int64) * bstride
+    data_off = gl.multiple_of(bbase + off.to(gl.int64) * DATA, 16)
+    scale_off = gl.multiple_of(bbase + page.to(gl.int64) * DATA + off.to(gl.int64) * SB, 8)
+
+    if SRC == 288:
+        c8 = gl.arange(0, 32, layout=gl.SliceLayout(0, L8))
+        d8 = gl.convert_layout(data_off, gl.SliceLayout(1, L8))
+        v8 = gl.convert_layout(valid, gl.SliceLayout(1, L8))
+        for g in gl.static_range(8):
+            p = base + (d8 + g * 32)[:, None] + c8[None, :]
+            cp.async_copy_global_to_shared(main_ring.index(m0 + g).slice(0, 32, dim=1), p,
+                                           mask=v8[:, None])
+    else:
+        NG: gl.constexpr = 7 if SRC == 584 else 8
+        c16 = gl.arange(0, 64, layout=gl.SliceLayout(0, L16))
+        d16 = gl.convert_layout(data_off, gl.SliceLayout(1, L16))
+        v16 = gl.convert_layout(valid, gl.SliceLayout(1, L16))
+        for g in gl.static_range(NG):
+            p = base + (d16 + g * 64)[:, None] + c16[None, :]
+            cp.async_copy_global_to_shared(main_ring.index(m0 + g), p, mask=v16[:, None])
+        if SRC == 584:
+            # the raw bf16 RoPE tail (bytes 448..575) goes straight into its wgmma tile
+            cr = gl.arange(0, 64, layout=gl.SliceLayout(0, L8))
+            dr = gl.convert_layout(data_off, gl.SliceLayout(1, L8))
+            vr = gl.convert_layout(valid, gl.SliceLayout(1, L8))
+            rp = (base + (dr + 448)).to(gl.pointer_type(gl.bfloat16))
+            cp.async_copy_global_to_shared(rope_s, rp[:, None] + cr[None, :], mask=vr[:, None])
+    cs = gl.arange(0, 32, layout=gl.SliceLayout(0, L8))
+    ds = gl.convert_layout(scale_off, gl.SliceLayout(1, L8))
+    vs = gl.convert_layout(valid, gl.SliceLayout(1, L8))
+    sp = base + ds[:, None] + cs[None, :]
+    cp.async_copy_global_to_shared(scale_s, sp, mask=vs[:, None] & (cs < SB)[None, :])
+
+
+@gluon.jit
+def _issue(k, idx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
+           main_ring, rope_ring, scale_ring, idx_ring,
+           SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr, NS: gl.constexpr):
+    """Start the gathers of block ``k`` into stage ``k % NS`` (one cp.async group, maybe empty)."""
+    s = k % NS
+    idx_ring.index(s).store(idx)
+    if k < nblk_a:
+        _copy_keys(a_ptr, idx, a_bstride, a_page, main_ring, s * 8, rope_ring.index(s),
+                   scale_ring.index(s), SRC_A)
+    else:
+        if HAS_B:
+            if k < nblk:
+                _copy_keys(b_ptr, idx, b_bstride, b_page, main_ring, s * 8,
+                           rope_ring.index(s), scale_ring.index(s), SRC_B)
+    cp.commit_group()
+
+
+@gluon.jit
+def _ue8m0_bf16(b):
+    """UE8M0 byte tensor -> bf16 ``2**(b - 127)`` (byte 0 -> 0)."""
+    return (b.to(gl.int32) << 23).to(gl.float32, bitcast=True).to(gl.bfloat16)
+
+
+@gluon.jit
+def _e4m3_bf16(b):
+    """e4m3 byte tensor -> its bf16 value (exact)."""
+    bi = b.to(gl.int32)
+    bits = ((bi & 0x7F) << 20) | ((bi & 0x80) << 24)
+    return (bits.to(gl.float32, bitcast=True) * 1.329227995784916e36).to(gl.bfloat16)
+
+
+@gluon.jit
+def _dequant(main_ring, m0, rope_s, scale_s, ktile, SRC: gl.constexpr):
+    """Raw bytes of one stage -> bf16 key tiles: groups 0..6 into ``ktile``, group 7 into
+    ``rope_s`` (for 584 records cp.async already put the raw bf16 tail there)."""
+    L16: gl.constexpr = _copy_layout(16)
+    if SRC == 288:
+        L8: gl.constexpr = _copy_layout(8)
+        for g in gl.static_range(8):
+            raw = main_ring.index(m0 + g).slice(0, 32, dim=1).load(L8)
+            dup = gl.reshape(gl.join(raw, raw), [64, 64])
+            dup = gl.convert_layout(dup, L16)
+            c = gl.arange(0, 64, layout=gl.SliceLayout(0, L16))[None, :]
+            s0 = _e4m3_bf16(scale_s.slice(4 * g + 0, 1, dim=1).load(L16))
+            s1 = _e4m3_bf16(scale_s.slice(4 * g + 1, 1, dim=1).load(L16))
+            s2 = _e4m3_bf16(scale_s.slice(4 * g + 2, 1, dim=1).load(L16))
+            s3 = _e4m3_bf16(scale_s.slice(4 * g + 3, 1, dim=1).load(L16))
+            sc = gl.where(c < 32, gl.where(c < 16, s0, s1), gl.where(c < 48, s2, s3))
+            x = gl.inline_asm_elementwise(_E2M1_ASM, "=r,=r,r,r,r", [dup, sc],
+                                          dtype=gl.bfloat16, is_pure=True, pack=4)
+            if g < 7:
+                ktile.index(g).store(x)
+            else:
+                rope_s.store(x)
+    else:
+        NG: gl.constexpr = 7 if SRC == 584 else 8
+        for g in gl.static_range(NG):
+            raw = main_ring.index(m0 + g).load(L16)
+            if SRC == 584:
+                sc = _ue8m0_bf16(scale_s.slice(g, 1, dim=1).load(L16))
+                sc = gl.broadcast(sc, raw)[0]
+            else:
+                c = gl.arange(0, 64, layout=gl.SliceLayout(0, L16))[None, :]
+                s0 = _ue8m0_bf16(scale_s.slice(2 * g, 1, dim=1).load(L16))
+                s1 = _ue8m0_bf16(scale_s.slice(2 * g + 1, 1, dim=1).load(L16))
+                sc = gl.where(c < 32, s0, s1)
+            x = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r,r,r", [raw, sc],
+                                          dtype=gl.bfloat16, is_pure=True, pack=4)
+            if g < 7:
+                ktile.index(g).store(x)
+            else:
+                rope_s.store(x)
+
+
+@gluon.jit
+def _store_out(orow_ptr, d0, acc, inv, hmask, ACC: gl.constexpr, TO_BF16: gl.constexpr):
+    """``acc [64 dims, BH] * inv[BH]`` -> rows ``orow_ptr[h] + d0 + d``."""
+    d = d0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))
+    v = acc * inv[None, :]
+    if TO_BF16:
+        v = v.to(gl.bfloat16)
+    gl.store(orow_ptr[None, :] + d[:, None], v, mask=hmask[None, :])
+
+
+@gluon.jit
+def _sparse_mla_decode_gluon_kernel(
+    q_ptr, stride_qt, stride_qh,
+    a_ptr, a_idx_ptr, a_idx_st, a_len_ptr, a_len_st, a_width, a_bstride, a_page, a_rows,
+    b_ptr, b_idx_ptr, b_idx_st, b_len_ptr, b_len_st, b_width, b_bstride, b_page, b_rows,
+    sink_ptr, sink_st,
+    out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
+    po_ptr, pl_ptr,
+    H, qk_scale, num_splits, num_ht,
+    SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
+    HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, HAS_SINK: gl.constexpr,
+    SPLIT: gl.constexpr, BH: gl.constexpr, NS: gl.constexpr,
+):
+    """Grid ``T * num_splits * num_ht`` (head tile fastest, then split, then token); 4 warps.
+    Arguments as the ``tl`` decode kernel's (``_sparse_mla_fwd_grouped_kernel``)."""
+    ACC: gl.constexpr = _acc_layout(BH)
+    L16: gl.constexpr = _copy_layout(16)
+    LI: gl.constexpr = gl.SliceLayout(1, L16)
+    LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    PLAIN1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, 64], gl.bfloat16)
+
+    pid = gl.program_id(0)
+    ht = pid % num_ht
+    rest = pid // num_ht
+    split = rest % num_splits
+    t = (rest // num_splits).to(gl.int64)
+
+    # ---- shared memory ----------------------------------------------------------------
+    main_ring = gl.allocate_shared_memory(gl.uint8, [NS * 8, 64, 64], PLAIN2)
+    rope_ring = gl.allocate_shared_memory(gl.bfloat16, [NS, 64, 64], KL)
+    scale_ring = gl.allocate_shared_memory(gl.uint8, [NS, 64, 32], PLAIN2)
+    idx_ring = gl.allocate_shared_memory(gl.int32, [NS, 64], PLAIN1)
+    ktile = gl.allocate_shared_memory(gl.bfloat16, [7, 64, 64], KL)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [8, BH, 64], QL)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], QL)
+
+    # ---- this program's column ranges ---------------------------------------------------
+    if HAS_LEN_A:
+        len_a = gl.load(a_len_ptr + t * a_len_st).to(gl.int32)
+        len_a = gl.minimum(gl.maximum(len_a, 0), a_width)
+    else:
+        len_a = a_width + 0
+    len_b = len_a * 0
+    if HAS_B:
+        if HAS_LEN_B:
+            len_b = gl.load(b_len_ptr + t * b_len_st).to(gl.int32)
+            len_b = gl.minimum(gl.maximum(len_b, 0), b_width)
+        else:
+            len_b = len_b + b_width
+    total = len_a + len_b
+    if SPLIT:
+        chunk = gl.cdiv(gl.cdiv(total, num_splits), 64) * 64
+        lo = split * chunk
+        hi = gl.minimum(lo + chunk, total)
+    else:
+        lo = total * 0
+        hi = total
+    lo_a = gl.minimum(lo, len_a)
+    hi_a = gl.maximum(gl.minimum(hi, len_a), lo_a)
+    lo_b = gl.maximum(lo, len_a) - len_a
+    hi_b = gl.maximum(hi - len_a, lo_b)
+    nblk_a = gl.cdiv(hi_a - lo_a, 64)
+    nblk = nblk_a + gl.cdiv(hi_b - lo_b, 64)
+    a_idx_row = a_idx_ptr + t * a_idx_st
+    b_idx_row = b_idx_ptr + t * b_idx_st
+
+    # ---- Q (resident) -------------------------------------------------------------------
+    hq = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, LQ))
+    dq = gl.arange(0, 64, layout=gl.SliceLayout(0, LQ))
+    qrow = q_ptr + t * stride_qt + hq.to(gl.int64)[:, None] * stride_qh
+    for g in gl.static_range(8):
+        qg = gl.load(qrow + (g * 64 + dq)[None, :], mask=(hq < H)[:, None], other=0.0)
+        q_smem.index(g).store(qg)
+
+    # ---- prologue: NS - 1 blocks in flight ----------------------------------------------
+    nidx = _load_idx(0, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b, hi_b,
+                     b_rows, HAS_B, LI)
+    for i in gl.static_range(NS - 1):
+        _issue(i, nidx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
+               main_ring, rope_ring, scale_ring, idx_ring, SRC_A, SRC_B, HAS_B, NS)
+        nidx = _load_idx(i + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b,
+                         hi_b, b_rows, HAS_B, LI)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ACC))
+    l_i = gl.full([BH], 0.0, gl.float32, layout=gl.SliceLayout(0, ACC))
+    zero = gl.full([64, BH], 0.0, gl.float32, layout=ACC)
+    o0 = zero
+    o1 = zero
+    o2 = zero
+    o3 = zero
+    o4 = zero
+    o5 = zero
+    o6 = zero
+    o7 = zero
+
+    for j in range(nblk):
+        kn = j + NS - 1
+        _issue(kn, nidx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
+               main_ring, rope_ring, scale_ring, idx_ring, SRC_A, SRC_B, HAS_B, NS)
+        nidx = _load_idx(kn + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b,
+                         hi_b, b_rows, HAS_B, LI)
+        cp.wait_group(NS - 1)
+        gl.thread_barrier()
+        s = j % NS
+        rope_s = rope_ring.index(s)
+        scale_s = scale_ring.index(s)
+        if HAS_B and SRC_A != SRC_B:
+            if j < nblk_a:
+                _dequant(main_ring, s * 8, rope_s, scale_s, ktile, SRC_A)
+            else:
+                _dequant(main_ring, s * 8, rope_s, scale_s, ktile, SRC_B)
+        else:
+            _dequant(main_ring, s * 8, rope_s, scale_s, ktile, SRC_A)
+        fence_async_shared()
+        gl.thread_barrier()
+
+        # S^T = K Q^T  [64 keys, BH]
+        acc = warpgroup_mma(ktile.index(0), q_smem.index(0).permute((1, 0)), zero,
+                            use_acc=False, is_async=True)
+        for g in gl.static_range(1, 7):
+            acc = warpgroup_mma(ktile.index(g), q_smem.index(g).permute((1, 0)), acc,
+                                is_async=True)
+        acc = warpgroup_mma(rope_s, q_smem.index(7).permute((1, 0)), acc, is_async=True)
+        sT = warpgroup_mma_wait(0, deps=[acc])
+
+        kidx = idx_ring.index(s).load(gl.SliceLayout(1, ACC))
+        sT = gl.where((kidx >= 0)[:, None], sT * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sT, axis=0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(sT - m_safe[None, :])
+        l_i = l_i * alpha + gl.sum(p, axis=0)
+        m_i = m_new
+        p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
+        fence_async_shared()
+        gl.thread_barrier()
+
+        # O^T_g = O^T_g * alpha + K_g^T P^T
+        pT = p_smem.permute((1, 0))
+        o0 = warpgroup_mma(ktile.index(0).permute((1, 0)), pT, o0 * alpha[None, :],
+                           is_async=True)
+        o1 = warpgroup_mma(ktile.index(1).permute((1, 0)), pT, o1 * alpha[None, :],
+                           is_async=True)
+        o2 = warpgroup_mma(ktile.index(2).permute((1, 0)), pT, o2 * alpha[None, :],
+                           is_async=True)
+        o3 = warpgroup_mma(ktile.index(3).permute((1, 0)), pT, o3 * alpha[None, :],
+                           is_async=True)
+        o4 = warpgroup_mma(ktile.index(4).permute((1, 0)), pT, o4 * alpha[None, :],
+                           is_async=True)
+        o5 = warpgroup_mma(ktile.index(5).permute((1, 0)), pT, o5 * alpha[None, :],
+                           is_async=True)
+        o6 = warpgroup_mma(ktile.index(6).permute((1, 0)), pT, o6 * alpha[None, :],
+                           is_async=True)
+        o7 = warpgroup_mma(rope_s.permute((1, 0)), pT, o7 * alpha[None, :], is_async=True)
+        o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(
+            0, deps=[o0, o1, o2, o3, o4, o5, o6, o7])
+        gl.thread_barrier()
+    cp.wait_group(0)
+
+    # ---- epilogue -----------------------------------------------------------------------
+    h = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, ACC))
+    hmask = h < H
+    h64 = h.to(gl.int64)
+    has = l_i > 0.0
+    l_safe = gl.where(has, l_i, 1.0)
+    if SPLIT:
+        inv = gl.where(has, 1.0 / l_safe, 0.0)
+        prow = (t * num_splits + split) * H + h64
+        orow = po_ptr + prow * 512
+        lse2 = gl.where(has, m_i + gl.log2(l_safe), float("-inf"))
+        gl.store(pl_ptr + prow, lse2, mask=hmask)
+        TO_BF16: gl.constexpr = False
+    else:
+        den = l_safe
+        if HAS_SINK:
+            m_safe = gl.where(has, m_i, 0.0)
+            sink = gl.load(sink_ptr + h64 * sink_st, mask=hmask, other=float("-inf"))
+            den = den + gl.exp2(sink * LOG2E - m_safe)
+        inv = gl.where(has, 1.0 / den, 0.0)
+        orow = out_ptr + t * stride_ot + h64 * stride_oh
+        lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("inf"))
+        gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
+        TO_BF16: gl.constexpr = True
+    _store_out(orow, 0, o0, inv, hmask, ACC, TO_BF16)
+    _store_out(orow, 64, o1, inv, hmask, ACC, TO_BF16)
+    _store_out(orow, 128, o2, inv, hmask, ACC, TO_BF16)
+    _store_out(orow, 192, o3, inv, hmask, ACC, TO_BF16)
+    _store_out(orow, 256, o4, inv, hmask, ACC, TO_BF16)
+    _store_out(orow, 320, o5, inv, hmask, ACC, TO_BF16)
+    _store_out(orow, 384, o6, inv, hmask, ACC, TO_BF16)
+    _store_out(orow, 448, o7, inv, hmask, ACC, TO_BF16)
