@@ -35,8 +35,7 @@ COPY_BW = 4.249e12
 #: (heads, tokens, swa record, extra record)
 TABLE = [(8, 1, 584, 584), (8, 32, 584, 584), (8, 128, 584, 584), (8, 512, 584, 584),
          (16, 128, 584, 584), (64, 1, 584, 584), (64, 128, 584, 584), (64, 512, 584, 584),
-         (128, 128, 584, 584), (128, 512, 584, 584), (8, 128, 528, 288), (64, 128, 528, 288),
-         (8, 1, 528, 288), (8, 512, 528, 288), (16, 128, 528, 288), (128, 128, 528, 288)]
+         (128, 128, 584, 584), (128, 512, 584, 584), (8, 128, 528, 288), (64, 128, 528, 288)]
 QUICK = [(8, 128, 584, 584), (8, 128, 528, 288), (64, 128, 584, 584), (64, 128, 528, 288)]
 W, K, PAGE = 128, 512, 64
 
@@ -120,14 +119,46 @@ def flashmla_fn(case):
     return fn
 
 
+def _warm_one(spec):
+    """Compile one (row, launch shape) in a fresh process (fills Triton's cache)."""
+    import subprocess
+    env = dict(os.environ, DSV41_GLUON_SHAPE=spec[1])
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--_warm", spec[0]], env=env,
+                       capture_output=True, text=True)
+    return spec, r.returncode, r.stderr[-300:]
+
+
+def warm(rows, variants, jobs=8):
+    """Compile every (row, variant) in parallel processes before timing anything."""
+    from concurrent.futures import ThreadPoolExecutor
+    specs = [(f"{H},{T},{ra},{rb}", v) for H, T, ra, rb in rows for v in variants]
+    with ThreadPoolExecutor(jobs) as ex:
+        for spec, rc, err in ex.map(_warm_one, specs):
+            if rc:
+                print(f"# warm {spec} failed: {err}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--csv", default=None)
     ap.add_argument("--no-flashmla", action="store_true")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--sweep", default="",
+                    help="gluon launch shapes to time on the --quick rows, e.g. "
+                         "'4:0:3,8:16:3' (num_warps:block_h(0 = default):stages)")
+    ap.add_argument("--_warm", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args._warm:
+        H, T, ra, rb = (int(x) for x in args._warm.split(","))
+        sparse_mla_decode(**build_case(T, H, ra, rb), _kernel="gluon")
+        torch.cuda.synchronize()
+        return
     rows = QUICK if args.quick else TABLE
+    variants = [v for v in args.sweep.split(",") if v]
+    warm(rows, [""])
+    if variants:
+        warm(QUICK, variants)
     print(f"# {torch.cuda.get_device_name()} | gluon available: {gluon_launch.AVAILABLE} "
           f"{gluon_launch.REASON}")
     print("| heads | tokens | records | tl (µs) | gluon (µs) | gluon shape (bh, splits) | "
@@ -158,6 +189,25 @@ def main(argv=None):
         out_rows.append((H, T, ra, rb, t_tl, t_gl, t_fm, floor))
         case = None
         torch.cuda.empty_cache()
+    if args.sweep:
+        print("\n| heads | tokens | records | num_warps:block_h:stages | gluon (µs) | err |")
+        print("|---|---|---|---|---|---|")
+        for H, T, ra, rb in QUICK:
+            case = build_case(T, H, ra, rb)
+            ro, rl = sparse_mla_decode_ref(**case)
+            for v in variants:
+                gluon_launch.OVERRIDE.clear()
+                gluon_launch.OVERRIDE.update(gluon_launch.parse_shape(v))
+                try:
+                    o, lse = sparse_mla_decode(**case, _kernel="gluon")
+                    err = f"{rel_err(o, ro):.1e}/{max_abs_err(lse, rl):.1e}"
+                    t = time_graph(lambda: sparse_mla_decode(**case, _kernel="gluon"), args.reps)
+                except Exception as e:  # noqa: BLE001
+                    t, err = float("nan"), f"{type(e).__name__}: {str(e)[:80]}"
+                print(f"| {H} | {T} | {ra}+{rb} | {v} | {t:.1f} | {err} |", flush=True)
+            gluon_launch.OVERRIDE.clear()
+            case = None
+            torch.cuda.empty_cache()
     if args.csv:
         with open(args.csv, "w") as f:
             f.write("heads,tokens,swa,extra,tl_us,gluon_us,flashmla_us,floor_us\n")

@@ -15,12 +15,18 @@ for s in $steps; do
       $XD -rf 2>&1 | tail -60 | tee "$OUT/tests.log" ;;
   quick)
     timeout 200 $PY perf/bench_decode_hopper.py --quick 2>&1 | tee "$OUT/quick.log" ;;
+  sweep)
+    timeout 240 $PY perf/bench_decode_hopper.py --quick --no-flashmla \
+      --sweep "${SWEEP:-4:0:3,8:16:3,8:16:2,8:32:3}" 2>&1 | tee "$OUT/sweep.log" ;;
   bench)
     timeout 400 $PY perf/bench_decode_hopper.py --csv "$OUT/bench.csv" 2>&1 | tee "$OUT/bench.log" ;;
   ncu)
-    for case in "8 128 584 584" "8 128 528 288" "64 128 584 584"; do
+    NCU_CASES=${NCU_CASES:-"8 128 584 584 4:0:3;8 128 528 288 4:0:3;8 128 584 584 8:16:3"}
+    IFS=';' read -ra cases <<< "$NCU_CASES"
+    for case in "${cases[@]}"; do
       set -- $case
-      timeout 120 ncu --clock-control none -k regex:gluon --launch-count 1 \
+      echo "== ncu: heads $1 tokens $2 records $3+$4 shape $5" | tee -a "$OUT/ncu.log"
+      DSV41_GLUON_SHAPE=$5 timeout 120 ncu --clock-control none -k regex:gluon --launch-count 1 \
         --section SpeedOfLight --section Occupancy --section LaunchStats \
         --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
         $PY -c "

@@ -242,3 +242,24 @@ def test_gluon_forced_refused_off_sm90(device):
     args = _case(device, 2, 8, 584, 584)
     with pytest.raises(ValueError, match="_kernel"):
         sparse_mla_decode(**args, _kernel="gluon")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["8:16:3", "4:16:2"])
+@pytest.mark.parametrize("H", [1, 8, 16, 64])
+@pytest.mark.parametrize("swa_rec,extra_rec", PAIRS)
+def test_gluon_launch_shapes_gpu(device, monkeypatch, shape, H, swa_rec, extra_rec):
+    """The other launch shapes the benchmark times (8 warps: two warpgroups; 2 stages)."""
+    _need_gluon_gpu()
+    monkeypatch.setenv("DSV41_GLUON_SHAPE", shape)
+    _check(_case(device, 7, H, swa_rec, extra_rec))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["8:16:3", "8:32:3"])
+@pytest.mark.parametrize("T,H", [(1, 8), (128, 8), (128, 64)])
+@pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, 288)])
+def test_gluon_launch_shapes_v41_gpu(device, monkeypatch, shape, T, H, swa_rec, extra_rec):
+    _need_gluon_gpu()
+    monkeypatch.setenv("DSV41_GLUON_SHAPE", shape)
+    _check(_v41(device, T, H, swa_rec, extra_rec))

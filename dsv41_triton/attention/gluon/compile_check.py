@@ -34,7 +34,7 @@ def _signature(idx_dtype: str = "i32"):
 
 
 def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool = False,
-                   has_b: bool = True, ns: int = 3, arch: int = 90):
+                   has_b: bool = True, ns: int = 3, arch: int = 90, nw: int = 4):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -43,14 +43,14 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
 
     sig, ptr16 = _signature()
     consts = dict(SRC_A=src_a, SRC_B=src_b, HAS_B=has_b, HAS_LEN_A=True, HAS_LEN_B=True,
-                  HAS_SINK=True, SPLIT=split, BH=bh, NS=ns)
+                  HAS_SINK=True, SPLIT=split, BH=bh, NS=ns, NW=nw)
     for k, v in consts.items():
         sig[k] = "constexpr"
     attrs = {(i,): [["tt.divisibility", 16]] for i in ptr16}
     src = GluonASTSource(kern, sig, constexprs={(list(sig).index(k),): v
                                                 for k, v in consts.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=4))
+                          options=dict(num_warps=nw))
 
 
 def resource_usage(k) -> str:

@@ -101,15 +101,17 @@ mul.rn.bf16x2 $1, hi, $4;
 # layouts (4 warps)
 # ------------------------------------------------------------------------------------------
 @gluon.constexpr_function
-def _copy_layout(vec):
-    """[64, w] copy tiles: ``vec`` elements (16 or 8 bytes) per thread, 4 threads per row."""
-    return gl.BlockedLayout([1, vec], [8, 4], [4, 1], [1, 0])
+def _copy_layout(vec, nw):
+    """[64, w] copy tiles: ``vec`` elements (16 or 8 bytes) per thread, 4 threads per row,
+    ``nw`` warps along the keys."""
+    return gl.BlockedLayout([1, vec], [8, 4], [nw, 1], [1, 0])
 
 
 @gluon.constexpr_function
-def _acc_layout(bh):
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                     instr_shape=[16, bh, 16])
+def _acc_layout(bh, nw):
+    """wgmma accumulator ``[64, bh]``: one warpgroup per ``bh * 4 / nw`` heads."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, nw // 4],
+                                     instr_shape=[16, bh * 4 // nw, 16])
 
 
 # ------------------------------------------------------------------------------------------
@@ -136,12 +138,12 @@ def _load_idx(k, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b, h
 
 
 @gluon.jit
-def _copy_keys(base, idx, bstride, page, main_ring, m0, rope_s, scale_s, SRC: gl.constexpr):
+def _copy_keys(base, idx, bstride, page, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s,
+               SRC: gl.constexpr, NW: gl.constexpr):
     """cp.async the records of one block (slot ids ``idx``, -1 = none) into one ring stage."""
     DATA: gl.constexpr = 576 if SRC == 584 else (512 if SRC == 528 else 256)
     SB: gl.constexpr = 8 if SRC == 584 else (16 if SRC == 528 else 32)
-    L16: gl.constexpr = _copy_layout(16)
-    L8: gl.constexpr = _copy_layout(8)
+    L16: gl.constexpr = _copy_layout(16, NW)
     valid = idx >= 0
     slot = gl.where(valid, idx, 0)
     blk = slot // page
@@ -150,51 +152,42 @@ def _copy_keys(base, idx, bstride, page, main_ring, m0, rope_s, scale_s, SRC: gl
     data_off = gl.multiple_of(bbase + off.to(gl.int64) * DATA, 16)
     scale_off = gl.multiple_of(bbase + page.to(gl.int64) * DATA + off.to(gl.int64) * SB, 8)
 
+    c16 = gl.arange(0, 64, layout=gl.SliceLayout(0, L16))
+    vm = valid[:, None]
     if SRC == 288:
-        c8 = gl.arange(0, 32, layout=gl.SliceLayout(0, L8))
-        d8 = gl.convert_layout(data_off, gl.SliceLayout(1, L8))
-        v8 = gl.convert_layout(valid, gl.SliceLayout(1, L8))
-        for g in gl.static_range(8):
-            p = base + (d8 + g * 32)[:, None] + c8[None, :]
-            cp.async_copy_global_to_shared(main_ring.index(m0 + g).slice(0, 32, dim=1), p,
-                                           mask=v8[:, None])
+        # 256 data bytes = four [64, 64] byte tiles (two 64-dim groups each)
+        for g in gl.static_range(4):
+            p = base + (data_off + g * 64)[:, None] + c16[None, :]
+            cp.async_copy_global_to_shared(_pick(g, r0, r1, r2, r3, r4, r5, r6, r7).index(s), p, mask=vm)
     else:
         NG: gl.constexpr = 7 if SRC == 584 else 8
-        c16 = gl.arange(0, 64, layout=gl.SliceLayout(0, L16))
-        d16 = gl.convert_layout(data_off, gl.SliceLayout(1, L16))
-        v16 = gl.convert_layout(valid, gl.SliceLayout(1, L16))
         for g in gl.static_range(NG):
-            p = base + (d16 + g * 64)[:, None] + c16[None, :]
-            cp.async_copy_global_to_shared(main_ring.index(m0 + g), p, mask=v16[:, None])
+            p = base + (data_off + g * 64)[:, None] + c16[None, :]
+            cp.async_copy_global_to_shared(_pick(g, r0, r1, r2, r3, r4, r5, r6, r7).index(s), p, mask=vm)
         if SRC == 584:
             # the raw bf16 RoPE tail (bytes 448..575) goes straight into its wgmma tile
-            cr = gl.arange(0, 64, layout=gl.SliceLayout(0, L8))
-            dr = gl.convert_layout(data_off, gl.SliceLayout(1, L8))
-            vr = gl.convert_layout(valid, gl.SliceLayout(1, L8))
-            rp = (base + (dr + 448)).to(gl.pointer_type(gl.bfloat16))
-            cp.async_copy_global_to_shared(rope_s, rp[:, None] + cr[None, :], mask=vr[:, None])
-    cs = gl.arange(0, 32, layout=gl.SliceLayout(0, L8))
-    ds = gl.convert_layout(scale_off, gl.SliceLayout(1, L8))
-    vs = gl.convert_layout(valid, gl.SliceLayout(1, L8))
-    sp = base + ds[:, None] + cs[None, :]
-    cp.async_copy_global_to_shared(scale_s, sp, mask=vs[:, None] & (cs < SB)[None, :])
+            rp = (base + (data_off + 448)).to(gl.pointer_type(gl.bfloat16))
+            cp.async_copy_global_to_shared(rope_s, rp[:, None] + c16[None, :], mask=vm)
+    sp = base + scale_off[:, None] + c16[None, :]
+    cp.async_copy_global_to_shared(scale_s, sp, mask=vm & (c16 < SB)[None, :])
 
 
 @gluon.jit
 def _issue(k, idx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
-           main_ring, rope_ring, scale_ring, idx_ring,
-           SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr, NS: gl.constexpr):
+           r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring,
+           SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr, NS: gl.constexpr,
+           NW: gl.constexpr):
     """Start the gathers of block ``k`` into stage ``k % NS`` (one cp.async group, maybe empty)."""
     s = k % NS
     idx_ring.index(s).store(idx)
     if k < nblk_a:
-        _copy_keys(a_ptr, idx, a_bstride, a_page, main_ring, s * 8, rope_ring.index(s),
-                   scale_ring.index(s), SRC_A)
+        _copy_keys(a_ptr, idx, a_bstride, a_page, s, r0, r1, r2, r3, r4, r5, r6, r7,
+                   rope_ring.index(s), scale_ring.index(s), SRC_A, NW)
     else:
         if HAS_B:
             if k < nblk:
-                _copy_keys(b_ptr, idx, b_bstride, b_page, main_ring, s * 8,
-                           rope_ring.index(s), scale_ring.index(s), SRC_B)
+                _copy_keys(b_ptr, idx, b_bstride, b_page, s, r0, r1, r2, r3, r4, r5, r6, r7,
+                           rope_ring.index(s), scale_ring.index(s), SRC_B, NW)
     cp.commit_group()
 
 
@@ -213,14 +206,15 @@ def _e4m3_bf16(b):
 
 
 @gluon.jit
-def _dequant(main_ring, m0, rope_s, scale_s, ktile, SRC: gl.constexpr):
-    """Raw bytes of one stage -> bf16 key tiles: groups 0..6 into ``ktile``, group 7 into
+def _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3, k4, k5, k6,
+             SRC: gl.constexpr, NW: gl.constexpr):
+    """Raw bytes of one stage -> bf16 key tiles: groups 0..6 into ``k0..k6``, group 7 into
     ``rope_s`` (for 584 records cp.async already put the raw bf16 tail there)."""
-    L16: gl.constexpr = _copy_layout(16)
+    L16: gl.constexpr = _copy_layout(16, NW)
     if SRC == 288:
-        L8: gl.constexpr = _copy_layout(8)
+        L8: gl.constexpr = _copy_layout(8, NW)
         for g in gl.static_range(8):
-            raw = main_ring.index(m0 + g).slice(0, 32, dim=1).load(L8)
+            raw = _pick(g // 2, r0, r1, r2, r3, r4, r5, r6, r7).index(s).slice((g % 2) * 32, 32, dim=1).load(L8)
             dup = gl.reshape(gl.join(raw, raw), [64, 64])
             dup = gl.convert_layout(dup, L16)
             c = gl.arange(0, 64, layout=gl.SliceLayout(0, L16))[None, :]
@@ -231,14 +225,11 @@ def _dequant(main_ring, m0, rope_s, scale_s, ktile, SRC: gl.constexpr):
             sc = gl.where(c < 32, gl.where(c < 16, s0, s1), gl.where(c < 48, s2, s3))
             x = gl.inline_asm_elementwise(_E2M1_ASM, "=r,=r,r,r,r", [dup, sc],
                                           dtype=gl.bfloat16, is_pure=True, pack=4)
-            if g < 7:
-                ktile.index(g).store(x)
-            else:
-                rope_s.store(x)
+            _put(x, g, k0, k1, k2, k3, k4, k5, k6, rope_s)
     else:
         NG: gl.constexpr = 7 if SRC == 584 else 8
         for g in gl.static_range(NG):
-            raw = main_ring.index(m0 + g).load(L16)
+            raw = _pick(g, r0, r1, r2, r3, r4, r5, r6, r7).index(s).load(L16)
             if SRC == 584:
                 sc = _ue8m0_bf16(scale_s.slice(g, 1, dim=1).load(L16))
                 sc = gl.broadcast(sc, raw)[0]
@@ -249,10 +240,49 @@ def _dequant(main_ring, m0, rope_s, scale_s, ktile, SRC: gl.constexpr):
                 sc = gl.where(c < 32, s0, s1)
             x = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r,r,r", [raw, sc],
                                           dtype=gl.bfloat16, is_pure=True, pack=4)
-            if g < 7:
-                ktile.index(g).store(x)
-            else:
-                rope_s.store(x)
+            _put(x, g, k0, k1, k2, k3, k4, k5, k6, rope_s)
+
+
+@gluon.jit
+def _pick(g: gl.constexpr, t0, t1, t2, t3, t4, t5, t6, t7):
+    """Tile ``g`` of eight separate allocations (a compile-time choice)."""
+    if g == 0:
+        return t0
+    elif g == 1:
+        return t1
+    elif g == 2:
+        return t2
+    elif g == 3:
+        return t3
+    elif g == 4:
+        return t4
+    elif g == 5:
+        return t5
+    elif g == 6:
+        return t6
+    else:
+        return t7
+
+
+@gluon.jit
+def _put(x, g: gl.constexpr, k0, k1, k2, k3, k4, k5, k6, k7):
+    """Store ``x`` into tile ``g`` (separate allocations: no false write-after-write barriers)."""
+    if g == 0:
+        k0.store(x)
+    elif g == 1:
+        k1.store(x)
+    elif g == 2:
+        k2.store(x)
+    elif g == 3:
+        k3.store(x)
+    elif g == 4:
+        k4.store(x)
+    elif g == 5:
+        k5.store(x)
+    elif g == 6:
+        k6.store(x)
+    else:
+        k7.store(x)
 
 
 @gluon.jit
@@ -276,14 +306,16 @@ def _sparse_mla_decode_gluon_kernel(
     H, qk_scale, num_splits, num_ht,
     SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
     HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, HAS_SINK: gl.constexpr,
-    SPLIT: gl.constexpr, BH: gl.constexpr, NS: gl.constexpr,
+    SPLIT: gl.constexpr, BH: gl.constexpr, NS: gl.constexpr, NW: gl.constexpr,
 ):
-    """Grid ``T * num_splits * num_ht`` (head tile fastest, then split, then token); 4 warps.
+    """Grid ``T * num_splits * num_ht`` (head tile fastest, then split, then token); ``NW``
+    warps (4 or 8: with 8, two warpgroups split the copies and the dequant by keys and the
+    heads of the tile in the products; ``BH >= 16``).
     Arguments as the ``tl`` decode kernel's (``_sparse_mla_fwd_grouped_kernel``)."""
-    ACC: gl.constexpr = _acc_layout(BH)
-    L16: gl.constexpr = _copy_layout(16)
+    ACC: gl.constexpr = _acc_layout(BH, NW)
+    L16: gl.constexpr = _copy_layout(16, NW)
     LI: gl.constexpr = gl.SliceLayout(1, L16)
-    LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
     PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     PLAIN1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
@@ -296,11 +328,24 @@ def _sparse_mla_decode_gluon_kernel(
     t = (rest // num_splits).to(gl.int64)
 
     # ---- shared memory ----------------------------------------------------------------
-    main_ring = gl.allocate_shared_memory(gl.uint8, [NS * 8, 64, 64], PLAIN2)
+    r0 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
+    r1 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
+    r2 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
+    r3 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
+    r4 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
+    r5 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
+    r6 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
+    r7 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
     rope_ring = gl.allocate_shared_memory(gl.bfloat16, [NS, 64, 64], KL)
-    scale_ring = gl.allocate_shared_memory(gl.uint8, [NS, 64, 32], PLAIN2)
+    scale_ring = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
     idx_ring = gl.allocate_shared_memory(gl.int32, [NS, 64], PLAIN1)
-    ktile = gl.allocate_shared_memory(gl.bfloat16, [7, 64, 64], KL)
+    k0 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
+    k1 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
+    k2 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
+    k3 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
+    k4 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
+    k5 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
+    k6 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [8, BH, 64], QL)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], QL)
 
@@ -347,7 +392,7 @@ def _sparse_mla_decode_gluon_kernel(
                      b_rows, HAS_B, LI)
     for i in gl.static_range(NS - 1):
         _issue(i, nidx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
-               main_ring, rope_ring, scale_ring, idx_ring, SRC_A, SRC_B, HAS_B, NS)
+               r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, SRC_A, SRC_B, HAS_B, NS, NW)
         nidx = _load_idx(i + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b,
                          hi_b, b_rows, HAS_B, LI)
     fence_async_shared()
@@ -368,7 +413,7 @@ def _sparse_mla_decode_gluon_kernel(
     for j in range(nblk):
         kn = j + NS - 1
         _issue(kn, nidx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
-               main_ring, rope_ring, scale_ring, idx_ring, SRC_A, SRC_B, HAS_B, NS)
+               r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, SRC_A, SRC_B, HAS_B, NS, NW)
         nidx = _load_idx(kn + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b,
                          hi_b, b_rows, HAS_B, LI)
         cp.wait_group(NS - 1)
@@ -378,20 +423,23 @@ def _sparse_mla_decode_gluon_kernel(
         scale_s = scale_ring.index(s)
         if HAS_B and SRC_A != SRC_B:
             if j < nblk_a:
-                _dequant(main_ring, s * 8, rope_s, scale_s, ktile, SRC_A)
+                _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3, k4, k5, k6, SRC_A, NW)
             else:
-                _dequant(main_ring, s * 8, rope_s, scale_s, ktile, SRC_B)
+                _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3, k4, k5, k6, SRC_B, NW)
         else:
-            _dequant(main_ring, s * 8, rope_s, scale_s, ktile, SRC_A)
+            _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3, k4, k5, k6, SRC_A, NW)
         fence_async_shared()
         gl.thread_barrier()
 
         # S^T = K Q^T  [64 keys, BH]
-        acc = warpgroup_mma(ktile.index(0), q_smem.index(0).permute((1, 0)), zero,
-                            use_acc=False, is_async=True)
-        for g in gl.static_range(1, 7):
-            acc = warpgroup_mma(ktile.index(g), q_smem.index(g).permute((1, 0)), acc,
-                                is_async=True)
+        acc = warpgroup_mma(k0, q_smem.index(0).permute((1, 0)), zero, use_acc=False,
+                            is_async=True)
+        acc = warpgroup_mma(k1, q_smem.index(1).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(k2, q_smem.index(2).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(k3, q_smem.index(3).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(k4, q_smem.index(4).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(k5, q_smem.index(5).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(k6, q_smem.index(6).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma(rope_s, q_smem.index(7).permute((1, 0)), acc, is_async=True)
         sT = warpgroup_mma_wait(0, deps=[acc])
 
@@ -409,19 +457,19 @@ def _sparse_mla_decode_gluon_kernel(
 
         # O^T_g = O^T_g * alpha + K_g^T P^T
         pT = p_smem.permute((1, 0))
-        o0 = warpgroup_mma(ktile.index(0).permute((1, 0)), pT, o0 * alpha[None, :],
+        o0 = warpgroup_mma(k0.permute((1, 0)), pT, o0 * alpha[None, :],
                            is_async=True)
-        o1 = warpgroup_mma(ktile.index(1).permute((1, 0)), pT, o1 * alpha[None, :],
+        o1 = warpgroup_mma(k1.permute((1, 0)), pT, o1 * alpha[None, :],
                            is_async=True)
-        o2 = warpgroup_mma(ktile.index(2).permute((1, 0)), pT, o2 * alpha[None, :],
+        o2 = warpgroup_mma(k2.permute((1, 0)), pT, o2 * alpha[None, :],
                            is_async=True)
-        o3 = warpgroup_mma(ktile.index(3).permute((1, 0)), pT, o3 * alpha[None, :],
+        o3 = warpgroup_mma(k3.permute((1, 0)), pT, o3 * alpha[None, :],
                            is_async=True)
-        o4 = warpgroup_mma(ktile.index(4).permute((1, 0)), pT, o4 * alpha[None, :],
+        o4 = warpgroup_mma(k4.permute((1, 0)), pT, o4 * alpha[None, :],
                            is_async=True)
-        o5 = warpgroup_mma(ktile.index(5).permute((1, 0)), pT, o5 * alpha[None, :],
+        o5 = warpgroup_mma(k5.permute((1, 0)), pT, o5 * alpha[None, :],
                            is_async=True)
-        o6 = warpgroup_mma(ktile.index(6).permute((1, 0)), pT, o6 * alpha[None, :],
+        o6 = warpgroup_mma(k6.permute((1, 0)), pT, o6 * alpha[None, :],
                            is_async=True)
         o7 = warpgroup_mma(rope_s.permute((1, 0)), pT, o7 * alpha[None, :], is_async=True)
         o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(

@@ -71,14 +71,29 @@ def pick(T: int, H: int, a, b, device: torch.device) -> bool:
     return bool(table.get((heads_bucket(H), a.src, b.src if b is not None else 0), False))
 
 
-def default_shape(T: int, H: int, total_width: int, sms: int):
-    """(block_h, num_splits): head tiles of 8/16/32 heads; splits fill about one wave of
-    one CTA per SM (the kernel holds ~200 KB of shared memory)."""
+#: launch-shape override for benchmarks: keys block_h, num_warps, stages (None = default);
+#: DSV41_GLUON_SHAPE="num_warps:block_h:stages" (0 = default) sets it from the environment
+OVERRIDE = {}
+
+
+def parse_shape(text: str) -> dict:
+    """``"8:16:3"`` -> ``{num_warps: 8, block_h: 16, stages: 3}`` (0 or empty = default)."""
+    if not text:
+        return {}
+    nw, bh, st = (int(x) for x in text.split(":"))
+    return {k: v for k, v in (("num_warps", nw), ("block_h", bh), ("stages", st)) if v}
+
+
+def default_shape(T: int, H: int, total_width: int, sms: int, num_warps: int = 4):
+    """(block_h, num_splits): head tiles of 8/16/32 heads (at least 16 with 8 warps); splits
+    fill at most one wave of one CTA per SM (the kernel holds ~190 KB of shared memory)."""
     bh = 8 if H <= 8 else 16 if H <= 16 else 32
+    if num_warps == 8:
+        bh = max(bh, 16)
     progs = T * cdiv(H, bh)
     splits = 1
     if progs < sms:
-        splits = max(1, min(cdiv(sms, progs), cdiv(max(total_width, 1), 64), 32))
+        splits = max(1, min(sms // progs, cdiv(max(total_width, 1), 64), 32))
     return bh, splits
 
 
@@ -88,7 +103,8 @@ LAST_LAUNCH = {}
 
 def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: float,
            out: torch.Tensor, lse: torch.Tensor, block_h: Optional[int] = None,
-           num_splits: Optional[int] = None, stages: int = 3) -> None:
+           num_splits: Optional[int] = None, stages: Optional[int] = None,
+           num_warps: Optional[int] = None) -> None:
     """Run the Gluon decode on validated arguments (``a``/``b``: ``KeySet``s of decode.py)."""
     if not AVAILABLE:
         raise RuntimeError(f"gluon decode unavailable: {REASON}")
@@ -102,8 +118,11 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
     if T == 0 or H == 0:
         return
     width = a.indices.shape[1] + (b.indices.shape[1] if b is not None else 0)
-    bh, ns = default_shape(T, H, width, _sms(q.device))
-    bh = block_h or bh
+    over = OVERRIDE or parse_shape(os.environ.get("DSV41_GLUON_SHAPE", ""))
+    nw = num_warps or over.get("num_warps") or 4
+    stages = stages or over.get("stages") or 3
+    bh, ns = default_shape(T, H, width, _sms(q.device), nw)
+    bh = block_h or over.get("block_h") or bh
     ns = num_splits or ns
     n_ht = cdiv(H, bh)
     bb = b if b is not None else a
@@ -133,9 +152,9 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
         H, float(softmax_scale) * 1.4426950408889634, ns, n_ht,
         SRC_A=a.src, SRC_B=bb.src, HAS_B=b is not None, HAS_LEN_A=a.lens is not None,
         HAS_LEN_B=bb.lens is not None, HAS_SINK=sink is not None, SPLIT=ns > 1, BH=bh,
-        NS=stages, num_warps=4,
+        NS=stages, NW=nw, num_warps=nw,
     )
-    LAST_LAUNCH["fwd"] = (k, (bh, ns))
+    LAST_LAUNCH["fwd"] = (k, (bh, ns, nw, stages))
     if ns > 1:
         mbh = min(16, next_power_of_2(H))
         m_ht = cdiv(H, mbh)
