@@ -147,6 +147,9 @@ def main(argv=None):
     ap.add_argument("--sweep", default="",
                     help="gluon launch shapes to time on the --quick rows, e.g. "
                          "'4:0:3,8:16:3' (num_warps:block_h(0 = default):stages)")
+    ap.add_argument("--sweep-rows", default="",
+                    help="rows for --sweep, e.g. '8,1,528,288;16,128,584,584' (default: --quick's)")
+    ap.add_argument("--no-table", action="store_true", help="only the --sweep part")
     ap.add_argument("--_warm", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args._warm:
@@ -154,11 +157,13 @@ def main(argv=None):
         sparse_mla_decode(**build_case(T, H, ra, rb), _kernel="gluon")
         torch.cuda.synchronize()
         return
-    rows = QUICK if args.quick else TABLE
+    rows = [] if args.no_table else QUICK if args.quick else TABLE
     variants = [v for v in args.sweep.split(",") if v]
+    sweep_rows = ([tuple(int(x) for x in r.split(",")) for r in args.sweep_rows.split(";")]
+                  if args.sweep_rows else QUICK)
     warm(rows, [""])
     if variants:
-        warm(QUICK, variants)
+        warm(sweep_rows, variants)
     print(f"# {torch.cuda.get_device_name()} | gluon available: {gluon_launch.AVAILABLE} "
           f"{gluon_launch.REASON}")
     print("| heads | tokens | records | tl (µs) | gluon (µs) | gluon shape (bh, splits) | "
@@ -192,7 +197,7 @@ def main(argv=None):
     if args.sweep:
         print("\n| heads | tokens | records | num_warps:block_h:stages | gluon (µs) | err |")
         print("|---|---|---|---|---|---|")
-        for H, T, ra, rb in QUICK:
+        for H, T, ra, rb in sweep_rows:
             case = build_case(T, H, ra, rb)
             ro, rl = sparse_mla_decode_ref(**case)
             for v in variants:

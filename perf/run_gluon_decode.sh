@@ -16,8 +16,9 @@ for s in $steps; do
   quick)
     timeout 200 $PY perf/bench_decode_hopper.py --quick 2>&1 | tee "$OUT/quick.log" ;;
   sweep)
-    timeout 240 $PY perf/bench_decode_hopper.py --quick --no-flashmla \
-      --sweep "${SWEEP:-4:0:3,8:16:3,8:16:2,8:32:3}" 2>&1 | tee "$OUT/sweep.log" ;;
+    timeout 240 $PY perf/bench_decode_hopper.py --no-table --no-flashmla \
+      --sweep "${SWEEP:-4:0:3,8:16:3,8:16:2,8:32:3}" --sweep-rows "${SWEEP_ROWS:-8,128,584,584;8,128,528,288;64,128,584,584;64,128,528,288}" \
+      2>&1 | tee "$OUT/sweep.log" ;;
   bench)
     timeout 400 $PY perf/bench_decode_hopper.py --csv "$OUT/bench.csv" 2>&1 | tee "$OUT/bench.log" ;;
   ncu)

@@ -46,6 +46,38 @@ def test_gluon_decode_compiles_for_sm90(src_a, src_b, bh, split):
     assert k.metadata.shared <= 227 * 1024
 
 
+def test_gluon_pick_table():
+    """Every pick-table entry names a launch shape the GPU tests run, on known buckets."""
+    from dsv41_triton.attention.gluon import launch as gl_launch
+    for cap, table in gl_launch.PICK.items():
+        assert isinstance(cap, tuple) and len(cap) == 2
+        for (hb, sa, sb, tb), shape in table.items():
+            assert hb in (8, 16, 64, 128) and tb in (32, 128, 1 << 30)
+            assert sa in (584, 528) and sb in (584, 528, 288, 0)
+            assert shape in gl_launch.TESTED_SHAPES, shape
+            assert set(gl_launch.parse_shape(shape)) <= {"num_warps", "block_h", "stages"}
+    assert gl_launch.heads_bucket(8) == 8 and gl_launch.heads_bucket(9) == 16
+    assert gl_launch.tokens_bucket(32) == 32 and gl_launch.tokens_bucket(129) == 1 << 30
+    assert gl_launch.parse_shape("8:16:3") == {"num_warps": 8, "block_h": 16, "stages": 3}
+    assert gl_launch.parse_shape("4:0:3") == {"num_warps": 4, "stages": 3}
+
+
+def test_gluon_not_picked_without_gpu():
+    """On the CPU (or with the gate closed) the auto path never takes the Gluon kernel."""
+    from dsv41_triton.attention.gluon import launch as gl_launch
+    args = _case_cpu()
+    o, lse = sparse_mla_decode(**args)  # the tl kernel (interpreter on the CPU)
+    ro, rl = sparse_mla_decode_ref(**args)
+    assert rel_err(o, ro) <= OUT_TOL and max_abs_err(lse, rl) <= LSE_TOL
+    if not torch.cuda.is_available():
+        assert not gl_launch.usable(args["q"], None, None)
+
+
+def _case_cpu():
+    return _case("cpu" if not torch.cuda.is_available() else "cuda", 2, 3, 584, 288, Ws=20,
+                 K=30, page=16, nb_a=2, nb_b=3)
+
+
 # --------------------------------------------------------------------------------------------
 # GPU
 # --------------------------------------------------------------------------------------------
@@ -256,7 +288,7 @@ def test_gluon_launch_shapes_gpu(device, monkeypatch, shape, H, swa_rec, extra_r
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", ["8:16:3", "8:32:3"])
+@pytest.mark.parametrize("shape", ["8:16:3", "8:32:3", "8:16:2"])
 @pytest.mark.parametrize("T,H", [(1, 8), (128, 8), (128, 64)])
 @pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, 288)])
 def test_gluon_launch_shapes_v41_gpu(device, monkeypatch, shape, T, H, swa_rec, extra_rec):

@@ -61,44 +61,56 @@ mul.rn.bf16x2 $0, t0, $3;
 mul.rn.bf16x2 $1, t1, $4;
 }""")
 
-# four bytes (b0 b0 b1 b1: each e2m1 byte duplicated) -> bf16 of the low nibble of b0, high
-# nibble of b0, low of b1, high of b1 (value * 2**-126: sign to bit 15, e2m1 code to bits 6..8),
-# then * 2**126 and * the scale.
+# four e2m1 bytes -> two results of four bf16 each: the low-nibble elements (even dims) and the
+# high-nibble ones (odd dims) of bytes 0..3, each * its scale. The magnitude codes index byte
+# tables of the bf16 values {0, .5, 1, 1.5, 2, 3, 4, 6} through prmt; the sign is bit 3 of the
+# nibble.
 _E2M1_ASM = gl.constexpr("""{
-.reg .b32 w, lo, hi, x, y, c;
-mov.b32 w, $2;
-mov.b32 c, 0x7E807E80;
-and.b32 lo, w, 0x7;
-shl.b32 lo, lo, 6;
-and.b32 x, w, 0x8;
-shl.b32 x, x, 12;
-or.b32 lo, lo, x;
-and.b32 hi, w, 0x7000;
-shl.b32 hi, hi, 10;
-and.b32 x, w, 0x8000;
-shl.b32 x, x, 16;
-or.b32 hi, hi, x;
-or.b32 lo, lo, hi;
-shr.b32 y, w, 16;
-and.b32 hi, y, 0x7;
-shl.b32 hi, hi, 6;
-and.b32 x, y, 0x8;
-shl.b32 x, x, 12;
-or.b32 hi, hi, x;
-and.b32 x, w, 0x70000000;
-shr.b32 x, x, 6;
-or.b32 hi, hi, x;
-and.b32 x, w, 0x80000000;
-or.b32 hi, hi, x;
-mul.rn.bf16x2 lo, lo, c;
-mul.rn.bf16x2 hi, hi, c;
-mul.rn.bf16x2 $0, lo, $3;
-mul.rn.bf16x2 $1, hi, $4;
+.reg .b32 w, x, y, sl, sh, hl, ll, hh, lh, sg, z, t0, t1, t2, t3;
+mov.b32 w, $4;
+mov.b32 z, 0;
+mov.b32 t0, 0x3F3F3F00;
+mov.b32 t1, 0x40404040;
+mov.b32 t2, 0xC0800000;
+mov.b32 t3, 0xC0804000;
+and.b32 x, w, 0x07070707;
+shr.b32 y, x, 4;
+or.b32 x, x, y;
+prmt.b32 sl, x, z, 0x0020;
+shr.b32 x, w, 4;
+and.b32 x, x, 0x07070707;
+shr.b32 y, x, 4;
+or.b32 x, x, y;
+prmt.b32 sh, x, z, 0x0020;
+prmt.b32 hl, t0, t1, sl;
+prmt.b32 ll, t2, t3, sl;
+prmt.b32 hh, t0, t1, sh;
+prmt.b32 lh, t2, t3, sh;
+and.b32 x, w, 0x08080808;
+prmt.b32 sg, x, z, 0x1404;
+shl.b32 sg, sg, 4;
+prmt.b32 y, ll, hl, 0x5140;
+or.b32 y, y, sg;
+mul.rn.bf16x2 $0, y, $5;
+prmt.b32 sg, x, z, 0x3424;
+shl.b32 sg, sg, 4;
+prmt.b32 y, ll, hl, 0x7362;
+or.b32 y, y, sg;
+mul.rn.bf16x2 $1, y, $6;
+and.b32 x, w, 0x80808080;
+prmt.b32 sg, x, z, 0x1404;
+prmt.b32 y, lh, hh, 0x5140;
+or.b32 y, y, sg;
+mul.rn.bf16x2 $2, y, $5;
+prmt.b32 sg, x, z, 0x3424;
+prmt.b32 y, lh, hh, 0x7362;
+or.b32 y, y, sg;
+mul.rn.bf16x2 $3, y, $6;
 }""")
 
 
 # ------------------------------------------------------------------------------------------
-# layouts (4 warps)
+# layouts
 # ------------------------------------------------------------------------------------------
 @gluon.constexpr_function
 def _copy_layout(vec, nw):
@@ -212,19 +224,18 @@ def _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3,
     ``rope_s`` (for 584 records cp.async already put the raw bf16 tail there)."""
     L16: gl.constexpr = _copy_layout(16, NW)
     if SRC == 288:
+        # a thread's 8 bytes are the 16 dims of one e4m3 scale: viewed as [64 keys, 4 scale
+        # groups, 8 bytes] the scale broadcasts (no per-element selects)
         L8: gl.constexpr = _copy_layout(8, NW)
         for g in gl.static_range(8):
-            raw = _pick(g // 2, r0, r1, r2, r3, r4, r5, r6, r7).index(s).slice((g % 2) * 32, 32, dim=1).load(L8)
-            dup = gl.reshape(gl.join(raw, raw), [64, 64])
-            dup = gl.convert_layout(dup, L16)
-            c = gl.arange(0, 64, layout=gl.SliceLayout(0, L16))[None, :]
-            s0 = _e4m3_bf16(scale_s.slice(4 * g + 0, 1, dim=1).load(L16))
-            s1 = _e4m3_bf16(scale_s.slice(4 * g + 1, 1, dim=1).load(L16))
-            s2 = _e4m3_bf16(scale_s.slice(4 * g + 2, 1, dim=1).load(L16))
-            s3 = _e4m3_bf16(scale_s.slice(4 * g + 3, 1, dim=1).load(L16))
-            sc = gl.where(c < 32, gl.where(c < 16, s0, s1), gl.where(c < 48, s2, s3))
-            x = gl.inline_asm_elementwise(_E2M1_ASM, "=r,=r,r,r,r", [dup, sc],
-                                          dtype=gl.bfloat16, is_pure=True, pack=4)
+            tile = _pick(g // 2, r0, r1, r2, r3, r4, r5, r6, r7).index(s)
+            raw = gl.reshape(tile.slice((g % 2) * 32, 32, dim=1).load(L8), [64, 4, 8])
+            sb = scale_s.slice(4 * g, 4, dim=1).load(gl.SliceLayout(2, raw.type.layout))
+            sc = gl.broadcast(gl.expand_dims(_e4m3_bf16(sb), 2), raw)[0]
+            lo, hi = gl.inline_asm_elementwise(_E2M1_ASM, "=r,=r,=r,=r,r,r,r", [raw, sc],
+                                               dtype=(gl.bfloat16, gl.bfloat16), is_pure=True,
+                                               pack=4)
+            x = gl.convert_layout(gl.reshape(gl.join(lo, hi), [64, 64]), L16)
             _put(x, g, k0, k1, k2, k3, k4, k5, k6, rope_s)
     else:
         NG: gl.constexpr = 7 if SRC == 584 else 8
@@ -233,13 +244,16 @@ def _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3,
             if SRC == 584:
                 sc = _ue8m0_bf16(scale_s.slice(g, 1, dim=1).load(L16))
                 sc = gl.broadcast(sc, raw)[0]
+                x = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r,r,r", [raw, sc],
+                                              dtype=gl.bfloat16, is_pure=True, pack=4)
             else:
-                c = gl.arange(0, 64, layout=gl.SliceLayout(0, L16))[None, :]
-                s0 = _ue8m0_bf16(scale_s.slice(2 * g, 1, dim=1).load(L16))
-                s1 = _ue8m0_bf16(scale_s.slice(2 * g + 1, 1, dim=1).load(L16))
-                sc = gl.where(c < 32, s0, s1)
-            x = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r,r,r", [raw, sc],
-                                          dtype=gl.bfloat16, is_pure=True, pack=4)
+                # 528: two scales per 64 dims; a thread's 16 bytes lie in one half
+                raw3 = gl.reshape(raw, [64, 2, 32])
+                sb = scale_s.slice(2 * g, 2, dim=1).load(gl.SliceLayout(2, raw3.type.layout))
+                sc = gl.broadcast(gl.expand_dims(_ue8m0_bf16(sb), 2), raw3)[0]
+                x = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r,r,r", [raw3, sc],
+                                              dtype=gl.bfloat16, is_pure=True, pack=4)
+                x = gl.convert_layout(gl.reshape(x, [64, 64]), L16)
             _put(x, g, k0, k1, k2, k3, k4, k5, k6, rope_s)
 
 
@@ -399,8 +413,8 @@ def _sparse_mla_decode_gluon_kernel(
     gl.thread_barrier()
 
     m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ACC))
-    l_i = gl.full([BH], 0.0, gl.float32, layout=gl.SliceLayout(0, ACC))
     zero = gl.full([64, BH], 0.0, gl.float32, layout=ACC)
+    l_part = zero  # per-thread partial sums of p, reduced once after the loop
     o0 = zero
     o1 = zero
     o2 = zero
@@ -449,7 +463,7 @@ def _sparse_mla_decode_gluon_kernel(
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
         p = gl.exp2(sT - m_safe[None, :])
-        l_i = l_i * alpha + gl.sum(p, axis=0)
+        l_part = l_part * alpha[None, :] + p
         m_i = m_new
         p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
         fence_async_shared()
@@ -476,6 +490,7 @@ def _sparse_mla_decode_gluon_kernel(
             0, deps=[o0, o1, o2, o3, o4, o5, o6, o7])
         gl.thread_barrier()
     cp.wait_group(0)
+    l_i = gl.sum(l_part, axis=0)
 
     # ---- epilogue -----------------------------------------------------------------------
     h = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, ACC))

@@ -16,12 +16,17 @@ import torch
 from ..._utils import HEAD_DIM, cdiv, is_interpreter, next_power_of_2
 from . import AVAILABLE, REASON
 
-#: the pick table: (major, minor) -> {(heads bucket, swa record, extra record or 0): use gluon}.
-#: Heads buckets: 8 (H <= 8), 16 (H <= 16), 64 (H <= 64), 128 (larger). Entries are set from
-#: measurements (perf/NOTES.md, "Gluon decode for Hopper"); a missing key means the tl kernel.
+#: the pick table: (major, minor) -> {(heads bucket, swa record, extra record or 0, tokens
+#: bucket): launch shape "num_warps:block_h:stages" (0 = default)}. Heads buckets: 8 (H <= 8),
+#: 16, 64, 128 (larger); tokens buckets: 32 (T <= 32), 128, 1 << 30. Only shapes where the Gluon
+#: kernel measured faster than the tl kernel on the H200 are listed (perf/NOTES.md, "Gluon
+#: decode for Hopper"); a missing key means the tl kernel.
 PICK = {
     (9, 0): {},
 }
+
+#: launch shapes the GPU tests run (tests/attention/test_decode_gluon.py); PICK uses only these
+TESTED_SHAPES = ("4:0:3", "4:16:2", "8:16:3", "8:16:2", "8:32:3")
 
 #: DSV41_DECODE_KERNEL=tl|gluon|auto overrides the pick (benchmarks, tests)
 ENV = "DSV41_DECODE_KERNEL"
@@ -44,6 +49,10 @@ def heads_bucket(H: int) -> int:
     return 8 if H <= 8 else 16 if H <= 16 else 64 if H <= 64 else 128
 
 
+def tokens_bucket(T: int) -> int:
+    return 32 if T <= 32 else 128 if T <= 128 else 1 << 30
+
+
 def usable(q: torch.Tensor, a, b) -> bool:
     """True when the Gluon kernel can run these (validated) arguments on this machine."""
     if not AVAILABLE or q.device.type != "cuda" or is_interpreter():
@@ -60,15 +69,21 @@ def usable(q: torch.Tensor, a, b) -> bool:
     return a.src in (584, 528)
 
 
+def table_shape(T: int, H: int, a, b, device: torch.device) -> Optional[str]:
+    """The ``PICK`` entry for these shapes (a launch shape string) or None."""
+    table = PICK.get(_cap(device), {})
+    return table.get((heads_bucket(H), a.src, b.src if b is not None else 0, tokens_bucket(T)))
+
+
 def pick(T: int, H: int, a, b, device: torch.device) -> bool:
-    """Whether the auto path should take the Gluon kernel (``PICK`` by measured shapes)."""
+    """Whether the auto path should take the Gluon kernel (``PICK``; ``DSV41_DECODE_KERNEL``
+    overrides)."""
     mode = os.environ.get(ENV, "auto")
     if mode == "tl":
         return False
     if mode == "gluon":
         return True
-    table = PICK.get(_cap(device), {})
-    return bool(table.get((heads_bucket(H), a.src, b.src if b is not None else 0), False))
+    return table_shape(T, H, a, b, device) is not None
 
 
 #: launch-shape override for benchmarks: keys block_h, num_warps, stages (None = default);
@@ -118,11 +133,14 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
     if T == 0 or H == 0:
         return
     width = a.indices.shape[1] + (b.indices.shape[1] if b is not None else 0)
-    over = OVERRIDE or parse_shape(os.environ.get("DSV41_GLUON_SHAPE", ""))
+    over = (OVERRIDE or parse_shape(os.environ.get("DSV41_GLUON_SHAPE", ""))
+            or parse_shape(table_shape(T, H, a, b, q.device) or ""))
     nw = num_warps or over.get("num_warps") or 4
     stages = stages or over.get("stages") or 3
     bh, ns = default_shape(T, H, width, _sms(q.device), nw)
     bh = block_h or over.get("block_h") or bh
+    if nw == 8:
+        bh = max(bh, 16)  # two warpgroups split the heads: at least 8 each
     ns = num_splits or ns
     n_ht = cdiv(H, bh)
     bb = b if b is not None else a
@@ -166,4 +184,5 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
         )
 
 
-__all__ = ["PICK", "ENV", "usable", "pick", "launch", "default_shape", "heads_bucket"]
+__all__ = ["PICK", "ENV", "OVERRIDE", "usable", "pick", "launch", "default_shape",
+           "heads_bucket", "tokens_bucket", "table_shape", "parse_shape", "TESTED_SHAPES"]
