@@ -22,7 +22,13 @@ from . import AVAILABLE, REASON
 #: kernel measured faster than the tl kernel on the H200 are listed (perf/NOTES.md, "Gluon
 #: decode for Hopper"); a missing key means the tl kernel.
 PICK = {
-    (9, 0): {},
+    # H200, triton 3.6, 2026-12-01 (CUDA graph, L2 flushed, median of 30; tl in the same run):
+    # 8 heads 584+584 T=1 / 32: 15.5 / 23.5 vs 15.9 / 25.4 us; T=128 41.9 vs 41.8 (tie: tl);
+    # 8 heads 528+288 T=128: 49.2 vs 68.7 us. Everything else measured slower or untimed.
+    (9, 0): {
+        (8, 584, 584, 32): "4:0:3",
+        (8, 528, 288, 128): "4:0:3",
+    },
 }
 
 #: launch shapes the GPU tests run (tests/attention/test_decode_gluon.py); PICK uses only these
