@@ -71,13 +71,25 @@ def resource_usage(k) -> str:
         os.unlink(path)
 
 
+def summary(src_a: int, src_b: int, bh: int, split: bool, nw: int = 4) -> dict:
+    """Facts of one compile: wgmma / cp.async present in the PTX, shared memory, registers."""
+    k = compile_decode(src_a, src_b, bh, split, nw=nw)
+    ptx = k.asm["ptx"]
+    regs = [ln.split("REG:")[1].split()[0] for ln in resource_usage(k).splitlines() if "REG:" in ln]
+    return {"wgmma": "wgmma.mma_async" in ptx, "cp_async": "cp.async" in ptx,
+            "shared": int(k.metadata.shared), "regs": int(regs[0]) if regs else -1}
+
+
 if __name__ == "__main__":
+    # python -m dsv41_triton.attention.gluon.compile_check SRC_A SRC_B BH SPLIT NW -> JSON line
+    # (run with TRITON_INTERPRET unset: the interpreter replaces the functions Gluon calls)
+    import json
+    if len(sys.argv) == 6:
+        a, b, bh, sp, nw = (int(x) for x in sys.argv[1:])
+        print(json.dumps(summary(a, b, bh, bool(sp), nw)))
+        sys.exit(0)
     combos = [(584, 584), (528, 288), (584, 288), (528, 528), (584, 528), (528, 584)]
     for a, b in combos:
         for bh in (8, 16, 32):
             for split in (False, True):
-                k = compile_decode(a, b, bh, split)
-                ru = [ln.strip() for ln in resource_usage(k).splitlines() if "REG" in ln]
-                print(a, b, bh, split, ru, "smem", k.metadata.shared, flush=True)
-                if "-q" in sys.argv:
-                    break
+                print(a, b, bh, split, summary(a, b, bh, split), flush=True)

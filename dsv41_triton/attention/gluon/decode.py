@@ -1,19 +1,20 @@
-"""Sparse MLA decode for Hopper in Gluon: the contract of ``sparse_mla_decode`` (SPEC §3, §4, §6).
+"""Sparse MLA decode for Hopper in Gluon: ``sparse_mla_decode``'s contract (SPEC §3, §4, §6).
 
-One CTA (one warpgroup, 4 warps) owns ``BH`` heads of one query token and one key split; it
+One CTA (one warpgroup, or two with ``NW = 8``) owns ``BH`` heads of one query token and one
+key split; it
 walks the window keys then the extra keys of its split in blocks of ``BN = 64`` keys through one
 online softmax. Per block:
 
 1. **gather** (issued ``NS - 1`` blocks ahead): the block's slot ids (loaded one more block
    ahead, into registers) become byte offsets of each key's data and scale rows; ``cp.async``
-   copies the raw record bytes into stage ``k % NS`` of a shared ring: eight ``[64, 64]`` byte
-   tiles (one per 64 dims; 288 records fill 32 bytes of each), the scale row (8/16/32 bytes)
+   copies the raw record bytes into stage ``k % NS`` of a shared ring: ``[64, 64]`` byte tiles,
+   each its own allocation (one per 64 dims; 288 records use four), the scale row (8/16/32 bytes)
    and, for 584 records, the raw bf16 RoPE tail straight into a ``[64, 64]`` bf16 wgmma tile.
    Invalid keys (``< 0``, past ``rows``, past ``len``) copy nothing (zero fill) and are marked
    ``-1`` in the stage's index row.
-2. **dequant**: each byte tile becomes exact bf16 in registers (e4m3 or e2m1 bits moved into
-   bf16 fields, two ``mul.rn.bf16x2``: the exponent bias and the group scale) and is stored to
-   the bf16 key tile (NVMMA-swizzled shared memory).
+2. **dequant**: each byte tile becomes exact bf16 in registers (e4m3 bits moved into bf16 fields
+   and two ``mul.rn.bf16x2``: the exponent bias and the scale; e2m1 through ``prmt`` byte tables
+   and one multiply by the scale) and is stored to its bf16 key tile (NVMMA-swizzled).
 3. **swap-AB wgmma**: keys are the MMA's M (64), heads its N (``BH`` = 8/16/32):
    ``S^T [64, BH] = K [64, 512] · Q^T`` (Q resident in shared memory), softmax along M,
    ``O^T_g [64, BH] += K_g^T · P^T`` for each 64-dim group ``g`` (K read transposed from the
@@ -170,12 +171,14 @@ def _copy_keys(base, idx, bstride, page, s, r0, r1, r2, r3, r4, r5, r6, r7, rope
         # 256 data bytes = four [64, 64] byte tiles (two 64-dim groups each)
         for g in gl.static_range(4):
             p = base + (data_off + g * 64)[:, None] + c16[None, :]
-            cp.async_copy_global_to_shared(_pick(g, r0, r1, r2, r3, r4, r5, r6, r7).index(s), p, mask=vm)
+            dst = _pick(g, r0, r1, r2, r3, r4, r5, r6, r7).index(s)
+            cp.async_copy_global_to_shared(dst, p, mask=vm)
     else:
         NG: gl.constexpr = 7 if SRC == 584 else 8
         for g in gl.static_range(NG):
             p = base + (data_off + g * 64)[:, None] + c16[None, :]
-            cp.async_copy_global_to_shared(_pick(g, r0, r1, r2, r3, r4, r5, r6, r7).index(s), p, mask=vm)
+            dst = _pick(g, r0, r1, r2, r3, r4, r5, r6, r7).index(s)
+            cp.async_copy_global_to_shared(dst, p, mask=vm)
         if SRC == 584:
             # the raw bf16 RoPE tail (bytes 448..575) goes straight into its wgmma tile
             rp = (base + (data_off + 448)).to(gl.pointer_type(gl.bfloat16))
@@ -406,7 +409,8 @@ def _sparse_mla_decode_gluon_kernel(
                      b_rows, HAS_B, LI)
     for i in gl.static_range(NS - 1):
         _issue(i, nidx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
-               r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, SRC_A, SRC_B, HAS_B, NS, NW)
+               r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, SRC_A, SRC_B,
+               HAS_B, NS, NW)
         nidx = _load_idx(i + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b,
                          hi_b, b_rows, HAS_B, LI)
     fence_async_shared()
@@ -427,7 +431,8 @@ def _sparse_mla_decode_gluon_kernel(
     for j in range(nblk):
         kn = j + NS - 1
         _issue(kn, nidx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
-               r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, SRC_A, SRC_B, HAS_B, NS, NW)
+               r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, SRC_A, SRC_B,
+               HAS_B, NS, NW)
         nidx = _load_idx(kn + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b,
                          hi_b, b_rows, HAS_B, LI)
         cp.wait_group(NS - 1)
@@ -437,11 +442,14 @@ def _sparse_mla_decode_gluon_kernel(
         scale_s = scale_ring.index(s)
         if HAS_B and SRC_A != SRC_B:
             if j < nblk_a:
-                _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3, k4, k5, k6, SRC_A, NW)
+                _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3, k4,
+                         k5, k6, SRC_A, NW)
             else:
-                _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3, k4, k5, k6, SRC_B, NW)
+                _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3, k4,
+                         k5, k6, SRC_B, NW)
         else:
-            _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3, k4, k5, k6, SRC_A, NW)
+            _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3, k4,
+                         k5, k6, SRC_A, NW)
         fence_async_shared()
         gl.thread_barrier()
 
