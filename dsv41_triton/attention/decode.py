@@ -47,6 +47,7 @@ def sparse_mla_decode(
     out: Optional[torch.Tensor] = None,
     *,
     _config: Optional[KernelConfig] = None,
+    _kernel: Optional[str] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA decode with a sink over one or two paged caches.
 
@@ -61,6 +62,10 @@ def sparse_mla_decode(
         attn_sink: ``[H]`` fp32 or None; ``-inf`` = no sink.
         softmax_scale: default ``512 ** -0.5``.
         out: optional ``[T, H, 512]`` bf16 output (any strides, last dim contiguous).
+
+    ``_kernel``: ``"tl"`` or ``"gluon"`` forces a kernel family (``"gluon"`` raises
+    ``ValueError`` where it cannot run); None picks: the Gluon Hopper kernel
+    (``attention/gluon``) on sm_90 for the shapes where it measured faster, else ``tl``.
 
     Returns:
         ``(out [T, H, 512] bf16, lse [T, H] fp32)``; ``lse`` is the natural log-sum-exp of the
@@ -81,8 +86,22 @@ def sparse_mla_decode(
     check_same_device(q=q, swa_cache=swa_cache, swa_indices=swa_indices, swa_lens=swa_lens,
                       extra_cache=extra_cache, extra_indices=extra_indices,
                       extra_lens=extra_lens, attn_sink=attn_sink, out=out)
+    if _kernel not in (None, "tl", "gluon"):
+        raise ValueError(f"_kernel: expected None, 'tl' or 'gluon', got {_kernel!r}")
+    use_gluon = False
+    if _config is None and _kernel != "tl":
+        from .gluon import launch as gluon_launch
+        ok = gluon_launch.usable(q, a, b)
+        if _kernel == "gluon" and not ok:
+            raise ValueError("_kernel: 'gluon' needs an sm_90 GPU, a Triton with Gluon and "
+                             "16-byte aligned caches/block strides")
+        use_gluon = ok and (_kernel == "gluon" or gluon_launch.pick(q.shape[0], q.shape[1], a,
+                                                                      b, q.device))
     out, lse = new_outputs(q, out)
-    launch(q, a, b, attn_sink, scale, out, lse, _config)
+    if use_gluon:
+        gluon_launch.launch(q, a, b, attn_sink, scale, out, lse)
+    else:
+        launch(q, a, b, attn_sink, scale, out, lse, _config)
     return out, lse
 
 

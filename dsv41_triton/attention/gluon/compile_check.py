@@ -1,0 +1,95 @@
+"""Compile the Gluon decode kernel for an sm_90 target without a GPU (``triton.compile``).
+
+``compile_decode(SRC_A, SRC_B, BH, ...)`` returns the compiled kernel (``.asm['sass'|'ptx']``,
+``.n_regs`` is unset without a driver: read registers with ``cuobjdump`` from ``.asm['cubin']``).
+Used by the CPU compile-only test and by ``python -m dsv41_triton.attention.gluon.compile_check``.
+"""
+from __future__ import annotations
+
+import sys
+
+
+def _signature(idx_dtype: str = "i32"):
+    sig = {}
+    ptr16 = []
+    names = [
+        ("q_ptr", "*bf16"), ("stride_qt", "i64"), ("stride_qh", "i64"),
+        ("a_ptr", "*u8"), ("a_idx_ptr", f"*{idx_dtype}"), ("a_idx_st", "i64"),
+        ("a_len_ptr", "*i32"), ("a_len_st", "i64"), ("a_width", "i32"), ("a_bstride", "i64"),
+        ("a_page", "i32"), ("a_rows", "i32"),
+        ("b_ptr", "*u8"), ("b_idx_ptr", f"*{idx_dtype}"), ("b_idx_st", "i64"),
+        ("b_len_ptr", "*i32"), ("b_len_st", "i64"), ("b_width", "i32"), ("b_bstride", "i64"),
+        ("b_page", "i32"), ("b_rows", "i32"),
+        ("sink_ptr", "*fp32"), ("sink_st", "i64"),
+        ("out_ptr", "*bf16"), ("stride_ot", "i64"), ("stride_oh", "i64"),
+        ("lse_ptr", "*fp32"), ("stride_lt", "i64"), ("stride_lh", "i64"),
+        ("po_ptr", "*fp32"), ("pl_ptr", "*fp32"),
+        ("H", "i32"), ("qk_scale", "fp32"), ("num_splits", "i32"), ("num_ht", "i32"),
+    ]
+    for i, (n, ty) in enumerate(names):
+        sig[n] = ty
+        if ty.startswith("*") or n in ("a_bstride", "b_bstride", "stride_qt", "stride_qh"):
+            ptr16.append(i)
+    return sig, ptr16
+
+
+def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool = False,
+                   has_b: bool = True, ns: int = 3, arch: int = 90, nw: int = 4):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from .decode import _sparse_mla_decode_gluon_kernel as kern
+
+    sig, ptr16 = _signature()
+    consts = dict(SRC_A=src_a, SRC_B=src_b, HAS_B=has_b, HAS_LEN_A=True, HAS_LEN_B=True,
+                  HAS_SINK=True, SPLIT=split, BH=bh, NS=ns, NW=nw)
+    for k, v in consts.items():
+        sig[k] = "constexpr"
+    attrs = {(i,): [["tt.divisibility", 16]] for i in ptr16}
+    src = GluonASTSource(kern, sig, constexprs={(list(sig).index(k),): v
+                                                for k, v in consts.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=nw))
+
+
+def resource_usage(k) -> str:
+    """``cuobjdump --dump-resource-usage`` of a compiled kernel's cubin (registers, smem)."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+        path = f.name
+    try:
+        return subprocess.run([tool, "--dump-resource-usage", path], capture_output=True,
+                              text=True).stdout
+    finally:
+        os.unlink(path)
+
+
+def summary(src_a: int, src_b: int, bh: int, split: bool, nw: int = 4) -> dict:
+    """Facts of one compile: wgmma / cp.async present in the PTX, shared memory, registers."""
+    k = compile_decode(src_a, src_b, bh, split, nw=nw)
+    ptx = k.asm["ptx"]
+    regs = [ln.split("REG:")[1].split()[0] for ln in resource_usage(k).splitlines() if "REG:" in ln]
+    return {"wgmma": "wgmma.mma_async" in ptx, "cp_async": "cp.async" in ptx,
+            "shared": int(k.metadata.shared), "regs": int(regs[0]) if regs else -1}
+
+
+if __name__ == "__main__":
+    # python -m dsv41_triton.attention.gluon.compile_check SRC_A SRC_B BH SPLIT NW -> JSON line
+    # (run with TRITON_INTERPRET unset: the interpreter replaces the functions Gluon calls)
+    import json
+    if len(sys.argv) == 6:
+        a, b, bh, sp, nw = (int(x) for x in sys.argv[1:])
+        print(json.dumps(summary(a, b, bh, bool(sp), nw)))
+        sys.exit(0)
+    combos = [(584, 584), (528, 288), (584, 288), (528, 528), (584, 528), (528, 584)]
+    for a, b in combos:
+        for bh in (8, 16, 32):
+            for split in (False, True):
+                print(a, b, bh, split, summary(a, b, bh, split), flush=True)

@@ -1,0 +1,534 @@
+"""Sparse MLA decode for Hopper in Gluon: ``sparse_mla_decode``'s contract (SPEC §3, §4, §6).
+
+One CTA (one warpgroup, or two with ``NW = 8``) owns ``BH`` heads of one query token and one
+key split; it
+walks the window keys then the extra keys of its split in blocks of ``BN = 64`` keys through one
+online softmax. Per block:
+
+1. **gather** (issued ``NS - 1`` blocks ahead): the block's slot ids (loaded one more block
+   ahead, into registers) become byte offsets of each key's data and scale rows; ``cp.async``
+   copies the raw record bytes into stage ``k % NS`` of a shared ring: ``[64, 64]`` byte tiles,
+   each its own allocation (one per 64 dims; 288 records use four), the scale row (8/16/32 bytes)
+   and, for 584 records, the raw bf16 RoPE tail straight into a ``[64, 64]`` bf16 wgmma tile.
+   Invalid keys (``< 0``, past ``rows``, past ``len``) copy nothing (zero fill) and are marked
+   ``-1`` in the stage's index row.
+2. **dequant**: each byte tile becomes exact bf16 in registers (e4m3 bits moved into bf16 fields
+   and two ``mul.rn.bf16x2``: the exponent bias and the scale; e2m1 through ``prmt`` byte tables
+   and one multiply by the scale) and is stored to its bf16 key tile (NVMMA-swizzled).
+3. **swap-AB wgmma**: keys are the MMA's M (64), heads its N (``BH`` = 8/16/32):
+   ``S^T [64, BH] = K [64, 512] · Q^T`` (Q resident in shared memory), softmax along M,
+   ``O^T_g [64, BH] += K_g^T · P^T`` for each 64-dim group ``g`` (K read transposed from the
+   same tile), so few heads do not pay for 64 MMA rows.
+
+Splits write normalized fp32 partials and their log2-sum-exp, combined (with the sink) by the
+``tl`` merge kernel. No host sync, fixed launch shapes: CUDA-graph safe.
+"""
+from __future__ import annotations
+
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+
+#: keys per block (the wgmma M of the swap-AB products)
+BN = 64
+#: record width -> (data bytes, scale bytes)
+SRC_BYTES = {584: (576, 8), 528: (512, 16), 288: (256, 32)}
+
+LOG2E = gl.constexpr(1.4426950408889634)
+
+# e4m3 byte pair -> bf16x2 with the e4m3 value * 2**-120 (sign at bit 15, exponent+mantissa at
+# bits 4..10 of each lane), then * 2**120 and * the scale: both multiplies are exact.
+_E4M3_ASM = gl.constexpr("""{
+.reg .b32 t0, t1, u0, u1, z, c;
+mov.b32 z, 0;
+mov.b32 c, 0x7B807B80;
+prmt.b32 t0, $2, z, 0x1404;
+prmt.b32 t1, $2, z, 0x3424;
+shr.b32 u0, t0, 4;
+shr.b32 u1, t1, 4;
+and.b32 u0, u0, 0x07F007F0;
+and.b32 u1, u1, 0x07F007F0;
+and.b32 t0, t0, 0x80008000;
+and.b32 t1, t1, 0x80008000;
+or.b32 t0, t0, u0;
+or.b32 t1, t1, u1;
+mul.rn.bf16x2 t0, t0, c;
+mul.rn.bf16x2 t1, t1, c;
+mul.rn.bf16x2 $0, t0, $3;
+mul.rn.bf16x2 $1, t1, $4;
+}""")
+
+# four e2m1 bytes -> two results of four bf16 each: the low-nibble elements (even dims) and the
+# high-nibble ones (odd dims) of bytes 0..3, each * its scale. The magnitude codes index byte
+# tables of the bf16 values {0, .5, 1, 1.5, 2, 3, 4, 6} through prmt; the sign is bit 3 of the
+# nibble.
+_E2M1_ASM = gl.constexpr("""{
+.reg .b32 w, x, y, sl, sh, hl, ll, hh, lh, sg, z, t0, t1, t2, t3;
+mov.b32 w, $4;
+mov.b32 z, 0;
+mov.b32 t0, 0x3F3F3F00;
+mov.b32 t1, 0x40404040;
+mov.b32 t2, 0xC0800000;
+mov.b32 t3, 0xC0804000;
+and.b32 x, w, 0x07070707;
+shr.b32 y, x, 4;
+or.b32 x, x, y;
+prmt.b32 sl, x, z, 0x0020;
+shr.b32 x, w, 4;
+and.b32 x, x, 0x07070707;
+shr.b32 y, x, 4;
+or.b32 x, x, y;
+prmt.b32 sh, x, z, 0x0020;
+prmt.b32 hl, t0, t1, sl;
+prmt.b32 ll, t2, t3, sl;
+prmt.b32 hh, t0, t1, sh;
+prmt.b32 lh, t2, t3, sh;
+and.b32 x, w, 0x08080808;
+prmt.b32 sg, x, z, 0x1404;
+shl.b32 sg, sg, 4;
+prmt.b32 y, ll, hl, 0x5140;
+or.b32 y, y, sg;
+mul.rn.bf16x2 $0, y, $5;
+prmt.b32 sg, x, z, 0x3424;
+shl.b32 sg, sg, 4;
+prmt.b32 y, ll, hl, 0x7362;
+or.b32 y, y, sg;
+mul.rn.bf16x2 $1, y, $6;
+and.b32 x, w, 0x80808080;
+prmt.b32 sg, x, z, 0x1404;
+prmt.b32 y, lh, hh, 0x5140;
+or.b32 y, y, sg;
+mul.rn.bf16x2 $2, y, $5;
+prmt.b32 sg, x, z, 0x3424;
+prmt.b32 y, lh, hh, 0x7362;
+or.b32 y, y, sg;
+mul.rn.bf16x2 $3, y, $6;
+}""")
+
+
+# ------------------------------------------------------------------------------------------
+# layouts
+# ------------------------------------------------------------------------------------------
+@gluon.constexpr_function
+def _copy_layout(vec, nw):
+    """[64, w] copy tiles: ``vec`` elements (16 or 8 bytes) per thread, 4 threads per row,
+    ``nw`` warps along the keys."""
+    return gl.BlockedLayout([1, vec], [8, 4], [nw, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _acc_layout(bh, nw):
+    """wgmma accumulator ``[64, bh]``: one warpgroup per ``bh * 4 / nw`` heads."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, nw // 4],
+                                     instr_shape=[16, bh * 4 // nw, 16])
+
+
+# ------------------------------------------------------------------------------------------
+# device helpers
+# ------------------------------------------------------------------------------------------
+@gluon.jit
+def _load_idx(k, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b, hi_b, b_rows,
+              HAS_B: gl.constexpr, L: gl.constexpr):
+    """Slot ids of block ``k`` ([BN] int32 in ``L``), ``-1`` where a key is not read."""
+    r = gl.arange(0, 64, layout=L)
+    in_a = k < nblk_a
+    ca = lo_a + k * 64 + r
+    ma = (ca < hi_a) & in_a
+    ia = gl.load(a_idx_row + ca, mask=ma, other=-1).to(gl.int32)
+    ok = ma & (ia >= 0) & (ia < a_rows)
+    idx = gl.where(ok, ia, -1)
+    if HAS_B:
+        cb = lo_b + (k - nblk_a) * 64 + r
+        mb = (cb < hi_b) & (k >= nblk_a) & (k < nblk)
+        ib = gl.load(b_idx_row + cb, mask=mb, other=-1).to(gl.int32)
+        okb = mb & (ib >= 0) & (ib < b_rows)
+        idx = gl.where(okb, ib, idx)
+    return idx
+
+
+@gluon.jit
+def _copy_keys(base, idx, bstride, page, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s,
+               SRC: gl.constexpr, NW: gl.constexpr):
+    """cp.async the records of one block (slot ids ``idx``, -1 = none) into one ring stage."""
+    DATA: gl.constexpr = 576 if SRC == 584 else (512 if SRC == 528 else 256)
+    SB: gl.constexpr = 8 if SRC == 584 else (16 if SRC == 528 else 32)
+    L16: gl.constexpr = _copy_layout(16, NW)
+    valid = idx >= 0
+    slot = gl.where(valid, idx, 0)
+    blk = slot // page
+    off = slot - blk * page
+    bbase = blk.to(gl.int64) * bstride
+    data_off = gl.multiple_of(bbase + off.to(gl.int64) * DATA, 16)
+    scale_off = gl.multiple_of(bbase + page.to(gl.int64) * DATA + off.to(gl.int64) * SB, 8)
+
+    c16 = gl.arange(0, 64, layout=gl.SliceLayout(0, L16))
+    vm = valid[:, None]
+    if SRC == 288:
+        # 256 data bytes = four [64, 64] byte tiles (two 64-dim groups each)
+        for g in gl.static_range(4):
+            p = base + (data_off + g * 64)[:, None] + c16[None, :]
+            dst = _pick(g, r0, r1, r2, r3, r4, r5, r6, r7).index(s)
+            cp.async_copy_global_to_shared(dst, p, mask=vm)
+    else:
+        NG: gl.constexpr = 7 if SRC == 584 else 8
+        for g in gl.static_range(NG):
+            p = base + (data_off + g * 64)[:, None] + c16[None, :]
+            dst = _pick(g, r0, r1, r2, r3, r4, r5, r6, r7).index(s)
+            cp.async_copy_global_to_shared(dst, p, mask=vm)
+        if SRC == 584:
+            # the raw bf16 RoPE tail (bytes 448..575) goes straight into its wgmma tile
+            rp = (base + (data_off + 448)).to(gl.pointer_type(gl.bfloat16))
+            cp.async_copy_global_to_shared(rope_s, rp[:, None] + c16[None, :], mask=vm)
+    sp = base + scale_off[:, None] + c16[None, :]
+    cp.async_copy_global_to_shared(scale_s, sp, mask=vm & (c16 < SB)[None, :])
+
+
+@gluon.jit
+def _issue(k, idx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
+           r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring,
+           SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr, NS: gl.constexpr,
+           NW: gl.constexpr):
+    """Start the gathers of block ``k`` into stage ``k % NS`` (one cp.async group, maybe empty)."""
+    s = k % NS
+    idx_ring.index(s).store(idx)
+    if k < nblk_a:
+        _copy_keys(a_ptr, idx, a_bstride, a_page, s, r0, r1, r2, r3, r4, r5, r6, r7,
+                   rope_ring.index(s), scale_ring.index(s), SRC_A, NW)
+    else:
+        if HAS_B:
+            if k < nblk:
+                _copy_keys(b_ptr, idx, b_bstride, b_page, s, r0, r1, r2, r3, r4, r5, r6, r7,
+                           rope_ring.index(s), scale_ring.index(s), SRC_B, NW)
+    cp.commit_group()
+
+
+@gluon.jit
+def _ue8m0_bf16(b):
+    """UE8M0 byte tensor -> bf16 ``2**(b - 127)`` (byte 0 -> 0)."""
+    return (b.to(gl.int32) << 23).to(gl.float32, bitcast=True).to(gl.bfloat16)
+
+
+@gluon.jit
+def _e4m3_bf16(b):
+    """e4m3 byte tensor -> its bf16 value (exact)."""
+    bi = b.to(gl.int32)
+    bits = ((bi & 0x7F) << 20) | ((bi & 0x80) << 24)
+    return (bits.to(gl.float32, bitcast=True) * 1.329227995784916e36).to(gl.bfloat16)
+
+
+@gluon.jit
+def _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3, k4, k5, k6,
+             SRC: gl.constexpr, NW: gl.constexpr):
+    """Raw bytes of one stage -> bf16 key tiles: groups 0..6 into ``k0..k6``, group 7 into
+    ``rope_s`` (for 584 records cp.async already put the raw bf16 tail there)."""
+    L16: gl.constexpr = _copy_layout(16, NW)
+    if SRC == 288:
+        # a thread's 8 bytes are the 16 dims of one e4m3 scale: viewed as [64 keys, 4 scale
+        # groups, 8 bytes] the scale broadcasts (no per-element selects)
+        L8: gl.constexpr = _copy_layout(8, NW)
+        for g in gl.static_range(8):
+            tile = _pick(g // 2, r0, r1, r2, r3, r4, r5, r6, r7).index(s)
+            raw = gl.reshape(tile.slice((g % 2) * 32, 32, dim=1).load(L8), [64, 4, 8])
+            sb = scale_s.slice(4 * g, 4, dim=1).load(gl.SliceLayout(2, raw.type.layout))
+            sc = gl.broadcast(gl.expand_dims(_e4m3_bf16(sb), 2), raw)[0]
+            lo, hi = gl.inline_asm_elementwise(_E2M1_ASM, "=r,=r,=r,=r,r,r,r", [raw, sc],
+                                               dtype=(gl.bfloat16, gl.bfloat16), is_pure=True,
+                                               pack=4)
+            x = gl.convert_layout(gl.reshape(gl.join(lo, hi), [64, 64]), L16)
+            _put(x, g, k0, k1, k2, k3, k4, k5, k6, rope_s)
+    else:
+        NG: gl.constexpr = 7 if SRC == 584 else 8
+        for g in gl.static_range(NG):
+            raw = _pick(g, r0, r1, r2, r3, r4, r5, r6, r7).index(s).load(L16)
+            if SRC == 584:
+                sc = _ue8m0_bf16(scale_s.slice(g, 1, dim=1).load(L16))
+                sc = gl.broadcast(sc, raw)[0]
+                x = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r,r,r", [raw, sc],
+                                              dtype=gl.bfloat16, is_pure=True, pack=4)
+            else:
+                # 528: two scales per 64 dims; a thread's 16 bytes lie in one half
+                raw3 = gl.reshape(raw, [64, 2, 32])
+                sb = scale_s.slice(2 * g, 2, dim=1).load(gl.SliceLayout(2, raw3.type.layout))
+                sc = gl.broadcast(gl.expand_dims(_ue8m0_bf16(sb), 2), raw3)[0]
+                x = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r,r,r", [raw3, sc],
+                                              dtype=gl.bfloat16, is_pure=True, pack=4)
+                x = gl.convert_layout(gl.reshape(x, [64, 64]), L16)
+            _put(x, g, k0, k1, k2, k3, k4, k5, k6, rope_s)
+
+
+@gluon.jit
+def _pick(g: gl.constexpr, t0, t1, t2, t3, t4, t5, t6, t7):
+    """Tile ``g`` of eight separate allocations (a compile-time choice)."""
+    if g == 0:
+        return t0
+    elif g == 1:
+        return t1
+    elif g == 2:
+        return t2
+    elif g == 3:
+        return t3
+    elif g == 4:
+        return t4
+    elif g == 5:
+        return t5
+    elif g == 6:
+        return t6
+    else:
+        return t7
+
+
+@gluon.jit
+def _put(x, g: gl.constexpr, k0, k1, k2, k3, k4, k5, k6, k7):
+    """Store ``x`` into tile ``g`` (separate allocations: no false write-after-write barriers)."""
+    if g == 0:
+        k0.store(x)
+    elif g == 1:
+        k1.store(x)
+    elif g == 2:
+        k2.store(x)
+    elif g == 3:
+        k3.store(x)
+    elif g == 4:
+        k4.store(x)
+    elif g == 5:
+        k5.store(x)
+    elif g == 6:
+        k6.store(x)
+    else:
+        k7.store(x)
+
+
+@gluon.jit
+def _store_out(orow_ptr, d0, acc, inv, hmask, ACC: gl.constexpr, TO_BF16: gl.constexpr):
+    """``acc [64 dims, BH] * inv[BH]`` -> rows ``orow_ptr[h] + d0 + d``."""
+    d = d0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))
+    v = acc * inv[None, :]
+    if TO_BF16:
+        v = v.to(gl.bfloat16)
+    gl.store(orow_ptr[None, :] + d[:, None], v, mask=hmask[None, :])
+
+
+@gluon.jit
+def _sparse_mla_decode_gluon_kernel(
+    q_ptr, stride_qt, stride_qh,
+    a_ptr, a_idx_ptr, a_idx_st, a_len_ptr, a_len_st, a_width, a_bstride, a_page, a_rows,
+    b_ptr, b_idx_ptr, b_idx_st, b_len_ptr, b_len_st, b_width, b_bstride, b_page, b_rows,
+    sink_ptr, sink_st,
+    out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
+    po_ptr, pl_ptr,
+    H, qk_scale, num_splits, num_ht,
+    SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
+    HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, HAS_SINK: gl.constexpr,
+    SPLIT: gl.constexpr, BH: gl.constexpr, NS: gl.constexpr, NW: gl.constexpr,
+):
+    """Grid ``T * num_splits * num_ht`` (head tile fastest, then split, then token); ``NW``
+    warps (4 or 8: with 8, two warpgroups split the copies and the dequant by keys and the
+    heads of the tile in the products; ``BH >= 16``).
+    Arguments as the ``tl`` decode kernel's (``_sparse_mla_fwd_grouped_kernel``)."""
+    ACC: gl.constexpr = _acc_layout(BH, NW)
+    L16: gl.constexpr = _copy_layout(16, NW)
+    LI: gl.constexpr = gl.SliceLayout(1, L16)
+    LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+    PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    PLAIN1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, 64], gl.bfloat16)
+
+    pid = gl.program_id(0)
+    ht = pid % num_ht
+    rest = pid // num_ht
+    split = rest % num_splits
+    t = (rest // num_splits).to(gl.int64)
+
+    # ---- shared memory ----------------------------------------------------------------
+    r0 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
+    r1 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
+    r2 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
+    r3 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
+    r4 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
+    r5 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
+    r6 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
+    r7 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
+    rope_ring = gl.allocate_shared_memory(gl.bfloat16, [NS, 64, 64], KL)
+    scale_ring = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
+    idx_ring = gl.allocate_shared_memory(gl.int32, [NS, 64], PLAIN1)
+    k0 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
+    k1 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
+    k2 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
+    k3 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
+    k4 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
+    k5 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
+    k6 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [8, BH, 64], QL)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], QL)
+
+    # ---- this program's column ranges ---------------------------------------------------
+    if HAS_LEN_A:
+        len_a = gl.load(a_len_ptr + t * a_len_st).to(gl.int32)
+        len_a = gl.minimum(gl.maximum(len_a, 0), a_width)
+    else:
+        len_a = a_width + 0
+    len_b = len_a * 0
+    if HAS_B:
+        if HAS_LEN_B:
+            len_b = gl.load(b_len_ptr + t * b_len_st).to(gl.int32)
+            len_b = gl.minimum(gl.maximum(len_b, 0), b_width)
+        else:
+            len_b = len_b + b_width
+    total = len_a + len_b
+    if SPLIT:
+        chunk = gl.cdiv(gl.cdiv(total, num_splits), 64) * 64
+        lo = split * chunk
+        hi = gl.minimum(lo + chunk, total)
+    else:
+        lo = total * 0
+        hi = total
+    lo_a = gl.minimum(lo, len_a)
+    hi_a = gl.maximum(gl.minimum(hi, len_a), lo_a)
+    lo_b = gl.maximum(lo, len_a) - len_a
+    hi_b = gl.maximum(hi - len_a, lo_b)
+    nblk_a = gl.cdiv(hi_a - lo_a, 64)
+    nblk = nblk_a + gl.cdiv(hi_b - lo_b, 64)
+    a_idx_row = a_idx_ptr + t * a_idx_st
+    b_idx_row = b_idx_ptr + t * b_idx_st
+
+    # ---- Q (resident) -------------------------------------------------------------------
+    hq = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, LQ))
+    dq = gl.arange(0, 64, layout=gl.SliceLayout(0, LQ))
+    qrow = q_ptr + t * stride_qt + hq.to(gl.int64)[:, None] * stride_qh
+    for g in gl.static_range(8):
+        qg = gl.load(qrow + (g * 64 + dq)[None, :], mask=(hq < H)[:, None], other=0.0)
+        q_smem.index(g).store(qg)
+
+    # ---- prologue: NS - 1 blocks in flight ----------------------------------------------
+    nidx = _load_idx(0, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b, hi_b,
+                     b_rows, HAS_B, LI)
+    for i in gl.static_range(NS - 1):
+        _issue(i, nidx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
+               r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, SRC_A, SRC_B,
+               HAS_B, NS, NW)
+        nidx = _load_idx(i + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b,
+                         hi_b, b_rows, HAS_B, LI)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ACC))
+    zero = gl.full([64, BH], 0.0, gl.float32, layout=ACC)
+    l_part = zero  # per-thread partial sums of p, reduced once after the loop
+    o0 = zero
+    o1 = zero
+    o2 = zero
+    o3 = zero
+    o4 = zero
+    o5 = zero
+    o6 = zero
+    o7 = zero
+
+    for j in range(nblk):
+        kn = j + NS - 1
+        _issue(kn, nidx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
+               r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, SRC_A, SRC_B,
+               HAS_B, NS, NW)
+        nidx = _load_idx(kn + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b,
+                         hi_b, b_rows, HAS_B, LI)
+        cp.wait_group(NS - 1)
+        gl.thread_barrier()
+        s = j % NS
+        rope_s = rope_ring.index(s)
+        scale_s = scale_ring.index(s)
+        if HAS_B and SRC_A != SRC_B:
+            if j < nblk_a:
+                _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3, k4,
+                         k5, k6, SRC_A, NW)
+            else:
+                _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3, k4,
+                         k5, k6, SRC_B, NW)
+        else:
+            _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3, k4,
+                         k5, k6, SRC_A, NW)
+        fence_async_shared()
+        gl.thread_barrier()
+
+        # S^T = K Q^T  [64 keys, BH]
+        acc = warpgroup_mma(k0, q_smem.index(0).permute((1, 0)), zero, use_acc=False,
+                            is_async=True)
+        acc = warpgroup_mma(k1, q_smem.index(1).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(k2, q_smem.index(2).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(k3, q_smem.index(3).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(k4, q_smem.index(4).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(k5, q_smem.index(5).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(k6, q_smem.index(6).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(rope_s, q_smem.index(7).permute((1, 0)), acc, is_async=True)
+        sT = warpgroup_mma_wait(0, deps=[acc])
+
+        kidx = idx_ring.index(s).load(gl.SliceLayout(1, ACC))
+        sT = gl.where((kidx >= 0)[:, None], sT * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sT, axis=0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(sT - m_safe[None, :])
+        l_part = l_part * alpha[None, :] + p
+        m_i = m_new
+        p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
+        fence_async_shared()
+        gl.thread_barrier()
+
+        # O^T_g = O^T_g * alpha + K_g^T P^T
+        pT = p_smem.permute((1, 0))
+        o0 = warpgroup_mma(k0.permute((1, 0)), pT, o0 * alpha[None, :],
+                           is_async=True)
+        o1 = warpgroup_mma(k1.permute((1, 0)), pT, o1 * alpha[None, :],
+                           is_async=True)
+        o2 = warpgroup_mma(k2.permute((1, 0)), pT, o2 * alpha[None, :],
+                           is_async=True)
+        o3 = warpgroup_mma(k3.permute((1, 0)), pT, o3 * alpha[None, :],
+                           is_async=True)
+        o4 = warpgroup_mma(k4.permute((1, 0)), pT, o4 * alpha[None, :],
+                           is_async=True)
+        o5 = warpgroup_mma(k5.permute((1, 0)), pT, o5 * alpha[None, :],
+                           is_async=True)
+        o6 = warpgroup_mma(k6.permute((1, 0)), pT, o6 * alpha[None, :],
+                           is_async=True)
+        o7 = warpgroup_mma(rope_s.permute((1, 0)), pT, o7 * alpha[None, :], is_async=True)
+        o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(
+            0, deps=[o0, o1, o2, o3, o4, o5, o6, o7])
+        gl.thread_barrier()
+    cp.wait_group(0)
+    l_i = gl.sum(l_part, axis=0)
+
+    # ---- epilogue -----------------------------------------------------------------------
+    h = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, ACC))
+    hmask = h < H
+    h64 = h.to(gl.int64)
+    has = l_i > 0.0
+    l_safe = gl.where(has, l_i, 1.0)
+    if SPLIT:
+        inv = gl.where(has, 1.0 / l_safe, 0.0)
+        prow = (t * num_splits + split) * H + h64
+        orow = po_ptr + prow * 512
+        lse2 = gl.where(has, m_i + gl.log2(l_safe), float("-inf"))
+        gl.store(pl_ptr + prow, lse2, mask=hmask)
+        TO_BF16: gl.constexpr = False
+    else:
+        den = l_safe
+        if HAS_SINK:
+            m_safe = gl.where(has, m_i, 0.0)
+            sink = gl.load(sink_ptr + h64 * sink_st, mask=hmask, other=float("-inf"))
+            den = den + gl.exp2(sink * LOG2E - m_safe)
+        inv = gl.where(has, 1.0 / den, 0.0)
+        orow = out_ptr + t * stride_ot + h64 * stride_oh
+        lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("inf"))
+        gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
+        TO_BF16: gl.constexpr = True
+    _store_out(orow, 0, o0, inv, hmask, ACC, TO_BF16)
+    _store_out(orow, 64, o1, inv, hmask, ACC, TO_BF16)
+    _store_out(orow, 128, o2, inv, hmask, ACC, TO_BF16)
+    _store_out(orow, 192, o3, inv, hmask, ACC, TO_BF16)
+    _store_out(orow, 256, o4, inv, hmask, ACC, TO_BF16)
+    _store_out(orow, 320, o5, inv, hmask, ACC, TO_BF16)
+    _store_out(orow, 384, o6, inv, hmask, ACC, TO_BF16)
+    _store_out(orow, 448, o7, inv, hmask, ACC, TO_BF16)

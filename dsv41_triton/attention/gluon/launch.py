@@ -1,0 +1,194 @@
+"""Host side of the Gluon decode kernel: when it applies, the pick table, the launch.
+
+``usable(q, a, b)`` says whether the kernel can run these arguments (sm_90, Gluon present,
+16-byte aligned caches and block strides); ``pick(T, H, a, b, device)`` says whether it should
+(``PICK``: measured on an H200, keyed by (arch, heads bucket, records)); ``launch`` runs it on
+arguments that ``decode.py`` already validated. Importing this module never fails: without a
+usable Gluon every query answers False.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from ..._utils import HEAD_DIM, cdiv, is_interpreter, next_power_of_2
+from . import AVAILABLE, REASON
+
+#: the pick table: (major, minor) -> {(heads bucket, swa record, extra record or 0, tokens
+#: bucket): launch shape "num_warps:block_h:stages" (0 = default)}. Heads buckets: 8 (H <= 8),
+#: 16, 64, 128 (larger); tokens buckets: 32 (T <= 32), 128, 1 << 30. Only shapes where the Gluon
+#: kernel measured faster than the tl kernel on the H200 are listed (perf/NOTES.md, "Gluon
+#: decode for Hopper"); a missing key means the tl kernel.
+PICK = {
+    # H200, triton 3.6, 2026-12-01 (CUDA graph, L2 flushed, median of 30; tl in the same run):
+    # 8 heads 584+584 T=1 / 32: 15.5 / 23.5 vs 15.9 / 25.4 us; T=128 41.9 vs 41.8 (tie: tl);
+    # 8 heads 528+288 T=128: 49.2 vs 68.7 us. Everything else measured slower or untimed.
+    (9, 0): {
+        (8, 584, 584, 32): "4:0:3",
+        (8, 528, 288, 128): "4:0:3",
+    },
+}
+
+#: launch shapes the GPU tests run (tests/attention/test_decode_gluon.py); PICK uses only these
+TESTED_SHAPES = ("4:0:3", "4:16:2", "8:16:3", "8:16:2", "8:32:3")
+
+#: DSV41_DECODE_KERNEL=tl|gluon|auto overrides the pick (benchmarks, tests)
+ENV = "DSV41_DECODE_KERNEL"
+
+_SM = {}
+
+
+def _sms(device: torch.device) -> int:
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SM:
+        _SM[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SM[i]
+
+
+def _cap(device: torch.device):
+    return torch.cuda.get_device_capability(device)
+
+
+def heads_bucket(H: int) -> int:
+    return 8 if H <= 8 else 16 if H <= 16 else 64 if H <= 64 else 128
+
+
+def tokens_bucket(T: int) -> int:
+    return 32 if T <= 32 else 128 if T <= 128 else 1 << 30
+
+
+def usable(q: torch.Tensor, a, b) -> bool:
+    """True when the Gluon kernel can run these (validated) arguments on this machine."""
+    if not AVAILABLE or q.device.type != "cuda" or is_interpreter():
+        return False
+    if _cap(q.device) != (9, 0):
+        return False
+    for ks in (a, b):
+        if ks is None:
+            continue
+        if ks.src not in (584, 528, 288) or ks.k.data_ptr() % 16 or ks.bstride % 16:
+            return False
+        if ks.rows >= 2 ** 31:
+            return False
+    return a.src in (584, 528)
+
+
+def table_shape(T: int, H: int, a, b, device: torch.device) -> Optional[str]:
+    """The ``PICK`` entry for these shapes (a launch shape string) or None."""
+    table = PICK.get(_cap(device), {})
+    return table.get((heads_bucket(H), a.src, b.src if b is not None else 0, tokens_bucket(T)))
+
+
+def pick(T: int, H: int, a, b, device: torch.device) -> bool:
+    """Whether the auto path should take the Gluon kernel (``PICK``; ``DSV41_DECODE_KERNEL``
+    overrides)."""
+    mode = os.environ.get(ENV, "auto")
+    if mode == "tl":
+        return False
+    if mode == "gluon":
+        return True
+    return table_shape(T, H, a, b, device) is not None
+
+
+#: launch-shape override for benchmarks: keys block_h, num_warps, stages (None = default);
+#: DSV41_GLUON_SHAPE="num_warps:block_h:stages" (0 = default) sets it from the environment
+OVERRIDE = {}
+
+
+def parse_shape(text: str) -> dict:
+    """``"8:16:3"`` -> ``{num_warps: 8, block_h: 16, stages: 3}`` (0 or empty = default)."""
+    if not text:
+        return {}
+    nw, bh, st = (int(x) for x in text.split(":"))
+    return {k: v for k, v in (("num_warps", nw), ("block_h", bh), ("stages", st)) if v}
+
+
+def default_shape(T: int, H: int, total_width: int, sms: int, num_warps: int = 4):
+    """(block_h, num_splits): head tiles of 8/16/32 heads (at least 16 with 8 warps); splits
+    fill at most one wave of one CTA per SM (the kernel holds ~190 KB of shared memory)."""
+    bh = 8 if H <= 8 else 16 if H <= 16 else 32
+    if num_warps == 8:
+        bh = max(bh, 16)
+    progs = T * cdiv(H, bh)
+    splits = 1
+    if progs < sms:
+        splits = max(1, min(sms // progs, cdiv(max(total_width, 1), 64), 32))
+    return bh, splits
+
+
+#: the last launch's compiled kernel and (block_h, splits) (benchmarks read registers)
+LAST_LAUNCH = {}
+
+
+def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: float,
+           out: torch.Tensor, lse: torch.Tensor, block_h: Optional[int] = None,
+           num_splits: Optional[int] = None, stages: Optional[int] = None,
+           num_warps: Optional[int] = None) -> None:
+    """Run the Gluon decode on validated arguments (``a``/``b``: ``KeySet``s of decode.py)."""
+    if not AVAILABLE:
+        raise RuntimeError(f"gluon decode unavailable: {REASON}")
+    from .decode import _sparse_mla_decode_gluon_kernel
+    try:
+        from .._merge_kernel import _merge_kernel
+    except ImportError:
+        from .._kernels import _merge_kernel
+
+    T, H, _ = q.shape
+    if T == 0 or H == 0:
+        return
+    width = a.indices.shape[1] + (b.indices.shape[1] if b is not None else 0)
+    over = (OVERRIDE or parse_shape(os.environ.get("DSV41_GLUON_SHAPE", ""))
+            or parse_shape(table_shape(T, H, a, b, q.device) or ""))
+    nw = num_warps or over.get("num_warps") or 4
+    stages = stages or over.get("stages") or 3
+    bh, ns = default_shape(T, H, width, _sms(q.device), nw)
+    bh = block_h or over.get("block_h") or bh
+    if nw == 8:
+        bh = max(bh, 16)  # two warpgroups split the heads: at least 8 each
+    ns = num_splits or ns
+    n_ht = cdiv(H, bh)
+    bb = b if b is not None else a
+    if ns > 1:
+        po = torch.empty((T, ns, H, HEAD_DIM), dtype=torch.float32, device=q.device)
+        pl = torch.empty((T, ns, H), dtype=torch.float32, device=q.device)
+    else:
+        po = pl = lse
+    sink_arg = sink if sink is not None else lse
+    sink_st = sink.stride(0) if sink is not None else 0
+
+    def _lens(ks):
+        return (ks.lens if ks.lens is not None else ks.indices,
+                ks.lens.stride(0) if ks.lens is not None else 0)
+
+    a_len, a_len_st = _lens(a)
+    b_len, b_len_st = _lens(bb)
+    k = _sparse_mla_decode_gluon_kernel[(T * ns * n_ht,)](
+        q, q.stride(0), q.stride(1),
+        a.k, a.indices, a.indices.stride(0), a_len, a_len_st, a.indices.shape[1], a.bstride,
+        a.page, a.rows,
+        bb.k, bb.indices, bb.indices.stride(0), b_len, b_len_st, bb.indices.shape[1],
+        bb.bstride, bb.page, bb.rows,
+        sink_arg, sink_st,
+        out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1),
+        po, pl,
+        H, float(softmax_scale) * 1.4426950408889634, ns, n_ht,
+        SRC_A=a.src, SRC_B=bb.src, HAS_B=b is not None, HAS_LEN_A=a.lens is not None,
+        HAS_LEN_B=bb.lens is not None, HAS_SINK=sink is not None, SPLIT=ns > 1, BH=bh,
+        NS=stages, NW=nw, num_warps=nw,
+    )
+    LAST_LAUNCH["fwd"] = (k, (bh, ns, nw, stages))
+    if ns > 1:
+        mbh = min(16, next_power_of_2(H))
+        m_ht = cdiv(H, mbh)
+        _merge_kernel[(T * m_ht,)](
+            po, pl, sink_arg, sink_st, out, out.stride(0), out.stride(1),
+            lse, lse.stride(0), lse.stride(1), H, ns, m_ht,
+            NSP=max(2, next_power_of_2(ns)), BH=mbh,
+            HAS_SINK=sink is not None, SW=False, num_warps=4,
+        )
+
+
+__all__ = ["PICK", "ENV", "OVERRIDE", "usable", "pick", "launch", "default_shape",
+           "heads_bucket", "tokens_bucket", "table_shape", "parse_shape", "TESTED_SHAPES"]

@@ -1,0 +1,224 @@
+"""Decode on Hopper: the issue-10 table re-measured, ours (tl and Gluon) beside FlashMLA's kernel.
+
+    python perf/bench_decode_hopper.py            # the table (+ FlashMLA when flash_mla imports)
+    python perf/bench_decode_hopper.py --quick    # the four key rows
+    python perf/bench_decode_hopper.py --csv out.csv
+
+Method (issue 10): a CUDA graph of one call, a 512 MB L2 flush before every replay (outside
+the timed events), median of 30. Each query token: 128 window keys (consecutive positions in
+its own random pages) + 512 random compressed slots, pages of 64, sink on, real encoded
+records. FlashMLA 9241ae3's kernel is called directly with heads zero-padded to 64/128 and its
+scheduler metadata built once (584 records only: its SM90 kernels cannot read 528/288).
+Also printed: the bytes floor (unique key records + q + out at 4.2 TB/s) and the launch
+shape / registers of the Gluon kernel.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+try:
+    import dsv41_triton  # noqa: F401
+except ImportError:  # run from a checkout
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dsv41_triton.attention.decode import sparse_mla_decode  # noqa: E402
+from dsv41_triton.attention.gluon import launch as gluon_launch  # noqa: E402
+from dsv41_triton.attention.ref import sparse_mla_decode_ref  # noqa: E402
+from dsv41_triton.testing import max_abs_err, random_k_cache, rel_err  # noqa: E402
+
+COPY_BW = 4.249e12
+#: (heads, tokens, swa record, extra record)
+TABLE = [(8, 1, 584, 584), (8, 32, 584, 584), (8, 128, 584, 584), (8, 512, 584, 584),
+         (16, 128, 584, 584), (64, 1, 584, 584), (64, 128, 584, 584), (64, 512, 584, 584),
+         (128, 128, 584, 584), (128, 512, 584, 584), (8, 128, 528, 288), (64, 128, 528, 288)]
+QUICK = [(8, 128, 584, 584), (8, 128, 528, 288), (64, 128, 584, 584), (64, 128, 528, 288)]
+W, K, PAGE = 128, 512, 64
+
+
+def build_case(T, H, swa_rec, extra_rec, device="cuda"):
+    nb_w = T * 3 + 8  # window: 128 consecutive positions in 2-3 pages of its own
+    nb_c = max(2048, T * 8)
+    ca = random_k_cache(nb_w, PAGE, swa_rec, device)
+    cb = random_k_cache(nb_c, PAGE, extra_rec, device)
+    start = torch.randint(0, PAGE, (T,), device=device) + torch.arange(T, device=device) * 3 * PAGE
+    ia = (start[:, None] + torch.arange(W, device=device)[None, :]).to(torch.int32)
+    ib = torch.randint(0, nb_c * PAGE, (T, K), dtype=torch.int32, device=device)
+    return dict(q=torch.randn(T, H, 512, device=device).to(torch.bfloat16), swa_cache=ca,
+                swa_indices=ia, swa_lens=torch.full((T,), W, dtype=torch.int32, device=device),
+                extra_cache=cb, extra_indices=ib,
+                extra_lens=torch.full((T,), K, dtype=torch.int32, device=device),
+                attn_sink=torch.randn(H, device=device))
+
+
+def bytes_floor_us(case, swa_rec, extra_rec):
+    T, H = case["q"].shape[:2]
+    nbytes = (torch.unique(case["swa_indices"]).numel() * swa_rec
+              + torch.unique(case["extra_indices"]).numel() * extra_rec + 2 * T * H * 512 * 2)
+    return nbytes / COPY_BW * 1e6
+
+
+def time_graph(fn, reps=30):
+    """Median µs of one graph replay, a 512 MB L2 flush before each (outside the events)."""
+    flush = torch.empty(512 * 2 ** 20, dtype=torch.uint8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(reps + 3):
+        flush.zero_()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times[3:])
+
+
+def flashmla_fn(case):
+    """A zero-argument call of FlashMLA's decode kernel (None when flash_mla is missing)."""
+    try:
+        from dsv41_triton.backends._flashmla_common import (as_cache4, lens_i32, load_flashmla,
+                                                            new_sched_meta, pad_heads,
+                                                            pad_indices, pad_sink,
+                                                            padded_heads)
+        from dsv41_triton.backends.flashmla import _DECODE_TOPK_MULTIPLE
+    except Exception as e:  # noqa: BLE001
+        print(f"# FlashMLA helpers unavailable: {e}")
+        return None
+    ops, why = load_flashmla()
+    if ops is None or ops.with_kvcache is None:
+        return None
+    q = case["q"]
+    T, H, _ = q.shape
+    hp = padded_heads(H)
+    qp = pad_heads(q, hp).unsqueeze(1).contiguous()
+    idx = pad_indices(case["swa_indices"], _DECODE_TOPK_MULTIPLE).unsqueeze(1).contiguous()
+    eidx = pad_indices(case["extra_indices"], _DECODE_TOPK_MULTIPLE).unsqueeze(1).contiguous()
+    sink = pad_sink(case["attn_sink"], H, hp)
+    meta = new_sched_meta(ops.get_metadata)
+    ca, cb = as_cache4(case["swa_cache"]), as_cache4(case["extra_cache"])
+    la, lb = lens_i32(case["swa_lens"]), lens_i32(case["extra_lens"])
+
+    def fn():
+        return ops.with_kvcache(qp, ca, None, None, 512, meta, None, softmax_scale=512 ** -0.5,
+                                causal=False, is_fp8_kvcache=True, indices=idx, attn_sink=sink,
+                                extra_k_cache=cb, extra_indices_in_kvcache=eidx, topk_length=la,
+                                extra_topk_length=lb)
+    return fn
+
+
+def _warm_one(spec):
+    """Compile one (row, launch shape) in a fresh process (fills Triton's cache)."""
+    import subprocess
+    env = dict(os.environ, DSV41_GLUON_SHAPE=spec[1])
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--_warm", spec[0]], env=env,
+                       capture_output=True, text=True)
+    return spec, r.returncode, r.stderr[-300:]
+
+
+def warm(rows, variants, jobs=8):
+    """Compile every (row, variant) in parallel processes before timing anything."""
+    from concurrent.futures import ThreadPoolExecutor
+    specs = [(f"{H},{T},{ra},{rb}", v) for H, T, ra, rb in rows for v in variants]
+    with ThreadPoolExecutor(jobs) as ex:
+        for spec, rc, err in ex.map(_warm_one, specs):
+            if rc:
+                print(f"# warm {spec} failed: {err}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--csv", default=None)
+    ap.add_argument("--no-flashmla", action="store_true")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--sweep", default="",
+                    help="gluon launch shapes to time on the --quick rows, e.g. "
+                         "'4:0:3,8:16:3' (num_warps:block_h(0 = default):stages)")
+    ap.add_argument("--sweep-rows", default="",
+                    help="rows for --sweep, e.g. '8,1,528,288;16,128,584,584' (default: --quick's)")
+    ap.add_argument("--no-table", action="store_true", help="only the --sweep part")
+    ap.add_argument("--_warm", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args._warm:
+        H, T, ra, rb = (int(x) for x in args._warm.split(","))
+        sparse_mla_decode(**build_case(T, H, ra, rb), _kernel="gluon")
+        torch.cuda.synchronize()
+        return
+    rows = [] if args.no_table else QUICK if args.quick else TABLE
+    variants = [v for v in args.sweep.split(",") if v]
+    sweep_rows = ([tuple(int(x) for x in r.split(",")) for r in args.sweep_rows.split(";")]
+                  if args.sweep_rows else QUICK)
+    warm(rows, [""])
+    if variants:
+        warm(sweep_rows, variants)
+    print(f"# {torch.cuda.get_device_name()} | gluon available: {gluon_launch.AVAILABLE} "
+          f"{gluon_launch.REASON}")
+    print("| heads | tokens | records | tl (µs) | gluon (µs) | gluon shape (bh, splits) | "
+          "FlashMLA (µs) | bytes floor (µs) | gluon err |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    out_rows = []
+    for H, T, ra, rb in rows:
+        case = build_case(T, H, ra, rb)
+        floor = bytes_floor_us(case, ra, rb)
+        t_tl = time_graph(lambda: sparse_mla_decode(**case, _kernel="tl"), args.reps)
+        t_gl, shape, err = float("nan"), "-", "-"
+        try:
+            o, lse = sparse_mla_decode(**case, _kernel="gluon")
+            ro, rl = sparse_mla_decode_ref(**case)
+            err = f"{rel_err(o, ro):.1e}/{max_abs_err(lse, rl):.1e}"
+            t_gl = time_graph(lambda: sparse_mla_decode(**case, _kernel="gluon"), args.reps)
+            k, shape = gluon_launch.LAST_LAUNCH["fwd"]
+            shape = f"{shape} r{getattr(k, 'n_regs', '?')} sp{getattr(k, 'n_spills', '?')}"
+        except Exception as e:  # noqa: BLE001 - print and go on with the table
+            err = f"{type(e).__name__}: {str(e)[:80]}"
+        t_fm = float("nan")
+        if rb == 584 and ra == 584 and not args.no_flashmla:
+            fn = flashmla_fn(case)
+            if fn is not None:
+                t_fm = time_graph(fn, args.reps)
+        print(f"| {H} | {T} | {ra}+{rb} | {t_tl:.1f} | {t_gl:.1f} | {shape} | {t_fm:.1f} | "
+              f"{floor:.1f} | {err} |", flush=True)
+        out_rows.append((H, T, ra, rb, t_tl, t_gl, t_fm, floor))
+        case = None
+        torch.cuda.empty_cache()
+    if args.sweep:
+        print("\n| heads | tokens | records | num_warps:block_h:stages | gluon (µs) | err |")
+        print("|---|---|---|---|---|---|")
+        for H, T, ra, rb in sweep_rows:
+            case = build_case(T, H, ra, rb)
+            ro, rl = sparse_mla_decode_ref(**case)
+            for v in variants:
+                gluon_launch.OVERRIDE.clear()
+                gluon_launch.OVERRIDE.update(gluon_launch.parse_shape(v))
+                try:
+                    o, lse = sparse_mla_decode(**case, _kernel="gluon")
+                    err = f"{rel_err(o, ro):.1e}/{max_abs_err(lse, rl):.1e}"
+                    t = time_graph(lambda: sparse_mla_decode(**case, _kernel="gluon"), args.reps)
+                except Exception as e:  # noqa: BLE001
+                    t, err = float("nan"), f"{type(e).__name__}: {str(e)[:80]}"
+                print(f"| {H} | {T} | {ra}+{rb} | {v} | {t:.1f} | {err} |", flush=True)
+            gluon_launch.OVERRIDE.clear()
+            case = None
+            torch.cuda.empty_cache()
+    if args.csv:
+        with open(args.csv, "w") as f:
+            f.write("heads,tokens,swa,extra,tl_us,gluon_us,flashmla_us,floor_us\n")
+            for r in out_rows:
+                f.write(",".join(str(x) for x in r) + "\n")
+
+
+if __name__ == "__main__":
+    main()

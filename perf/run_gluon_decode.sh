@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The Gluon Hopper decode on the H200, in one device call (logs under $OUT):
+#   perf/run_gluon_decode.sh [tests|bench|quick|ncu|sanitize ...]   (default: all five)
+# Run from the repo root (or a stage copy) with PYTHONPATH at it; FlashMLA joins the bench
+# when `import flash_mla` works (see third_party/FLASHMLA.txt).
+set -u
+OUT=${OUT:-/tmp/gluon-out}; mkdir -p "$OUT"
+PY=${PY:-python3}
+steps=${*:-tests quick bench ncu sanitize}
+for s in $steps; do
+  case $s in
+  tests)
+    XD=""; $PY -c "import xdist" 2>/dev/null && XD="-n 8"
+    timeout 300 $PY -m pytest tests/attention/test_decode_gluon.py -m gpu -q -p no:cacheprovider \
+      $XD -rf 2>&1 | tail -60 | tee "$OUT/tests.log" ;;
+  quick)
+    timeout 200 $PY perf/bench_decode_hopper.py --quick 2>&1 | tee "$OUT/quick.log" ;;
+  sweep)
+    timeout 240 $PY perf/bench_decode_hopper.py --no-table --no-flashmla \
+      --sweep "${SWEEP:-4:0:3,8:16:3,8:16:2,8:32:3}" --sweep-rows "${SWEEP_ROWS:-8,128,584,584;8,128,528,288;64,128,584,584;64,128,528,288}" \
+      2>&1 | tee "$OUT/sweep.log" ;;
+  bench)
+    timeout 400 $PY perf/bench_decode_hopper.py --csv "$OUT/bench.csv" 2>&1 | tee "$OUT/bench.log" ;;
+  ncu)
+    NCU_CASES=${NCU_CASES:-"8 128 584 584 4:0:3;8 128 528 288 4:0:3;8 128 584 584 8:16:3"}
+    IFS=';' read -ra cases <<< "$NCU_CASES"
+    for case in "${cases[@]}"; do
+      set -- $case
+      echo "== ncu: heads $1 tokens $2 records $3+$4 shape $5" | tee -a "$OUT/ncu.log"
+      DSV41_GLUON_SHAPE=$5 timeout 120 ncu --clock-control none -k regex:gluon --launch-count 1 \
+        --section SpeedOfLight --section Occupancy --section LaunchStats \
+        --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+        $PY -c "
+import torch
+from perf.bench_decode_hopper import build_case
+from dsv41_triton.attention.decode import sparse_mla_decode
+c = build_case($2, $1, $3, $4)
+sparse_mla_decode(**c, _kernel='gluon'); torch.cuda.synchronize()" 2>&1 \
+        | grep -v "^==PROF==" | tee -a "$OUT/ncu.log" | grep -E "Duration|DRAM Through|Registers|Achieved Occ|Theoretical Occ|Warp Cycles Per Issued|Eligible Warps|Shared Memory Config|Block Limit" ;
+    done ;;
+  sanitize)
+    timeout 240 compute-sanitizer --tool memcheck --print-limit 20 $PY -m pytest \
+      tests/attention/test_decode_gluon.py -m gpu -q -p no:cacheprovider \
+      -k "hostile or empty_rows" 2>&1 | tail -25 | tee "$OUT/sanitize.log" ;;
+  esac
+done

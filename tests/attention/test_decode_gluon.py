@@ -1,0 +1,305 @@
+"""The Gluon Hopper decode kernel (``attention/gluon``) against the float64 reference.
+
+CPU: a compile-only check for an sm_90 target, run when the installed Triton has the Gluon API
+the kernel needs (skipped otherwise, e.g. Triton 3.9). GPU-marked: every record pair, head
+counts 1..128, tokens 1..512, ragged lens, ``-1`` and empty rows, sinks, layouts, a > 2 GiB
+cache, CUDA graphs, hostile indices; skipped where the kernel cannot run (not sm_90).
+"""
+import pytest
+import torch
+
+from dsv41_triton.attention import gluon as gluon_pkg
+from dsv41_triton.attention.decode import sparse_mla_decode
+from dsv41_triton.attention.ref import sparse_mla_decode_ref
+from dsv41_triton.ops.records import (allocate_k_cache, encode_records_ref, get_record_format,
+                                      record_views)
+from dsv41_triton.testing import max_abs_err, poison_, random_k_cache, rel_err
+
+OUT_TOL = 1e-2
+LSE_TOL = 1e-3
+PAIRS = [(584, 584), (584, 528), (584, 288), (528, 584), (528, 528), (528, 288), (584, None),
+         (528, None)]
+
+
+def _need_gluon_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if not gluon_pkg.AVAILABLE:
+        pytest.skip(f"gluon kernels unavailable: {gluon_pkg.REASON}")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon decode kernel targets sm_90")
+
+
+# --------------------------------------------------------------------------------------------
+# CPU: compile-only
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("src_a,src_b,bh,split,nw", [(584, 584, 8, False, 4),
+                                                     (528, 288, 16, True, 8)])
+def test_gluon_decode_compiles_for_sm90(src_a, src_b, bh, split, nw):
+    """The kernel compiles for sm_90 on this machine (in a subprocess without the interpreter,
+    which would replace the functions Gluon calls); wgmma and cp.async are in the PTX."""
+    if not gluon_pkg.AVAILABLE:
+        pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
+    import json
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "dsv41_triton.attention.gluon.compile_check",
+                        str(src_a), str(src_b), str(bh), str(int(split)), str(nw)],
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    facts = json.loads(r.stdout.strip().splitlines()[-1])
+    assert facts["wgmma"] and facts["cp_async"], facts
+    assert 0 < facts["shared"] <= 227 * 1024, facts
+
+
+def test_gluon_pick_table():
+    """Every pick-table entry names a launch shape the GPU tests run, on known buckets."""
+    from dsv41_triton.attention.gluon import launch as gl_launch
+    for cap, table in gl_launch.PICK.items():
+        assert isinstance(cap, tuple) and len(cap) == 2
+        for (hb, sa, sb, tb), shape in table.items():
+            assert hb in (8, 16, 64, 128) and tb in (32, 128, 1 << 30)
+            assert sa in (584, 528) and sb in (584, 528, 288, 0)
+            assert shape in gl_launch.TESTED_SHAPES, shape
+            assert set(gl_launch.parse_shape(shape)) <= {"num_warps", "block_h", "stages"}
+    assert gl_launch.heads_bucket(8) == 8 and gl_launch.heads_bucket(9) == 16
+    assert gl_launch.tokens_bucket(32) == 32 and gl_launch.tokens_bucket(129) == 1 << 30
+    assert gl_launch.parse_shape("8:16:3") == {"num_warps": 8, "block_h": 16, "stages": 3}
+    assert gl_launch.parse_shape("4:0:3") == {"num_warps": 4, "stages": 3}
+
+
+def test_gluon_not_picked_without_gpu():
+    """On the CPU (or with the gate closed) the auto path never takes the Gluon kernel."""
+    from dsv41_triton.attention.gluon import launch as gl_launch
+    args = _case_cpu()
+    o, lse = sparse_mla_decode(**args)  # the tl kernel (interpreter on the CPU)
+    ro, rl = sparse_mla_decode_ref(**args)
+    assert rel_err(o, ro) <= OUT_TOL and max_abs_err(lse, rl) <= LSE_TOL
+    if not torch.cuda.is_available():
+        assert not gl_launch.usable(args["q"], None, None)
+
+
+def _case_cpu():
+    return _case("cpu" if not torch.cuda.is_available() else "cuda", 2, 3, 584, 288, Ws=20,
+                 K=30, page=16, nb_a=2, nb_b=3)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU
+# --------------------------------------------------------------------------------------------
+def _slots(T, W, nslots, device, p_neg=0.1):
+    idx = torch.randint(0, nslots, (T, W), dtype=torch.int32)
+    idx[torch.rand(T, W) < p_neg] = -1
+    return idx.to(device)
+
+
+def _case(device, T, H, swa_rec, extra_rec, Ws=150, K=300, page=64, nb_a=8, nb_b=16,
+          sink="rand", ragged=True):
+    ca = random_k_cache(nb_a, page, swa_rec, device)
+    ia = _slots(T, Ws, nb_a * page, device)
+    la = (torch.randint(0, Ws + 1, (T,), dtype=torch.int32) if ragged
+          else torch.full((T,), Ws, dtype=torch.int32)).to(device)
+    cb = ib = lb = None
+    if extra_rec:
+        cb = random_k_cache(nb_b, page, extra_rec, device)
+        ib = _slots(T, K, nb_b * page, device)
+        lb = (torch.randint(0, K + 1, (T,), dtype=torch.int32) if ragged
+              else torch.full((T,), K, dtype=torch.int32)).to(device)
+    q = torch.randn(T, H, 512).to(torch.bfloat16).to(device)
+    s = {"rand": torch.randn(H), "-inf": torch.full((H,), float("-inf")),
+         "large": torch.full((H,), 80.0), "none": None}[sink]
+    return dict(q=q, swa_cache=ca, swa_indices=ia, swa_lens=la, extra_cache=cb,
+                extra_indices=ib, extra_lens=lb,
+                attn_sink=s.to(device) if s is not None else None)
+
+
+def _v41(device, T, H, swa_rec=584, extra_rec=584, nb=512, page=64, W=128, K=512):
+    ca = random_k_cache(nb, page, swa_rec, device)
+    cb = random_k_cache(nb, page, extra_rec, device)
+    return dict(q=torch.randn(T, H, 512, device=device).to(torch.bfloat16), swa_cache=ca,
+                swa_indices=torch.randint(0, nb * page, (T, W), dtype=torch.int32, device=device),
+                swa_lens=torch.randint(1, W + 1, (T,), dtype=torch.int32, device=device),
+                extra_cache=cb,
+                extra_indices=torch.randint(0, nb * page, (T, K), dtype=torch.int32,
+                                            device=device),
+                extra_lens=torch.randint(0, K + 1, (T,), dtype=torch.int32, device=device),
+                attn_sink=torch.randn(H, device=device))
+
+
+def _check(args, out=None, scale=None):
+    T, H = args["q"].shape[:2]
+    if out is None:
+        out = poison_(torch.empty(T, H, 512, dtype=torch.bfloat16, device=args["q"].device))
+    o, lse = sparse_mla_decode(**args, softmax_scale=scale, out=out, _kernel="gluon")
+    assert o.data_ptr() == out.data_ptr()
+    ro, rl = sparse_mla_decode_ref(**args, softmax_scale=scale)
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    e_o, e_l = rel_err(o, ro), max_abs_err(lse, rl)
+    assert e_o <= OUT_TOL, e_o
+    assert e_l <= LSE_TOL, e_l
+    return o, lse
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [1, 3, 8, 16, 32, 64, 128])
+@pytest.mark.parametrize("swa_rec,extra_rec", PAIRS)
+def test_gluon_records_heads_gpu(device, H, swa_rec, extra_rec):
+    _need_gluon_gpu()
+    _check(_case(device, 7, H, swa_rec, extra_rec))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 2, 7, 128, 512])
+@pytest.mark.parametrize("H", [8, 64])
+@pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, 288)])
+def test_gluon_v41_shapes_gpu(device, T, H, swa_rec, extra_rec):
+    _need_gluon_gpu()
+    _check(_v41(device, T, H, swa_rec, extra_rec))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sink", ["none", "-inf", "large", "rand"])
+@pytest.mark.parametrize("T", [1, 7])
+def test_gluon_sinks_gpu(device, sink, T):
+    _need_gluon_gpu()
+    _check(_case(device, T, 8, 584, 288, sink=sink))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 5])
+def test_gluon_empty_rows_gpu(device, T):
+    """Rows with len 0, rows of only -1, rows whose every slot is past the cache."""
+    _need_gluon_gpu()
+    args = _case(device, T, 8, 584, 528)
+    args["swa_lens"][0] = 0
+    args["extra_lens"][0] = 0
+    if T > 1:
+        args["swa_indices"][1] = -1
+        args["extra_indices"][1] = -1
+        args["swa_indices"][2] = 10 ** 6
+        args["extra_indices"][2] = 10 ** 7
+    o, lse = _check(args)
+    assert (o[0] == 0).all() and torch.isinf(lse[0]).all() and (lse[0] > 0).all()
+    if T > 1:
+        assert (o[1:3] == 0).all() and torch.isinf(lse[1:3]).all()
+
+
+@pytest.mark.gpu
+def test_gluon_layouts_gpu(device):
+    """Padded block stride, 4-D cache view, odd page size, strided q/out, int64 indices;
+    nothing outside the owned rows is written."""
+    _need_gluon_gpu()
+    T, H, page = 3, 3, 5
+    fmt = get_record_format(584)
+    ca = random_k_cache(7, page, 584, device, block_stride=fmt.block_bytes(page) + 576 * 2)
+    cb = random_k_cache(11, page, 288, device)
+    ia = _slots(T, 19, 7 * page, device).long()
+    ib = _slots(T, 33, 11 * page, device)
+    la = torch.tensor([19, 3, 11], dtype=torch.int32, device=device)
+    qbig = torch.randn(T, 2 * H, 1024).to(torch.bfloat16).to(device)
+    q = qbig[:, ::2, 256:768]
+    obig = poison_(torch.empty(T, H + 2, 600, dtype=torch.bfloat16, device=device))
+    out = obig[:, 1:H + 1, 50:562]
+    args = dict(q=q, swa_cache=ca.unsqueeze(2), swa_indices=ia, swa_lens=la, extra_cache=cb,
+                extra_indices=ib, extra_lens=None, attn_sink=torch.randn(H, device=device))
+    _check(args, out=out)
+    _check(args, out=out, scale=0.01)
+    assert torch.isnan(obig[:, 0]).all() and torch.isnan(obig[:, H + 1]).all()
+    assert torch.isnan(obig[:, :, :50]).all() and torch.isnan(obig[:, :, 562:]).all()
+
+
+@pytest.mark.gpu
+def test_gluon_int64_offsets_gpu(device):
+    """A cache of > 2 GiB: slots in its last blocks have byte offsets beyond 2**31."""
+    _need_gluon_gpu()
+    page, fmt = 64, get_record_format(584)
+    nb = (2 ** 31) // fmt.block_bytes(page) + 64
+    cache = allocate_k_cache(nb, page, fmt, device)
+    assert cache.shape[0] * cache.stride(0) > 2 ** 31
+    T, H, W = 4, 16, 96
+    lo = (nb - 48) * page
+    slots = torch.randint(lo, nb * page, (T, W), dtype=torch.int32, device=device)
+    uniq = torch.unique(slots)
+    k = torch.randn(uniq.numel(), 512, device=device).to(torch.bfloat16)
+    data, scales = encode_records_ref(k, fmt)
+    dv, sv = record_views(cache, fmt)
+    dv[uniq // page, uniq % page] = data
+    sv[uniq // page, uniq % page] = scales
+    q = torch.randn(T, H, 512, device=device).to(torch.bfloat16)
+    lens = torch.full((T,), W, dtype=torch.int32, device=device)
+    _check(dict(q=q, swa_cache=cache, swa_indices=slots, swa_lens=lens,
+                attn_sink=torch.randn(H, device=device)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H,swa_rec,extra_rec", [(1, 8, 584, 584), (128, 8, 528, 288),
+                                                   (32, 64, 584, 584)])
+def test_gluon_cuda_graph_gpu(device, T, H, swa_rec, extra_rec):
+    _need_gluon_gpu()
+    static = _v41(device, T, H, swa_rec, extra_rec)
+    out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=device)
+    sparse_mla_decode(**static, out=out, _kernel="gluon")
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        _, lse_g = sparse_mla_decode(**static, out=out, _kernel="gluon")
+    fresh = _v41(device, T, H, swa_rec, extra_rec)
+    for name in ("q", "swa_indices", "swa_lens", "extra_indices", "extra_lens", "attn_sink"):
+        static[name].copy_(fresh[name])
+    poison_(out)
+    g.replay()
+    torch.cuda.synchronize()
+    o_e, l_e = sparse_mla_decode(**static, _kernel="gluon")
+    assert torch.equal(out, o_e) and torch.equal(lse_g, l_e)
+    ro, rl = sparse_mla_decode_ref(**static)
+    assert rel_err(out, ro) <= OUT_TOL and max_abs_err(lse_g, rl) <= LSE_TOL
+
+
+@pytest.mark.gpu
+def test_gluon_hostile_indices_gpu(device):
+    """Slot ids far past the cache, INT32_MAX/MIN, lens past the width and negative: nothing
+    out of bounds is read (run under compute-sanitizer memcheck in perf/run_gpu.sh)."""
+    _need_gluon_gpu()
+    args = _case(device, 4, 3, 528, 288, Ws=70, K=90, page=64, nb_a=2, nb_b=2)
+    ia, ib = args["swa_indices"], args["extra_indices"]
+    ia[:, ::3] = 2 ** 31 - 1
+    ia[:, 1::5] = -(2 ** 31)
+    ib[:, ::4] = 2 * 64  # exactly one past the last slot
+    ib[:, 2::7] = 10 ** 9
+    args["swa_lens"][:] = torch.tensor([70, 10 ** 6, -5, 33], dtype=torch.int32)
+    _check(args)
+
+
+@pytest.mark.gpu
+def test_gluon_forced_refused_off_sm90(device):
+    """``_kernel='gluon'`` on a machine where it cannot run raises (never silently falls back)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if gluon_pkg.AVAILABLE and torch.cuda.get_device_capability() == (9, 0):
+        pytest.skip("the kernel runs here")
+    args = _case(device, 2, 8, 584, 584)
+    with pytest.raises(ValueError, match="_kernel"):
+        sparse_mla_decode(**args, _kernel="gluon")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["8:16:3", "4:16:2"])
+@pytest.mark.parametrize("H", [1, 8, 16, 64])
+@pytest.mark.parametrize("swa_rec,extra_rec", PAIRS)
+def test_gluon_launch_shapes_gpu(device, monkeypatch, shape, H, swa_rec, extra_rec):
+    """The other launch shapes the benchmark times (8 warps: two warpgroups; 2 stages)."""
+    _need_gluon_gpu()
+    monkeypatch.setenv("DSV41_GLUON_SHAPE", shape)
+    _check(_case(device, 7, H, swa_rec, extra_rec))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["8:16:3", "8:32:3", "8:16:2"])
+@pytest.mark.parametrize("T,H", [(1, 8), (128, 8), (128, 64)])
+@pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, 288)])
+def test_gluon_launch_shapes_v41_gpu(device, monkeypatch, shape, T, H, swa_rec, extra_rec):
+    _need_gluon_gpu()
+    monkeypatch.setenv("DSV41_GLUON_SHAPE", shape)
+    _check(_v41(device, T, H, swa_rec, extra_rec))
