@@ -288,7 +288,7 @@ def index_topk_ref(logits: torch.Tensor, lens: torch.Tensor, k: int,
     """The ``k`` largest finite logits of ``logits[t, :lens[t]]`` (ties: lower entry) as
     int32 entry ids in ascending order, ``-1`` padded -> ``out [T, k]``."""
     check_topk_args(logits, lens, k, out)
-    T, N = logits.shape
+    N = logits.shape[1]
     j = torch.arange(N, device=logits.device)
     valid = (j[None, :] < lens.long()[:, None]) & (logits > float("-inf")) & ~logits.isnan()
     res = _ranked(logits, valid, k).to(torch.int32)
