@@ -23,11 +23,11 @@ request from position 0, no state).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional, Tuple
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from .._utils import check_int, check_tensor
 
@@ -48,7 +48,7 @@ class CompressorSpec:
 
     @classmethod
     def for_version(cls, version: str, ratio: int, dim: int, hidden_size: int,
-                    eps: float = 1e-6) -> "CompressorSpec":
+                    eps: float = 1e-6) -> CompressorSpec:
         """``version`` "v4" (ratios 4 / 128; overlap at 4, ``ape``) or "v4.1" (ratios 1 / 2)."""
         check_int("ratio", ratio, lo=1)
         if version == "v4":
@@ -88,7 +88,7 @@ class KVCompressor(nn.Module):
         super().__init__()
         self.spec = spec
         C, D, Hd = spec.coff, spec.dim, spec.hidden_size
-        kw = dict(device=device, dtype=torch.float32)
+        kw = {"device": device, "dtype": torch.float32}
         self.wkv = nn.Linear(Hd, C * D, bias=False, **kw)
         self.wgate = nn.Linear(Hd, C * D, bias=False, **kw) if spec.ratio > 1 else None
         self.ape = nn.Parameter(torch.zeros(spec.ratio, C * D, **kw)) if spec.ape else None
@@ -122,10 +122,10 @@ class KVCompressor(nn.Module):
         return rms_norm_f(pooled, self.norm.weight, s.eps)
 
     # ---- one step ---------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, token_to_req: Optional[torch.Tensor] = None,
-                state_cache: Optional[torch.Tensor] = None, block_table: Optional[torch.Tensor] = None,
-                slot_mapping: Optional[torch.Tensor] = None,
-                valid: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, token_to_req: torch.Tensor | None = None,
+                state_cache: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+                slot_mapping: torch.Tensor | None = None,
+                valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Compress one step's tokens.
 
         Args:

@@ -6,7 +6,12 @@ import types
 import pytest
 import torch
 
-from dsv41_triton.layers.compressor import CompressorSpec, KVCompressor, compress_sequence_ref, rope_tail
+from dsv41_triton.layers.compressor import (
+    CompressorSpec,
+    KVCompressor,
+    compress_sequence_ref,
+    rope_tail,
+)
 from dsv41_triton.layers.metadata import RequestSpec, build_step_metadata
 
 PAGE = 4
@@ -112,7 +117,9 @@ def test_overlap_rule_by_hand():
 
 def _hf():
     tr = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
-    from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
+    from transformers.models.deepseek_v4.configuration_deepseek_v4 import (
+        DeepseekV4Config,
+    )
 
     cfg = DeepseekV4Config(hidden_size=64, head_dim=512, num_attention_heads=8, num_hidden_layers=2,
                            q_lora_rank=32, index_n_heads=4, index_head_dim=128, index_topk=8,
