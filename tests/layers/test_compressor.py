@@ -5,6 +5,7 @@ import types
 
 import pytest
 import torch
+from hf_v4 import hf_cos_sin_cache, hf_v4
 
 from dsv41_triton.layers.compressor import (
     CompressorSpec,
@@ -115,30 +116,9 @@ def test_overlap_rule_by_hand():
     torch.testing.assert_close(ref[0], p0 * torch.rsqrt(p0.pow(2).mean() + spec.eps) * W["norm.weight"])
 
 
-def _hf():
-    tr = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
-    from transformers.models.deepseek_v4.configuration_deepseek_v4 import (
-        DeepseekV4Config,
-    )
-
-    cfg = DeepseekV4Config(hidden_size=64, head_dim=512, num_attention_heads=8, num_hidden_layers=2,
-                           q_lora_rank=32, index_n_heads=4, index_head_dim=128, index_topk=8,
-                           o_groups=2, o_lora_rank=16, sliding_window=16, vocab_size=100,
-                           layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
-                           qk_rope_head_dim=64)
-    return tr, cfg
-
-
-def hf_cos_sin_cache(rotary, max_pos):
-    """Our ``[max_pos, 64]`` table from a transformers rotary module's "compress" frequencies."""
-    inv = rotary.compress_inv_freq.double()
-    ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
-    return torch.cat([ang.cos(), ang.sin()], -1).float()
-
-
 @pytest.mark.parametrize("ratio", [4, 128])
 def test_v4_compressor_matches_transformers(ratio):
-    tr, cfg = _hf()
+    tr, cfg = hf_v4()
     torch.manual_seed(5)
     hf = (tr.DeepseekV4CSACompressor if ratio == 4 else tr.DeepseekV4HCACompressor)(cfg).float()
     with torch.no_grad():
