@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -200,7 +201,7 @@ class LightningIndexer(nn.Module):
         return self.topk(lg, vis), cand
 
     # ---- weights ----------------------------------------------------------------------------
-    _ALIASES: ClassVar[Dict[str, Tuple[str, ...]]] = {
+    _ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {
         "wq_b.weight": ("q_b_proj.weight",),
         "weights_proj.weight": ("scorer.weights_proj.weight",),
         "wk.weight": ("k_proj.weight",),
