@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 import sys
 
 import torch
@@ -93,19 +94,19 @@ def run(heads: int = 64, quick: bool = False, device="cuda", decode_shapes=None,
         rs = slice(0, 2)
         want = index_logits_ref(q[rs], w[rs], cache, bt, req[rs], vis[rs], max_len=N)
         ok = bool(torch.allclose(out[rs], want, rtol=1e-4, atol=1e-3 * want.abs().max().item()))
-        t = time_call(lambda: index_logits(q, w, cache, bt, req, vis, out=out), device)
+        t = time_call(partial(index_logits, q, w, cache, bt, req, vis, out=out), device)
         rows.append(_row("logits decode", N, T, heads, t, T * N * (DIM + 4 + 4), 2 * T * N * heads * DIM,
                          ceil, ok))
         for k in (512, 1024):
             res = torch.empty(T, k, dtype=torch.int32, device=device)
             index_topk(out, vis, k, out=res)
             ok = bool(torch.equal(res[rs], index_topk_ref(out[rs], vis[rs], k)))
-            t = time_call(lambda: index_topk(out, vis, k, out=res), device)
+            t = time_call(partial(index_topk, out, vis, k, out=res), device)
             rows.append(_row(f"topk triton k={k}", N, T, heads, t, T * N * 4, 0, ceil, ok))
-            t = time_call(lambda: index_topk_torch(out, vis, k), device)
+            t = time_call(partial(index_topk_torch, out, vis, k), device)
             rows.append(_row(f"topk torch k={k}", N, T, heads, t, T * N * 4, 0, ceil, None,
                              "masking + torch.topk + sort"))
-            t = time_call(lambda: torch.topk(out, min(k, N), dim=1), device)
+            t = time_call(partial(torch.topk, out, min(k, N), dim=1), device)
             rows.append(_row(f"torch.topk bare k={k}", N, T, heads, t, T * N * 4, 0, ceil, None))
         del cache, out
         if torch.device(device).type == "cuda":
@@ -119,7 +120,7 @@ def run(heads: int = 64, quick: bool = False, device="cuda", decode_shapes=None,
         rs = slice(T - 2, T)
         want = index_logits_ref(q[rs], w[rs], cache, bt, req[rs], vis[rs], max_len=N)
         ok = bool(torch.allclose(out[rs], want, rtol=1e-4, atol=1e-3 * want.abs().max().item()))
-        t = time_call(lambda: index_logits(q, w, cache, bt, req, vis, out=out), device)
+        t = time_call(partial(index_logits, q, w, cache, bt, req, vis, out=out), device)
         nvis = int(vis.sum())
         rows.append(_row("logits prefill", N, T, heads, t, N * (DIM + 4) + T * N * 4,
                          2 * nvis * heads * DIM, ceil, ok, "1 request, causal"))
