@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from functools import partial
 import sys
+from functools import partial
 
 import torch
 
