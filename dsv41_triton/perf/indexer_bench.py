@@ -82,7 +82,7 @@ def run(heads: int = 64, quick: bool = False, device="cuda", decode_shapes=None,
         from .ceilings import get_ceilings
 
         ceil = get_ceilings(device).to_dict()
-    except Exception:  # the ceilings are informative only
+    except Exception:  # noqa: BLE001 - the ceilings are informative only
         ceil = None
     rows = []
     if decode_shapes is None:
