@@ -90,7 +90,8 @@ HF_NAMES = {
 EXTRA_PARAM_NAMES = ("compressor.wkv.weight", "compressor.wgate.weight", "compressor.ape",
                      "compressor.norm.weight", "indexer.wq_b.weight", "indexer.weights_proj.weight",
                      "indexer.compressor.wkv.weight", "indexer.compressor.wgate.weight",
-                     "indexer.compressor.ape", "indexer.compressor.norm.weight")
+                     "indexer.compressor.ape", "indexer.compressor.norm.weight",
+                     "indexer.wk.weight", "indexer.k_norm.weight")
 _SCALE_SUFFIXES = (".scale", ".weight_scale_inv", ".weight_scale")
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
