@@ -95,6 +95,14 @@ class CompressedBlock(nn.Module):
                 p.copy_(t.to(p.device, p.dtype))
         self.loaded = True
 
+    def set_indexer_numerics(self, hadamard: bool, fp4: bool) -> None:
+        """Switch the index queries' / keys' Hadamard transform and FP4 simulation (DeepSeek's
+        reference applies both on V4; transformers' DeepSeek-V4 neither). Call before the first
+        step: keys already cached keep the numerics they were stored with."""
+        if self.indexer is not None:
+            object.__setattr__(self.indexer.spec, "hadamard", bool(hadamard))
+            object.__setattr__(self.indexer.spec, "fp4", bool(fp4))
+
     # ---- caches -----------------------------------------------------------------------------
     def allocate(self, num_blocks: int, page_size: int, compressed_num_blocks: int,
                  compressed_page_size: int) -> None:

@@ -110,6 +110,9 @@ class LightningIndexer(nn.Module):
                 self.k_norm.weight = nn.Parameter(torch.ones(Di, **kw))
         for p in self.parameters():
             p.requires_grad_(False)
+        #: keep the last step's logits ``[T, N]`` in :attr:`last_logits` (for inspection/tests)
+        self.keep_logits = False
+        self.last_logits: Optional[torch.Tensor] = None
 
     # ---- queries, weights, keys ------------------------------------------------------------
     def _finish(self, x: torch.Tensor) -> torch.Tensor:
@@ -193,6 +196,7 @@ class LightningIndexer(nn.Module):
         q = self.queries(qr, positions, cos_sin_cache)
         w = self.head_weights(x)
         lg = self.logits(q, w, index_cache, block_table, token_to_req, vis, width)
+        self.last_logits = lg if self.keep_logits else None
         cand = None
         if publish_candidates:
             cand = R.candidate_blocks_ref(lg, vis, s.candidate_topk_blocks, s.candidate_block_size)
