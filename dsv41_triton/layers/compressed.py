@@ -143,10 +143,10 @@ class CompressedBlock(nn.Module):
         (``md``: its :class:`~dsv41_triton.layers.metadata.StepMetadata`)."""
         r = self.ratio
         cm = md.compressed[r]
-        ckv, latent, done = None, None, None
+        ckv, latent = None, None
         if self.compressor is not None:
-            latent, done = self.compressor(x, positions, md.token_to_req, self.state_cache,
-                                           md.swa_block_table, md.swa_slot_mapping, md.is_valid_token)
+            latent, _ = self.compressor(x, positions, md.token_to_req, self.state_cache,
+                                        md.swa_block_table, md.swa_slot_mapping, md.is_valid_token)
             ckv = latent.to(torch.bfloat16)
         if not self.has_indexer:
             return ckv, md.all_entries_topk(r)
