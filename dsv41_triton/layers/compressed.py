@@ -202,7 +202,7 @@ def link_layers(layers: Mapping[int, nn.Module], *, candidate_source_layer_id: i
             continue
         ratio = blk.ratio
 
-        def latest(pred):
+        def latest(pred, lid=lid, ratio=ratio):
             cands = [i for i in ids if i <= lid and getattr(layers[i], "compressed_block", None) is not None
                      and layers[i].compressed_block.ratio == ratio and pred(layers[i].compressed_block)]
             return layers[cands[-1]] if cands else None
