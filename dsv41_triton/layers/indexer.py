@@ -112,7 +112,7 @@ class LightningIndexer(nn.Module):
             p.requires_grad_(False)
         #: keep the last step's logits ``[T, N]`` in :attr:`last_logits` (for inspection/tests)
         self.keep_logits = False
-        self.last_logits: Optional[torch.Tensor] = None
+        self.last_logits: torch.Tensor | None = None
 
     # ---- queries, weights, keys ------------------------------------------------------------
     def _finish(self, x: torch.Tensor) -> torch.Tensor:
@@ -169,7 +169,7 @@ class LightningIndexer(nn.Module):
         return f(q, w, index_cache, block_table, token_to_req, vis, max_len=width)
 
     def topk(self, logits: torch.Tensor, vis: torch.Tensor) -> torch.Tensor:
-        f = R.index_topk_ref if self.reference else K.index_topk
+        f = R.index_topk_ref if self.reference else K.select_topk
         return f(logits, vis, self.spec.topk)
 
     def select(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor,

@@ -33,13 +33,19 @@ from .indexer_ref import (
     check_topk_args,
 )
 
-__all__ = ["index_logits", "index_topk", "index_topk_torch", "quantize_and_insert_index_k"]
+__all__ = ["index_logits", "index_topk", "index_topk_torch", "quantize_and_insert_index_k",
+           "select_topk"]
 
 INSERT_BLOCK_T = 8
 LOGITS_BLOCK_N = 64
 LOGITS_NUM_WARPS = 4
 TOPK_BLOCK = 1024
 TOPK_NUM_WARPS = 8
+#: :func:`select_topk` uses ``torch.topk`` for rows at least this wide when there are fewer
+#: rows than this (the radix kernel runs one program per row: few long rows leave most SMs
+#: idle). Predictions, not yet measured: ``python -m dsv41_triton.perf.indexer_bench``.
+TORCH_TOPK_MIN_WIDTH = 1 << 17
+TORCH_TOPK_MAX_ROWS = 264
 
 
 # ============================================================================================
@@ -324,3 +330,14 @@ def index_topk_torch(logits: torch.Tensor, lens: torch.Tensor, k: int,
         return idx
     out.copy_(idx)
     return out
+
+
+def select_topk(logits: torch.Tensor, lens: torch.Tensor, k: int,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`index_topk` or, for few wide rows on a GPU, :func:`index_topk_torch`
+    (``TORCH_TOPK_MIN_WIDTH`` / ``TORCH_TOPK_MAX_ROWS``): the same set unless values tie at the
+    threshold."""
+    T, N = logits.shape
+    if logits.is_cuda and N >= TORCH_TOPK_MIN_WIDTH and T < TORCH_TOPK_MAX_ROWS:
+        return index_topk_torch(logits, lens, k, out)
+    return index_topk(logits, lens, k, out)

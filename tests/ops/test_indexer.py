@@ -242,3 +242,14 @@ def test_topk_1m_and_logits_8k_gpu():
     fin = ~want.isinf()
     assert torch.equal(got.isinf(), want.isinf())
     assert torch.allclose(got[fin], want[fin], rtol=1e-4, atol=1e-3 * want[fin].abs().max().item())
+
+
+@pytest.mark.gpu
+def test_select_topk_dispatch_gpu():
+    from dsv41_triton.ops.indexer import TORCH_TOPK_MIN_WIDTH, select_topk
+
+    x = torch.randperm(4 * TORCH_TOPK_MIN_WIDTH, device="cuda").float().view(4, -1)  # distinct
+    lens = torch.tensor([TORCH_TOPK_MIN_WIDTH, 5, 0, 1000], device="cuda")
+    assert torch.equal(select_topk(x, lens, 512), index_topk_ref(x, lens, 512))
+    y = x[:, :4096].contiguous()
+    assert torch.equal(select_topk(y, lens.clamp_max(4096), 512), index_topk_ref(y, lens.clamp_max(4096), 512))
