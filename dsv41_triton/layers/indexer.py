@@ -112,6 +112,8 @@ class LightningIndexer(nn.Module):
             p.requires_grad_(False)
         #: keep the last step's logits ``[T, N]`` in :attr:`last_logits` (for inspection/tests)
         self.keep_logits = False
+        #: the largest logits scratch (elements) :meth:`select` makes at once
+        self.max_logits_elems = 1 << 28
         self.last_logits: torch.Tensor | None = None
 
     # ---- queries, weights, keys ------------------------------------------------------------
@@ -195,14 +197,23 @@ class LightningIndexer(nn.Module):
             return empty, cand
         q = self.queries(qr, positions, cos_sin_cache)
         w = self.head_weights(x)
-        lg = self.logits(q, w, index_cache, block_table, token_to_req, vis, width)
-        self.last_logits = lg if self.keep_logits else None
-        cand = None
-        if publish_candidates:
-            cand = R.candidate_blocks_ref(lg, vis, s.candidate_topk_blocks, s.candidate_block_size)
-        if candidates is not None:
-            lg = R.apply_candidates_ref(lg, candidates, s.candidate_block_size)
-        return self.topk(lg, vis), cand
+        # the [tokens, width] fp32 logits are made a token chunk at a time (bounded scratch)
+        step = max(1, self.max_logits_elems // width)
+        tops, cands, kept = [], [], []
+        for a in range(0, T, step):
+            b = min(T, a + step)
+            lg = self.logits(q[a:b], w[a:b], index_cache, block_table, token_to_req[a:b], vis[a:b], width)
+            if self.keep_logits:
+                kept.append(lg)
+            if publish_candidates:
+                cands.append(R.candidate_blocks_ref(lg, vis[a:b], s.candidate_topk_blocks,
+                                                    s.candidate_block_size))
+            if candidates is not None:
+                lg = R.apply_candidates_ref(lg, candidates[a:b], s.candidate_block_size)
+            tops.append(self.topk(lg, vis[a:b]))
+        self.last_logits = torch.cat(kept) if self.keep_logits else None
+        cand = torch.cat(cands) if publish_candidates else None
+        return (tops[0] if len(tops) == 1 else torch.cat(tops)), cand
 
     # ---- weights ----------------------------------------------------------------------------
     _ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {

@@ -156,6 +156,11 @@ def test_v41_indexer_matches_float64_rules(ratio):
     lg = index_logits_ref(q, w.float(), icache, bt, req, vis, max_len=n_ent)
     assert _sets_equal_where_untied(top, index_topk_ref(lg, vis, 16), lg, vis, 16, 1e-4) > S // 2
     assert torch.equal(cand, candidate_blocks_ref(lg, vis, 3, 4))
+    # token chunks (a small logits scratch) give the same rows
+    ix.max_logits_elems = 3 * n_ent
+    top_c, cand_c = ix.select(x, qr, pos, cs, icache, bt, req, publish_candidates=True)
+    ix.max_logits_elems = 1 << 28
+    assert torch.equal(top_c, top) and torch.equal(cand_c, cand)
     # a later index source chooses inside the candidate blocks
     top2, _ = ix.select(x, qr, pos, cs, icache, bt, req, candidates=cand)
     lg2 = apply_candidates_ref(lg, cand, 4)
