@@ -246,10 +246,13 @@ def index_logits_ref(q, weights, index_cache, block_table, token_to_req, visible
     valid = (j[None, :] < visible_lens.long()[:, None]) & ok_req[:, None] & (col[None, :] < block_table.shape[1])
     valid &= (blk >= 0) & (blk < nb)
     slots = torch.where(valid, blk * page + j[None, :] % page, torch.full_like(blk, -1))
-    k = read_index_k_ref(cache, slots).double()  # [T, N, dim]
-    s = torch.einsum("thd,tnd->thn", q.double(), torch.nan_to_num(k))
-    logits = (s.relu() * weights.double().unsqueeze(-1)).sum(1)
-    out.copy_(torch.where(valid, logits, torch.full_like(logits, float("-inf"))).float())
+    step = max(1, (1 << 22) // max(T, 1))  # entries per chunk: bounded float64 scratch
+    qd, wd = q.double(), weights.double().unsqueeze(-1)
+    for a in range(0, N, step):
+        b = min(N, a + step)
+        k = torch.nan_to_num(read_index_k_ref(cache, slots[:, a:b]).double())  # [T, n, dim]
+        lg = (torch.einsum("thd,tnd->thn", qd, k).relu() * wd).sum(1)
+        out[:, a:b] = torch.where(valid[:, a:b], lg, torch.full_like(lg, float("-inf"))).float()
     return out
 
 
