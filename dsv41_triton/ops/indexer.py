@@ -38,7 +38,7 @@ __all__ = ["index_logits", "index_topk", "index_topk_torch", "quantize_and_inser
 
 INSERT_BLOCK_T = 8
 LOGITS_BLOCK_N = 64
-LOGITS_NUM_WARPS = 4
+LOGITS_NUM_WARPS = 8
 TOPK_BLOCK = 1024
 TOPK_NUM_WARPS = 8
 #: :func:`select_topk` uses ``torch.topk`` for rows at least this wide when there are fewer
@@ -46,6 +46,11 @@ TOPK_NUM_WARPS = 8
 #: idle). Predictions, not yet measured: ``python -m dsv41_triton.perf.indexer_bench``.
 TORCH_TOPK_MIN_WIDTH = 1 << 17
 TORCH_TOPK_MAX_ROWS = 264
+
+# globals read inside @triton.jit code must be constexprs
+_ROW_SHIFT = tl.constexpr(INDEX_ROW_SHIFT)
+_ROW_AMAX_FLOOR = tl.constexpr(ROW_AMAX_FLOOR)
+_FP4_AMAX_FLOOR = tl.constexpr(6.0 * 2.0 ** -126)
 
 
 # ============================================================================================
@@ -77,17 +82,17 @@ def _index_insert_kernel(k_ptr, stride_kt, cache_ptr, stride_blk, slot_ptr, stri
         x = x.to(tl.float32)
     if FP4:
         xg = tl.reshape(x, [BLOCK_T, G, 32])
-        amax = tl.maximum(tl.max(tl.abs(xg), axis=2), 6.0 * 1.1754943508222875e-38)
+        amax = tl.maximum(tl.max(tl.abs(xg), axis=2), _FP4_AMAX_FLOOR)
         e = _fp4_exponent(amax)  # [BLOCK_T, G]
         y = xg * C.exp2_int(-e)[:, :, None]
         y = tl.minimum(tl.maximum(y, -6.0), 6.0)
         v = C.e2m1_code_to_f32(C.f32_to_e2m1_code(y))  # in units of the group scale
         emax = tl.max(e, axis=1)  # [BLOCK_T]
-        shift = tl.maximum(e - emax[:, None] + INDEX_ROW_SHIFT, -126)
+        shift = tl.maximum(e - emax[:, None] + _ROW_SHIFT, -126)
         val = tl.reshape(v * C.exp2_int(shift)[:, :, None], [BLOCK_T, DIM])
         scale = C.exp2_int(emax) * 0.015625  # 2**(emax - 6), subnormal-safe
     else:
-        amax = tl.maximum(tl.max(tl.abs(x), axis=1), ROW_AMAX_FLOOR)
+        amax = tl.maximum(tl.max(tl.abs(x), axis=1), _ROW_AMAX_FLOOR)
         e = C.ue8m0_exponent(amax)
         val = x * C.exp2_int(-e)[:, None]
         val = tl.minimum(tl.maximum(val, -448.0), 448.0)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from hf_v4 import hf_cos_sin_cache, hf_v4
 
+from dsv41_triton._utils import is_interpreter
 from dsv41_triton.layers.compressor import rms_norm_f, rope_tail
 from dsv41_triton.layers.indexer import (
     IndexerSpec,
@@ -27,6 +28,9 @@ from dsv41_triton.ops.indexer_ref import (
 from dsv41_triton.ops.rope_ref import make_cos_sin_cache
 
 PAGE = 4
+#: these tests run on CPU tensors: the Triton kernels there only in the interpreter (on a GPU
+#: machine the references stand in; tests/ops/test_indexer.py covers the kernels on the GPU)
+KERNELS = is_interpreter()
 
 
 def _sets_equal_where_untied(got, want_idx, scores, vis, k, gap):
@@ -57,7 +61,7 @@ def test_v4_indexer_matches_transformers():
             p.copy_(torch.randn(p.shape) * (0.3 if "proj" in n else 1.0) + (1.0 if "norm" in n else 0.0))
     spec = IndexerSpec("v4", 4, 64, 32, n_heads=4, head_dim=128, topk=8, hadamard=False, fp4=False,
                        eps=cfg.rms_norm_eps)
-    ours = LightningIndexer(spec)
+    ours = LightningIndexer(spec, reference=not KERNELS)
     ours.load(hf.state_dict())
     S = 90
     x = torch.randn(1, S, 64)
@@ -117,7 +121,7 @@ def test_v41_indexer_matches_float64_rules(ratio):
     hidden, qlora, S = 40, 24, 70
     spec = IndexerSpec("v4.1", ratio, hidden, qlora, n_heads=3, head_dim=128, topk=16,
                        candidate_topk_blocks=3, candidate_block_size=4)
-    ix = LightningIndexer(spec)
+    ix = LightningIndexer(spec, reference=not KERNELS)
     with torch.no_grad():
         for n, p in ix.named_parameters():
             p.copy_(torch.randn(p.shape) * 0.2 + (1.0 if "norm" in n else 0.0))
