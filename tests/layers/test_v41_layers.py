@@ -73,7 +73,7 @@ def test_v41_layer_kernels_match_references(device):
         sc = Scenario(V41, 0, device=device)
         outs = []
         for plan, padding in STEPS[:3]:
-            md, hid, _, _, owners = sc.step(plan, padding)
+            md, hid, _, _, _ = sc.step(plan, padding)
             outs.append([(layers[i](None, hid, md), layers[i].last_topk_indices) for i in range(3)])
         runs[backend] = outs
     same_rows = total = 0
