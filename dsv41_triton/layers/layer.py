@@ -229,6 +229,8 @@ class DeepseekV41Attention(nn.Module):
         if not self.fused:
             self.layout = "standard"  # fused="auto" fell back to the bf16 path
         self._ops = _Ops(reference=self.backend.name == "torch")
+        # backends that share per-step state (FlashMLA's schedule) across the step's layers
+        self._step_cache_ok = bool(getattr(self.backend, "accepts_step_cache", False))
 
         c = config
         D, Hl, Gl = self.head_dim, self.n_local_heads, self.n_local_groups
@@ -633,9 +635,10 @@ class DeepseekV41Attention(nn.Module):
                 data=output.data[:Td], scale=output.scale[:Td])
             self._write(output, 0, Td, res)
         else:
+            kw = {"step_cache": md.backend_cache} if self._step_cache_ok else {}
             self.backend.sparse_mla_decode(
                 q, self.swa_cache, md.decode_swa_indices, md.decode_swa_lens, *extra,
-                attn_sink=self._sink(), softmax_scale=self.scale, out=output[:Td])
+                attn_sink=self._sink(), softmax_scale=self.scale, out=output[:Td], **kw)
 
     def _forward_prefill(self, q, positions, output: AttnOut, md: StepMetadata, topk_indices):
         r = self.compress_ratio
