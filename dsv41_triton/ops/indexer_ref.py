@@ -246,7 +246,7 @@ def index_logits_ref(q, weights, index_cache, block_table, token_to_req, visible
     valid = (j[None, :] < visible_lens.long()[:, None]) & ok_req[:, None] & (col[None, :] < block_table.shape[1])
     valid &= (blk >= 0) & (blk < nb)
     slots = torch.where(valid, blk * page + j[None, :] % page, torch.full_like(blk, -1))
-    step = max(1, (1 << 22) // max(T, 1))  # entries per chunk: bounded float64 scratch
+    step = max(1, (1 << 22) // (max(T, 1) * cache.shape[-1]))  # entries per chunk: <= 32 MB of f64 keys
     qd, wd = q.double(), weights.double().unsqueeze(-1)
     for a in range(0, N, step):
         b = min(N, a + step)
