@@ -24,8 +24,10 @@ def test_indexer_families_opt_in_and_checked(device):
     gpu = device == "cuda"
     cases = build_cases("v41-flash", gpu=gpu, quick=gpu, families=list(INDEXER_FAMILIES))
     assert {c.family for c in cases} == set(INDEXER_FAMILIES)
-    if gpu:  # the 1M-position cases are there
+    if gpu:  # the 1M-position cases are there (run by the benchmark, not here: the timed
+        # float64 reference would take a while)
         assert max(c.entries for c in cases) == 1 << 20
+        cases = [c for c in cases if c.entries <= 1 << 17]
     bad = Impl("shifted", {"index_topk": _shifted_topk}, "one id off")
     df = run_benchmark(cases, [triton_ops_impl(), torch_ops_impl(), bad], RunConfig(device=device))
     ours = df[df["backend"] != "shifted"]
