@@ -57,14 +57,14 @@ def test_vllm_fused_compressor_names(cfg, layer_id):
     a = DeepseekV41Attention(cfg, layer_id, backend="torch", device="cpu", max_model_len=64)
     b = DeepseekV41Attention(cfg, layer_id, backend="torch", device="cpu", max_model_len=64)
     a.load_weights(sd)
-    pre = "model.layers.%d.attn." % layer_id
+    pre = f"model.layers.{layer_id}.attn."
     b.load_weights({pre + k: v for k, v in _vllm(sd).items()}, prefix=pre)
     assert a.compressed_block.loaded and b.compressed_block.loaded
     pa = dict(a.compressed_block.named_parameters())
     pb = dict(b.compressed_block.named_parameters())
     assert set(pa) == set(pb) and len(pa) >= 2
-    for n in pa:
-        assert torch.equal(pa[n], pb[n]), n
+    for n, p in pa.items():
+        assert torch.equal(p, pb[n]), n
     assert torch.equal(pa["compressor.wkv.weight"], sd["compressor.wkv.weight"].float())
 
 
