@@ -178,10 +178,11 @@ class CompressedBlock(nn.Module):
 
 def build_compressed_block(config, layer_id: int, device=None, reference: bool = False) -> CompressedBlock | None:
     """The block of a compressed layer, or None (window-only layer, or an index shape the
-    kernels do not take: ``index_head_dim`` a multiple of 32, at least 64)."""
+    kernels do not take: ``index_head_dim`` a power of two, at least 64)."""
     if config.compress_ratio(layer_id) == 0:
         return None
-    if config.has_indexer(layer_id) and (config.index_head_dim % 32 or config.index_head_dim < 64):
+    d = config.index_head_dim
+    if config.has_indexer(layer_id) and (d & (d - 1) or d < 64):
         return None
     if not config.q_head_norm and config.compress_ratio(layer_id) not in (1, 2):
         return None

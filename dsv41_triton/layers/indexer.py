@@ -61,8 +61,8 @@ class IndexerSpec:
             raise ValueError(f"version: expected 'v4' or 'v4.1', got {self.version!r}")
         for f in ("ratio", "hidden_size", "q_lora_rank", "n_heads", "head_dim", "topk"):
             check_int(f, getattr(self, f), lo=1)
-        if self.head_dim % 32 or self.head_dim < 64:
-            raise ValueError(f"head_dim: expected a multiple of 32 >= 64, got {self.head_dim}")
+        if self.head_dim & (self.head_dim - 1) or self.head_dim < 64:
+            raise ValueError(f"head_dim: expected a power of two >= 64, got {self.head_dim}")
         if self.hadamard is None:
             object.__setattr__(self, "hadamard", self.version == "v4")
 

@@ -69,8 +69,8 @@ def allocate_index_k_cache(num_blocks: int, page_size: int, dim: int = 128, devi
     check_int("num_blocks", num_blocks, lo=1)
     check_int("page_size", page_size, lo=1)
     check_int("dim", dim, lo=FP4_GROUP)
-    if dim % FP4_GROUP:
-        raise ValueError(f"dim: expected a multiple of {FP4_GROUP}, got {dim}")
+    if dim & (dim - 1):
+        raise ValueError(f"dim: expected a power of two >= {FP4_GROUP}, got {dim}")
     return torch.zeros(num_blocks, page_size, dim + INDEX_SCALE_BYTES, dtype=torch.uint8, device=device)
 
 
@@ -83,8 +83,8 @@ def check_index_k_cache(name: str, cache: object, dim: int | None = None) -> tup
             raise ValueError(f"{name}: a 4-D cache must be [num_blocks, page, 1, bytes], got {tuple(cache.shape)}")
         cache = cache.squeeze(2)
     d = cache.shape[-1] - INDEX_SCALE_BYTES
-    if d < FP4_GROUP or d % FP4_GROUP:
-        raise ValueError(f"{name}: last dim must be dim + 4 with dim a multiple of {FP4_GROUP}, "
+    if d < FP4_GROUP or d & (d - 1):
+        raise ValueError(f"{name}: last dim must be dim + 4 with dim a power of two >= {FP4_GROUP}, "
                          f"got {cache.shape[-1]}")
     if dim is not None and d != dim:
         raise ValueError(f"{name}: expected rows of {dim} keys (last dim {dim + 4}), got {cache.shape[-1]}")

@@ -253,3 +253,12 @@ def test_select_topk_dispatch_gpu():
     assert torch.equal(select_topk(x, lens, 512), index_topk_ref(x, lens, 512))
     y = x[:, :4096].contiguous()
     assert torch.equal(select_topk(y, lens.clamp_max(4096), 512), index_topk_ref(y, lens.clamp_max(4096), 512))
+
+
+def test_index_cache_width_is_a_power_of_two(device):
+    with pytest.raises(ValueError, match="power of two"):
+        allocate_index_k_cache(2, 4, 96, device)
+    with pytest.raises(ValueError, match="power of two"):
+        quantize_and_insert_index_k(torch.randn(1, 96, device=device),
+                                    torch.zeros(2, 4, 100, dtype=torch.uint8, device=device),
+                                    torch.zeros(1, dtype=torch.int32, device=device))
