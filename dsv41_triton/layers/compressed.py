@@ -119,6 +119,24 @@ class CompressedBlock(nn.Module):
             self.index_cache = allocate_index_k_cache(compressed_num_blocks, compressed_page_size,
                                                       self.indexer.spec.head_dim, dev)
 
+    def ensure_capacity(self, num_blocks: int, page_size: int, compressed_num_blocks: int,
+                        compressed_page_size: int) -> None:
+        """Grow the block's caches (keeping their contents) to at least these geometries; for
+        callers that grow the layer's KV caches step by step (``bind_kv_caches``)."""
+        old = (self.state_cache, self.index_state_cache, self.index_cache)
+        need = ((num_blocks, page_size), (num_blocks, page_size),
+                (compressed_num_blocks, compressed_page_size))
+        if any(c is not None for c in old) and all(
+                c is None or (c.shape[0] >= n and c.shape[1] == p) for c, (n, p) in zip(old, need)):
+            return
+        have = [c.shape[0] if c is not None else 0 for c in old]
+        self.allocate(max(num_blocks, 2 * have[0], 2 * have[1]), page_size,
+                      max(compressed_num_blocks, 2 * have[2]), compressed_page_size)
+        for c_old, name in zip(old, ("state_cache", "index_state_cache", "index_cache")):
+            new = getattr(self, name)
+            if c_old is not None and new is not None and c_old.shape[1:] == new.shape[1:]:
+                new[: c_old.shape[0]].copy_(c_old)
+
     def _index_cache(self) -> torch.Tensor | None:
         if self.index_cache is not None:
             return self.index_cache

@@ -83,3 +83,17 @@ def test_v41_layer_kernels_match_references(device):
             same_rows += int((kt == kr).all(1).sum())
             total += kt.shape[0]
     assert same_rows >= 0.9 * total, (same_rows, total)
+
+
+def test_block_caches_grow_keeping_contents():
+    layer = make_layer(V41, 0, "torch", random_attention_state_dict(V41, seed=1), num_blocks=4)
+    blk = layer.compressed_block
+    blk.init_random(seed=0)
+    blk.state_cache.normal_()
+    blk.index_cache.random_(0, 256)
+    s0, i0 = blk.state_cache.clone(), blk.index_cache.clone()
+    blk.ensure_capacity(3, 4, 3, 4)  # already large enough: nothing changes
+    assert blk.state_cache.data_ptr() == s0.data_ptr() or torch.equal(blk.state_cache, s0)
+    blk.ensure_capacity(9, 4, 6, 4)
+    assert blk.state_cache.shape[0] >= 9 and blk.index_cache.shape[0] >= 6
+    assert torch.equal(blk.state_cache[:4], s0) and torch.equal(blk.index_cache[:4], i0)
