@@ -8,8 +8,8 @@ kernels) and docs/compressor_indexer.md §3-§4.
   to the reference.
 * :func:`index_logits` -- ``out[t, j] = sum_h relu(q[t,h] . k_j) * w[t,h]`` over the cached
   keys of the token's request, ``-inf`` for entries not visible. One program per (token,
-  ``BLOCK_N`` entries): the keys are decoded e4m3 -> bf16 (exact) and multiplied with the bf16
-  query heads by ``tl.dot``. fp32 accumulation; equal to the float64 oracle within fp32
+  ``LOGITS_BLOCKS_PER_PROGRAM`` tiles of ``BLOCK_N`` entries): the query heads are loaded once,
+  the keys are decoded e4m3 -> bf16 (exact) and multiplied with them by ``tl.dot``. fp32 accumulation; equal to the float64 oracle within fp32
   rounding (sums in another order).
 * :func:`index_topk` -- radix select: one program per row, one pass to histogram the top 8
   bits of an order-preserving uint32 key of every valid logit, three more for the next bytes
@@ -39,6 +39,9 @@ __all__ = ["index_logits", "index_topk", "index_topk_torch", "quantize_and_inser
 INSERT_BLOCK_T = 8
 LOGITS_BLOCK_N = 64
 LOGITS_NUM_WARPS = 8
+#: entry tiles per logits program: the token's query tile (H x 128 bf16, 16 KB at 64 heads) is
+#: loaded once per program instead of once per 64 keys
+LOGITS_BLOCKS_PER_PROGRAM = 8
 TOPK_BLOCK = 1024
 TOPK_NUM_WARPS = 8
 #: :func:`select_topk` uses ``torch.topk`` for rows at least this wide when there are fewer
@@ -132,40 +135,45 @@ def _index_logits_kernel(q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_ptr, stride_blk, 
                          bt_ptr, sbt_b, sbt_c, n_req, max_cols, req_ptr, s_req, vis_ptr, s_vis,
                          out_ptr, so_t, N, H,
                          DIM: tl.constexpr, PAGE: tl.constexpr, HP: tl.constexpr,
-                         BLOCK_N: tl.constexpr, SW: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, SW: tl.constexpr):
+    """One token, ``BLOCKS`` consecutive tiles of ``BLOCK_N`` entries: the query heads and
+    weights are loaded once and the key tiles streamed past them."""
     t = tl.program_id(0).to(tl.int64)
-    j0 = tl.program_id(1) * BLOCK_N
-    j = j0 + tl.arange(0, BLOCK_N)
-    jm = j < N
     req = tl.load(req_ptr + t * s_req).to(tl.int64)
     vis = tl.load(vis_ptr + t * s_vis)
     vis = tl.where((req >= 0) & (req < n_req), vis, 0)
     o_row = out_ptr + t * so_t
     neg = tl.full([BLOCK_N], float("-inf"), tl.float32)
-    if j0 >= vis:
-        tl.store(o_row + j, neg, mask=jm)
-    else:
-        col = j // PAGE
-        live = jm & (j < vis) & (col < max_cols)
-        blk = tl.load(bt_ptr + req * sbt_b + col.to(tl.int64) * sbt_c, mask=live, other=-1).to(tl.int64)
-        live = live & (blk >= 0) & (blk < num_blocks)
-        base = cache_ptr + blk * stride_blk
-        off = (j % PAGE).to(tl.int64)
-        d = tl.arange(0, DIM)
-        kb = tl.load(base[:, None] + off[:, None] * DIM + d[None, :], mask=live[:, None], other=0)
-        k = C.e4m3_bits_to_f32(kb)
-        ks = tl.load((base + PAGE * DIM + off * 4).to(tl.pointer_type(tl.float32)), mask=live, other=0.0)
-        h = tl.arange(0, HP)
-        hm = h < H
-        q = tl.load(q_ptr + t * sq_t + h.to(tl.int64)[:, None] * sq_h + d[None, :], mask=hm[:, None], other=0.0)
-        w = tl.load(w_ptr + t * sw_t + h, mask=hm, other=0.0)
-        if SW:  # the interpreter's bf16 dot is not usable: fp32 operands (same values)
-            s = tl.dot(C.bf16_to_f32(q, SW), tl.trans(k))
-        else:  # e4m3 values are exact in bf16
-            s = tl.dot(q, tl.trans(k.to(tl.bfloat16)))  # [HP, BLOCK_N] fp32
-        s = tl.maximum(s, 0.0) * w[:, None]
-        logit = tl.sum(s, axis=0) * ks
-        tl.store(o_row + j, tl.where(live, logit, neg), mask=jm)
+    d = tl.arange(0, DIM)
+    h = tl.arange(0, HP)
+    hm = h < H
+    q = tl.load(q_ptr + t * sq_t + h.to(tl.int64)[:, None] * sq_h + d[None, :], mask=hm[:, None], other=0.0)
+    if SW:  # the interpreter's bf16 dot is not usable: fp32 operands (same values)
+        q = C.bf16_to_f32(q, SW)
+    w = tl.load(w_ptr + t * sw_t + h, mask=hm, other=0.0)
+    for it in range(BLOCKS):
+        j0 = (tl.program_id(1) * BLOCKS + it) * BLOCK_N
+        j = j0 + tl.arange(0, BLOCK_N)
+        jm = j < N
+        if j0 >= vis:
+            tl.store(o_row + j, neg, mask=jm)
+        else:
+            col = j // PAGE
+            live = jm & (j < vis) & (col < max_cols)
+            blk = tl.load(bt_ptr + req * sbt_b + col.to(tl.int64) * sbt_c, mask=live, other=-1).to(tl.int64)
+            live = live & (blk >= 0) & (blk < num_blocks)
+            base = cache_ptr + blk * stride_blk
+            off = (j % PAGE).to(tl.int64)
+            kb = tl.load(base[:, None] + off[:, None] * DIM + d[None, :], mask=live[:, None], other=0)
+            k = C.e4m3_bits_to_f32(kb)
+            ks = tl.load((base + PAGE * DIM + off * 4).to(tl.pointer_type(tl.float32)), mask=live, other=0.0)
+            if SW:
+                s = tl.dot(q, tl.trans(k))
+            else:  # e4m3 values are exact in bf16
+                s = tl.dot(q, tl.trans(k.to(tl.bfloat16)))  # [HP, BLOCK_N] fp32
+            s = tl.maximum(s, 0.0) * w[:, None]
+            logit = tl.sum(s, axis=0) * ks
+            tl.store(o_row + j, tl.where(live, logit, neg), mask=jm)
 
 
 def index_logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
@@ -197,12 +205,14 @@ def index_logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
     if q.stride(2) != 1 or weights.stride(1) != 1:
         raise ValueError("q, weights: the last dim must be contiguous")
     hp = max(16, next_power_of_2(H))
-    _index_logits_kernel[(T, cdiv(N, LOGITS_BLOCK_N))](
+    blocks = max(1, min(LOGITS_BLOCKS_PER_PROGRAM, cdiv(N, LOGITS_BLOCK_N)))
+    _index_logits_kernel[(T, cdiv(N, LOGITS_BLOCK_N * blocks))](
         q, q.stride(0), q.stride(1), weights, weights.stride(0), cache, cache.stride(0), cache.shape[0],
         block_table, block_table.stride(0), block_table.stride(1), block_table.shape[0],
         block_table.shape[1], token_to_req, token_to_req.stride(0), visible_lens,
         visible_lens.stride(0), out, out.stride(0), N, H,
-        DIM=dim, PAGE=cache.shape[1], HP=hp, BLOCK_N=LOGITS_BLOCK_N, SW=is_interpreter(),
+        DIM=dim, PAGE=cache.shape[1], HP=hp, BLOCK_N=LOGITS_BLOCK_N, BLOCKS=blocks,
+        SW=is_interpreter(),
         num_warps=LOGITS_NUM_WARPS,
     )
     return out

@@ -262,3 +262,23 @@ def test_index_cache_width_is_a_power_of_two(device):
         quantize_and_insert_index_k(torch.randn(1, 96, device=device),
                                     torch.zeros(2, 4, 100, dtype=torch.uint8, device=device),
                                     torch.zeros(1, dtype=torch.int32, device=device))
+
+
+def test_logits_many_tiles_per_program(device):
+    """More entries than one program's tiles (8 x 64): programs start mid-row; causal rows end
+    inside, at and past a program's range."""
+    nb, page = 48, 16
+    cache = _filled_cache(nb, page, device)
+    bt = torch.randperm(nb, device=device)[:45].view(1, 45).int()
+    N = 45 * page  # 720 = 11.25 tiles
+    T = 5
+    vis = torch.tensor([N, 512, 513, 3, 700], device=device, dtype=torch.int32)
+    req = torch.zeros(T, dtype=torch.int32, device=device)
+    q = torch.randn(T, 3, 128, device=device).bfloat16()
+    w = torch.rand(T, 3, device=device)
+    out = torch.full((T, N), float("nan"), device=device)
+    index_logits(q, w, cache, bt, req, vis, out=out)
+    want = index_logits_ref(q, w, cache, bt, req, vis, max_len=N)
+    assert torch.equal(out.isinf(), want.isinf())
+    fin = ~want.isinf()
+    assert torch.allclose(out[fin], want[fin], rtol=1e-5, atol=1e-4 * want[fin].abs().max().item())
