@@ -282,3 +282,29 @@ def test_logits_many_tiles_per_program(device):
     assert torch.equal(out.isinf(), want.isinf())
     fin = ~want.isinf()
     assert torch.allclose(out[fin], want[fin], rtol=1e-5, atol=1e-4 * want[fin].abs().max().item())
+
+
+@pytest.mark.gpu
+def test_int64_offsets_gpu():
+    """An index cache past 2**31 bytes: a request whose blocks are the last ones."""
+    dev, page = "cuda", 64
+    nb = (1 << 31) // (page * 132) + 8
+    cache = allocate_index_k_cache(nb, page, 128, dev)
+    blocks = torch.arange(nb - 6, nb, device=dev, dtype=torch.int32)
+    slots = (blocks.long()[:, None] * page + torch.arange(page, device=dev)).flatten()
+    k = _spread_rows(slots.numel(), 128, torch.bfloat16, dev)
+    quantize_and_insert_index_k(k, cache, slots)
+    want = cache[nb - 6:].clone()
+    cache[nb - 6:].zero_()
+    quantize_and_insert_index_k_ref(k, cache, slots)
+    assert torch.equal(cache[nb - 6:], want)
+    q = torch.randn(3, 64, 128, device=dev).bfloat16()
+    w = torch.rand(3, 64, device=dev)
+    bt = blocks.flip(0)[None]
+    z = torch.zeros(3, dtype=torch.int32, device=dev)
+    vis = torch.tensor([6 * page, 100, 1], dtype=torch.int32, device=dev)
+    got = index_logits(q, w, cache, bt, z, vis, max_len=6 * page)
+    ref = index_logits_ref(q, w, cache, bt, z, vis, max_len=6 * page)
+    fin = ~ref.isinf()
+    assert torch.equal(got.isinf(), ref.isinf())
+    assert torch.allclose(got[fin], ref[fin], rtol=1e-4, atol=1e-3 * ref[fin].abs().max().item())
