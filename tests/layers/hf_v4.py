@@ -9,10 +9,14 @@ import torch
 def hf_v4(**changes):
     """``(modeling module, tiny DeepseekV4Config)``: hidden 64, head_dim 512, 8 heads, index
     4 heads x 128, top-k 8, window 16, layers [CSA (ratio 4), HCA (ratio 128)]."""
+    tf = pytest.importorskip("transformers")
+    from packaging.version import Version
+
+    if Version(tf.__version__) < Version("5.24"):
+        pytest.skip(f"written against transformers 5.24's DeepSeek-V4 modules (their cache and "
+                    f"compressor internals), found {tf.__version__}")
     tr = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
-    from transformers.models.deepseek_v4.configuration_deepseek_v4 import (
-        DeepseekV4Config,
-    )
+    from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
 
     kw = {"hidden_size": 64, "head_dim": 512, "num_attention_heads": 8, "num_hidden_layers": 2,
           "q_lora_rank": 32, "index_n_heads": 4, "index_head_dim": 128, "index_topk": 8,
