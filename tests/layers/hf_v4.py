@@ -16,7 +16,9 @@ def hf_v4(**changes):
         pytest.skip(f"written against transformers 5.24's DeepSeek-V4 modules (their cache and "
                     f"compressor internals), found {tf.__version__}")
     tr = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
-    from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
+    from transformers.models.deepseek_v4.configuration_deepseek_v4 import (
+        DeepseekV4Config,
+    )
 
     kw = {"hidden_size": 64, "head_dim": 512, "num_attention_heads": 8, "num_hidden_layers": 2,
           "q_lora_rank": 32, "index_n_heads": 4, "index_head_dim": 128, "index_topk": 8,
