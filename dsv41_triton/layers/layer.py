@@ -44,6 +44,7 @@ import torch.nn as nn
 from .._utils import HEAD_DIM, check_int, check_tensor
 from ..backends import AttentionBackend, Problem, Selection, select_backend
 from ..backends.base import WV_GROUP_SIZE
+from .compressed import build_compressed_block
 from .config import DeepseekV41AttentionConfig, build_cos_sin_cache
 from .metadata import StepMetadata
 from .weights import (
@@ -282,6 +283,12 @@ class DeepseekV41Attention(nn.Module):
         self._step: Dict[str, object] = {}
         #: the compressor's / indexer's tensors from the last load (DeepSeek's names)
         self.extra_weights: Dict[str, torch.Tensor] = {}
+        #: the compressor + indexer that compute compressed_kv / topk_indices when the caller
+        #: passes neither (None: window-only layer, or an index shape the kernels do not take)
+        self.compressed_block = build_compressed_block(config, layer_id, dev,
+                                                       reference=self.backend.name == "torch")
+        #: the selection the last forward used: [T, K] int32 local entry ids, -1 padded
+        self.last_topk_indices: Optional[torch.Tensor] = None
 
     # ---- backend selection ------------------------------------------------------------------
     def _problems(self, fused: bool, layout: str, swa: int, extra: Optional[int], dev):
@@ -389,6 +396,8 @@ class DeepseekV41Attention(nn.Module):
                 p.copy_(t.to(p.dtype))
         dev = self.wq_b.weight.device
         self.extra_weights = {k: v.to(dev) for k, v in extra.items()}
+        if self.compressed_block is not None:
+            self.compressed_block.load(self.extra_weights)
         self._layouts_ready = self.layout == "standard"
         self.finalize_loaded_weights()
 
@@ -438,6 +447,9 @@ class DeepseekV41Attention(nn.Module):
             comp = allocate_k_cache(compressed_num_blocks or num_blocks,
                                     compressed_page_size or page_size, self.compressed_record, dev)
         self.bind_kv_caches(swa, comp)
+        if self.compressed_block is not None:
+            self.compressed_block.allocate(num_blocks, page_size, compressed_num_blocks or num_blocks,
+                                           compressed_page_size or page_size)
 
     def bind_kv_caches(self, swa_cache: torch.Tensor,
                        compressed_cache: Optional[torch.Tensor] = None) -> None:
@@ -529,6 +541,11 @@ class DeepseekV41Attention(nn.Module):
             padded); required by compressed layers with an indexer. HCA layers (ratio in
             ``config.hca_ratios``) given none attend to every completed entry
             (:meth:`StepMetadata.all_entries_topk`).
+
+        Given neither, a layer whose :attr:`compressed_block` is ready (its compressor /
+        indexer weights loaded, caches allocated; V4.1 sharing wired by
+        :func:`~dsv41_triton.layers.compressed.link_layers`) computes both itself. The rows
+        used are kept in :attr:`last_topk_indices`.
         """
         attn_out = self.compute_attention(positions, hidden_states, metadata,
                                           compressed_kv=compressed_kv, topk_indices=topk_indices)
@@ -549,13 +566,18 @@ class DeepseekV41Attention(nn.Module):
         md = metadata if metadata is not None else self._step.get("metadata")
         if md is None:
             raise ValueError("metadata: pass the step's StepMetadata (or set_step it first)")
-        topk_indices = self._topk_rows(md, topk_indices)
         if compressed_kv is None:
             compressed_kv = self._step.get("compressed_kv")
+        blk = self.compressed_block
+        auto = (blk is not None and compressed_kv is None and topk_indices is None
+                and self._step.get("topk_indices") is None and blk.ready)
+        topk_indices = self._topk_rows(md, topk_indices)
         check_tensor("hidden_states", hidden_states, dtypes=(torch.bfloat16,), ndims=2,
                      last_dim=self.config.hidden_size)
         T = hidden_states.shape[0]
-        self._check_step(md, T, topk_indices, compressed_kv)
+        # auto: the block computes the rows below; check the rest of the step now
+        pending = torch.empty((T, 1), dtype=torch.int32, device=hidden_states.device)
+        self._check_step(md, T, pending if auto else topk_indices, compressed_kv)
         if not self._layouts_ready:
             raise RuntimeError("wq_b / wo_a were never permuted for the interleaved layout: "
                                "load weights (load_weights / finalize_loaded_weights) first")
@@ -567,6 +589,9 @@ class DeepseekV41Attention(nn.Module):
         qr_kv = self.fused_wqa_wkv(hidden_states)
         qr, kv = qr_kv.split([self.q_lora_rank, self.head_dim], dim=-1)
         qr, kv = self.q_norm(qr), self.kv_norm(kv)
+        if auto:
+            compressed_kv, topk_indices = blk(hidden_states, qr, positions, md, self.cos_sin_cache)
+        self.last_topk_indices = topk_indices
         q = self.wq_b(qr).view(T, self.n_local_heads, self.head_dim)
         if not self.accepts_unnormed_unroped_query:
             if self.config.q_head_norm:

@@ -11,7 +11,7 @@ from typing import Dict, Mapping, Optional, Tuple, Union
 
 import torch
 
-from .._utils import check_int
+from .._utils import HEAD_DIM, check_int
 from .config import DeepseekV41AttentionConfig
 
 #: canonical (vLLM) parameter names of one layer
@@ -90,7 +90,8 @@ HF_NAMES = {
 EXTRA_PARAM_NAMES = ("compressor.wkv.weight", "compressor.wgate.weight", "compressor.ape",
                      "compressor.norm.weight", "indexer.wq_b.weight", "indexer.weights_proj.weight",
                      "indexer.compressor.wkv.weight", "indexer.compressor.wgate.weight",
-                     "indexer.compressor.ape", "indexer.compressor.norm.weight")
+                     "indexer.compressor.ape", "indexer.compressor.norm.weight",
+                     "indexer.wk.weight", "indexer.k_norm.weight")
 _SCALE_SUFFIXES = (".scale", ".weight_scale_inv", ".weight_scale")
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -126,8 +127,9 @@ def canonicalize_attention_state_dict(
     ``kv_proj``, ``kv_norm``, ``o_a_proj``, ``o_b_proj``, ``sinks``; :data:`HF_NAMES`); fp8
     weights with a ``.scale`` / ``.weight_scale_inv`` block multiplier are dequantized to
     ``dtype``. ``extras=True`` also returns the compressor's and indexer's tensors under
-    :data:`EXTRA_PARAM_NAMES` (projections in ``dtype``, ``ape`` and norms as stored); otherwise
-    they are ignored, as are keys of neither.
+    :data:`EXTRA_PARAM_NAMES` (projections in ``dtype``, ``ape`` and norms as stored; vLLM's
+    ``compressor.fused_wkv_wgate`` / ``indexer.compressor.fused_wkv_wgate`` split into ``wkv``
+    and ``wgate``); otherwise they are ignored, as are keys of neither.
     """
     sd = _rename_hf({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)},
                     prefix)
@@ -171,6 +173,17 @@ def canonicalize_attention_state_dict(
                 w = sd.get(name)
             if w is not None:
                 out[name] = w
+        for comp in ("compressor", "indexer.compressor"):  # vLLM: [wkv; wgate] fused
+            fused = weight(comp + ".fused_wkv_wgate")
+            if fused is None:
+                continue
+            if comp + ".wkv.weight" in out:
+                raise ValueError(f"state_dict: {prefix}{comp}.fused_wkv_wgate.weight and "
+                                 f"{prefix}{comp}.wkv.weight both given; pass one spelling")
+            if comp == "compressor" and fused.shape[0] == HEAD_DIM:  # V4.1 ratio 1: wkv only
+                out[comp + ".wkv.weight"] = fused
+            else:
+                out[comp + ".wkv.weight"], out[comp + ".wgate.weight"] = fused.chunk(2, 0)
     return out
 
 

@@ -15,6 +15,9 @@ family              what runs
                     RoPE'd in, MXFP8 ``(data, scale)`` out, ``layout`` standard or
                     interleaved
 ``prefill_fused``   the same over a bf16 workspace
+``index_logits``    the lightning indexer's logits over paged FP8 index keys
+                    (``ops.indexer.index_logits``; opt-in: ``--families``)
+``index_topk``      its top-k selection (``ops.indexer.index_topk``; opt-in)
 ==================  ============================================================
 
 Presets carry the model numbers (heads, top-k, compress ratio, records); the matrix is then
@@ -28,7 +31,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 ATTENTION_FAMILIES = ("decode", "prefill", "decode_fused", "prefill_fused")
 OP_FAMILIES = ("insert", "gather", "combine_indices", "global_topk")
-FAMILIES = ATTENTION_FAMILIES + OP_FAMILIES
+#: run only when named in ``families`` (``--families index_logits,index_topk``)
+INDEXER_FAMILIES = ("index_logits", "index_topk")
+FAMILIES = ATTENTION_FAMILIES + OP_FAMILIES + INDEXER_FAMILIES
+#: index heads and key width of the indexer cases (V4-Flash / V4.1: 64 x 128)
+INDEX_HEADS, INDEX_DIM = 64, 128
 LAYOUTS = ("standard", "interleaved")
 
 
@@ -54,6 +61,7 @@ class Case:
     preset: str = ""
     layout: str = "standard"  # fused families: Q / output layout
     q_norm: bool = False  # fused families: per-head Q RMSNorm (V4)
+    entries: int = 0  # indexer families: compressed positions (index keys / logits per row)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -105,6 +113,10 @@ class Case:
             return f"gather/B{self.requests}/T{self.tokens}/r{self.swa_record}/p{self.page}"
         if f == "combine_indices":
             return f"combine_indices/T{self.tokens}/B{self.requests}/{self.layer}/k{self.keys}"
+        if f == "index_logits":
+            return f"index_logits/H{self.heads}/T{self.tokens}/B{self.requests}/N{self.entries}"
+        if f == "index_topk":
+            return f"index_topk/T{self.tokens}/N{self.entries}/k{self.topk}"
         return f"global_topk/T{self.tokens}/k{self.topk}/p{self.page}"
 
     def params(self) -> Dict[str, object]:
@@ -206,6 +218,8 @@ def build_cases(
             raise ValueError(f"families: unknown {bad}; expected some of {list(FAMILIES)}")
     make = _gpu_cases if gpu else _cpu_cases
     cases = make(p, quick)
+    if families is not None and any(f in INDEXER_FAMILIES for f in families):
+        cases += _indexer_cases(gpu, quick)
     if families is not None:
         cases = [c for c in cases if c.family in families]
     # de-duplicate (keeping order), stamp the preset
@@ -313,4 +327,23 @@ def _cpu_cases(p: Preset, quick: bool) -> List[Case]:
     cases.append(Case("gather", 21, swa_record=p.op_records[0], page=P, requests=2))
     cases.append(Case("combine_indices", 7, window=W, topk=K, ratio=r, page=P, requests=2))
     cases.append(Case("global_topk", 7, topk=K, page=P))
+    return cases
+
+
+def _indexer_cases(gpu: bool, quick: bool) -> List[Case]:
+    """Index logits (decode: one token per request; prefill: one request's last tokens) and
+    top-k at 8K / 128K / 1M compressed positions (tiny shapes for the interpreter)."""
+    H = INDEX_HEADS
+    if not gpu:
+        return [Case("index_logits", 3, 3, requests=3, entries=200, page=CPU_PAGE),
+                Case("index_logits", 5, 3, requests=1, entries=96, page=CPU_PAGE),
+                Case("index_topk", 4, topk=32, entries=300),
+                Case("index_topk", 3, topk=512, entries=2100)]
+    decode = [(8192, 64), (131072, 64), (1048576, 16)] if not quick else [(8192, 64), (1048576, 16)]
+    cases = [Case("index_logits", t, H, requests=t, entries=n) for n, t in decode]
+    cases += [Case("index_logits", 1024, H, requests=1, entries=n)
+              for n in ((8192, 131072) if not quick else (8192,))]
+    for n, t in decode:
+        for k in ((512, 1024) if not quick else (512,)):
+            cases.append(Case("index_topk", t, topk=k, entries=n))
     return cases

@@ -36,6 +36,8 @@ REFERENCES: Dict[str, Tuple[str, str]] = {
     "gather": ("dsv41_triton.ops.kv_cache_ref", "dequantize_and_gather_k_cache_ref"),
     "combine_indices": ("dsv41_triton.ops.indices_ref", "combine_topk_swa_indices_ref"),
     "global_topk": ("dsv41_triton.ops.indices_ref", "compute_global_topk_indices_and_lens_ref"),
+    "index_logits": ("dsv41_triton.ops.indexer_ref", "index_logits_ref"),
+    "index_topk": ("dsv41_triton.ops.indexer_ref", "index_topk_ref"),
 }
 
 
@@ -735,10 +737,129 @@ def _check_pair(outputs, ref) -> Check:
     return Check(False, frac, float("nan"), False, note="; ".join(what))
 
 
+class IndexLogitsFamily(Family):
+    """``index_logits``: ``tokens`` query tokens over ``entries`` FP8 index keys per request
+    (``INDEX_DIM`` wide, random valid bytes, power-of-two scales). ``requests == tokens``: one
+    decode token per request, every key visible; one request: the request's last ``tokens``
+    positions (ratio 1, causal). Checked against the float64 oracle on at most 16 rows."""
+
+    name = "index_logits"
+
+    def build(self, case, device, seed):
+        from ..ops.indexer_ref import INDEX_SCALE_BYTES
+        from .cases import INDEX_DIM
+
+        g = _gen(device, seed)
+        T, H, N, P = case.tokens, case.heads, case.entries, case.page
+        B = max(1, min(case.requests, T))
+        nbr = cdiv(N, P)
+        cache = torch.empty(B * nbr, P, INDEX_DIM + INDEX_SCALE_BYTES, dtype=torch.uint8, device=device)
+        flat = cache.view(B * nbr, -1)
+        data = flat[:, : P * INDEX_DIM]
+        data.copy_(torch.randint(0, 256, data.shape, generator=g, device=device, dtype=torch.uint8))
+        data.masked_fill_((data & 0x7F) == 0x7F, 0)  # no e4m3 NaN bytes
+        sc = flat[:, P * INDEX_DIM:].view(torch.float32)
+        sc.copy_(torch.ldexp(torch.ones_like(sc), torch.randint(-10, -4, sc.shape, generator=g, device=device)))
+        bt = _randperm(B * nbr, g, device).view(B, nbr).to(torch.int32)
+        if B == T:
+            req = torch.arange(T, dtype=torch.int32, device=device)
+            vis = torch.full((T,), N, dtype=torch.int32, device=device)
+        else:
+            req = (torch.arange(T, device=device) * B // T).to(torch.int32)
+            vis = (N - T + 1 + torch.arange(T, device=device)).clamp_min(0).to(torch.int32)
+        q = _randn((T, H, INDEX_DIM), g, device)
+        w = torch.rand(T, H, generator=g, device=device) - 0.3
+        return dict(case=case, q=q, weights=w, index_cache=cache, block_table=bt, token_to_req=req,
+                    visible_lens=vis)
+
+    def fresh(self, state):
+        c = dict(state)
+        c["out"] = poison_(torch.empty(state["q"].shape[0], state["case"].entries,
+                                       dtype=torch.float32, device=state["q"].device))
+        return c
+
+    def invoke(self, fn, call):
+        return fn(call["q"], call["weights"], call["index_cache"], call["block_table"],
+                  call["token_to_req"], call["visible_lens"], out=call["out"])
+
+    def reference(self, state, max_ref_tokens=None):
+        ref = reference_fn(self.name)
+        if ref is None:
+            return None
+        T = state["q"].shape[0]
+        rows = _sample_rows(T, 0, min(max_ref_tokens or 16, 16), state["q"].device)
+        out = ref(state["q"][rows], state["weights"][rows], state["index_cache"], state["block_table"],
+                  state["token_to_req"][rows], state["visible_lens"][rows], max_len=state["case"].entries)
+        return rows, out
+
+    def check(self, state, call, outputs, ref):
+        if ref is None:
+            return Check(None, note="no reference available")
+        rows, want = ref
+        got = outputs[rows]
+        same_inf = bool(torch.equal(torch.isinf(got), torch.isinf(want)))
+        fin = ~torch.isinf(want)
+        err = rel_err(got[fin], want[fin]) if fin.any() else 0.0
+        ok = same_inf and err <= 1e-4
+        note = f"checked {rows.numel()} rows" + ("" if same_inf else "; -inf pattern differs")
+        return Check(ok, err, float("nan"), None, ref_tokens=int(rows.numel()), note=note)
+
+    def work(self, case, state):
+        from .cases import INDEX_DIM
+
+        n = int(state["visible_lens"].long().sum())
+        B = state["block_table"].shape[0]
+        keys = B * min(case.entries, n) if B > 1 else case.entries
+        flops = 2.0 * n * case.heads * INDEX_DIM
+        return flops, float(keys * (INDEX_DIM + 4) + case.tokens * case.entries * 4)
+
+
+class IndexTopkFamily(Family):
+    """``index_topk``: ``tokens`` rows of ``entries`` fp32 logits (one value in 7 tied, one
+    in 11 ``-inf``), row lengths ``entries`` and a few shorter; bit-exact against the
+    reference."""
+
+    name = "index_topk"
+
+    def build(self, case, device, seed):
+        g = _gen(device, seed)
+        T, N = case.tokens, case.entries
+        x = torch.randn(T, N, generator=g, device=device)
+        x[:, ::7] = 0.5
+        x[:, 5::11] = float("-inf")
+        lens = torch.full((T,), N, dtype=torch.int32, device=device)
+        lens[1::3] = torch.randint(0, N + 1, (len(range(1, T, 3)),), generator=g, device=device).int()
+        return dict(case=case, logits=x, lens=lens)
+
+    def fresh(self, state):
+        c = dict(state)
+        c["out"] = torch.full((state["logits"].shape[0], state["case"].topk), 0x7777,
+                              dtype=torch.int32, device=state["logits"].device)
+        return c
+
+    def invoke(self, fn, call):
+        return fn(call["logits"], call["lens"], call["case"].topk, out=call["out"])
+
+    def reference(self, state, max_ref_tokens=None):
+        ref = reference_fn(self.name)
+        return None if ref is None else ref(state["logits"], state["lens"], state["case"].topk)
+
+    def check(self, state, call, outputs, ref):
+        if ref is None:
+            return Check(None, note="no reference available")
+        ok = outputs.shape == ref.shape and torch.equal(outputs, ref)
+        frac = 0.0 if ok else (_mismatch_frac(outputs.long(), ref.long()) if outputs.shape == ref.shape else 1.0)
+        return Check(ok, frac, float("nan"), ok, note="" if ok else "ids differ")
+
+    def work(self, case, state):
+        return 0.0, float(case.tokens * case.entries * 4 + case.tokens * case.topk * 4)
+
+
 FAMILY_OBJECTS: Dict[str, Family] = {
     f.name: f
     for f in (DecodeFamily(), PrefillFamily(), FusedDecodeFamily(), FusedPrefillFamily(),
-              InsertFamily(), GatherFamily(), CombineIndicesFamily(), GlobalTopkFamily())
+              InsertFamily(), GatherFamily(), CombineIndicesFamily(), GlobalTopkFamily(),
+              IndexLogitsFamily(), IndexTopkFamily())
 }
 
 

@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .cases import ATTENTION_FAMILIES, OP_FAMILIES, Case
+from .cases import ATTENTION_FAMILIES, INDEXER_FAMILIES, OP_FAMILIES, Case
 from .families import resolve
 
 ProbeFn = Callable[[Case, torch.device], Tuple[bool, str]]
@@ -142,6 +142,8 @@ OP_SOURCES: Dict[str, Tuple[str, str]] = {
     "gather": ("dsv41_triton.ops.kv_cache", "dequantize_and_gather_k_cache"),
     "combine_indices": ("dsv41_triton.ops.indices", "combine_topk_swa_indices"),
     "global_topk": ("dsv41_triton.ops.indices", "compute_global_topk_indices_and_lens"),
+    "index_logits": ("dsv41_triton.ops.indexer", "index_logits"),
+    "index_topk": ("dsv41_triton.ops.indexer", "index_topk"),
 }
 VLLM_OPS_MODULE = "vllm.models.deepseek_v41.common.ops"
 
@@ -169,7 +171,7 @@ def triton_ops_impl() -> Impl:
             return False, "CPU tensors need TRITON_INTERPRET=1"
         return True, "Triton kernels"
 
-    return Impl("triton", {f: _lazy(*OP_SOURCES[f]) for f in OP_FAMILIES},
+    return Impl("triton", {f: _lazy(*OP_SOURCES[f]) for f in OP_FAMILIES + INDEXER_FAMILIES},
                 "the project's Triton ops", probe)
 
 
@@ -182,7 +184,7 @@ def torch_ops_impl() -> Impl:
             return False, f"{mod} is missing"
         return True, "PyTorch reference (exact)"
 
-    return Impl("torch", {f: _lazy(*REFERENCES[f]) for f in OP_FAMILIES},
+    return Impl("torch", {f: _lazy(*REFERENCES[f]) for f in OP_FAMILIES + INDEXER_FAMILIES},
                 "the exact PyTorch references", probe, graph_safe=False)
 
 
