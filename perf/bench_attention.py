@@ -17,12 +17,12 @@ Importable: ``build_decode_case`` / ``build_prefill_case`` return cases, ``decod
 ``prefill_fn`` return zero-argument callables, ``time_graph`` / ``time_eager`` time them.
 
 Measured on the lent H200 (triton 3.6, CUDA graph, us; perf/NOTES.md has the full table):
-decode 8 heads, 1/32/128/512 tokens: 13.7 / 22.6 / 39.2 / 117.8 (before the 'group' variant
-16.6 / 32.3 / 82.8 / 264.5); 64 heads, 128 / 512 tokens: 89.4 / 332.0 (FlashMLA 48.5 /
+decode 8 heads, 1/32/128/512 tokens: 13.7 / 22.6 / 39.2 / 117.8 (with the former one-tile
+kernel 16.6 / 32.3 / 82.8 / 264.5); 64 heads, 128 / 512 tokens: 89.4 / 332.0 (FlashMLA 48.5 /
 173.6); prefill 4096 x 640, 8 / 64 / 128 heads: 528 / 1472 / 2931 (FlashMLA 64 / 128 heads:
 659.5 / 1274).
 
-``--sweep-only`` times every launch shape of ``GPU_CANDIDATES`` against the old defaults on
+``--sweep-only`` times every launch shape of ``GPU_CANDIDATES`` against the defaults on
 the key shapes (``--warm N`` compiles them in N processes first, ``--skip-failed LOG`` drops
 candidates whose GPU tests failed in a pytest log, ``--csv`` keeps every timing).
 """
@@ -44,9 +44,10 @@ except ImportError:  # run from a checkout: python perf/bench_attention.py
 
 import triton  # noqa: E402
 
-from dsv41_triton.attention._kernels import (GPU_CANDIDATES, LAST_LAUNCH,  # noqa: E402
-                                             KernelConfig, config_from_template,
+from dsv41_triton.attention._configs import (GPU_CANDIDATES, LAUNCH_TABLE,  # noqa: E402
+                                             ArchLaunch, KernelConfig, config_from_template,
                                              config_shape, default_config)
+from dsv41_triton.attention._launch import LAST_LAUNCH  # noqa: E402
 from dsv41_triton.attention.decode import sparse_mla_decode  # noqa: E402
 from dsv41_triton.attention.prefill import sparse_mla_prefill  # noqa: E402
 from dsv41_triton.attention.ref import sparse_mla_decode_ref, sparse_mla_prefill_ref  # noqa: E402
@@ -294,15 +295,8 @@ def _fmt(name, T, H, us, case_flops, ub, extra=""):
 
 
 # --------------------------------------------------------------------------------------------
-# candidate sweep: every launch shape in GPU_CANDIDATES against the pre-existing defaults
+# candidate sweep: every launch shape in GPU_CANDIDATES against the current defaults
 # --------------------------------------------------------------------------------------------
-#: the defaults before the 'group' variant (H200, 2026-11-29): (paged, block_h) -> shape
-OLD_TEMPLATES = {
-    (True, 16): ("tile", 16, 32, 4, 3, False), (True, 32): ("tile", 32, 32, 4, 3, False),
-    (True, 64): ("tile", 64, 32, 8, 2, False), (False, 16): ("tile", 16, 32, 4, 3, False),
-    (False, 32): ("tile", 32, 32, 4, 3, False), (False, 64): ("tile", 64, 64, 8, 2, False),
-}
-
 #: sweep shapes, most important first: (family, H, T)
 SWEEP_SHAPES = [
     ("decode", 8, 128), ("decode", 64, 128), ("prefill", 8, 4096), ("prefill", 64, 4096),
@@ -318,26 +312,26 @@ def _resident(shape) -> int:
     return 2 if shape[3] <= 4 else 1
 
 
-def old_default(fam, T, H, keys, sms) -> KernelConfig:
+def current_default(fam, T, H, keys, sms, rules: Optional[ArchLaunch] = None) -> KernelConfig:
+    """``default_config`` of the sm_90 launch-table entry (or ``rules``) for ``sms`` SMs."""
     paged = fam == "decode"
-    bh = 16 if (H <= 16 or (paged and T * -(-H // 64) <= 16)) else (32 if H <= 32 else 64)
-    shape = OLD_TEMPLATES[(paged, bh)]
-    return config_from_template(T, H, keys, sms, shape, _resident(shape))
+    rules = rules or LAUNCH_TABLE[("cuda", (9, 0))]
+    bh = rules.head_tile(T, H, paged)
+    shape, resident = rules.templates[(paged, bh)]
+    return config_from_template(T, H, keys, sms, shape, resident)
 
 
 def sweep_plan(fam, H, T, keys, sms) -> List[tuple]:
-    """[(label, KernelConfig)] for one shape: the old default first, then the candidates
+    """[(label, KernelConfig)] for one shape: the current default first, then the candidates
     that make sense there (head tiles <= max(16, H); split counts from the default rule; for
     T=128 few-head decode also explicit split counts)."""
-    plan = [("old-default", old_default(fam, T, H, keys, sms))]
+    plan = [("default", current_default(fam, T, H, keys, sms))]
     seen = {plan[0][1]}
     for shape in GPU_CANDIDATES[fam]:
-        variant, bh, lazy = shape[0], shape[1], shape[5]
+        bh, lazy = shape[1], shape[5]
         if bh > max(16, H):
             continue  # head tile wider than the heads
-        if variant == "tile" and shape != ("tile", 64, 64, 8, 2, False):
-            continue  # the other tile shapes are the old defaults (timed as such)
-        if variant == "group" and not lazy and (T <= 32 or (H >= 64 and bh == 16)):
+        if not lazy and (T <= 32 or (H >= 64 and bh == 16)):
             continue  # few tokens / 16-head tiles for many heads: the lazy form only
         cfg = config_from_template(T, H, keys, sms, shape, _resident(shape))
         if cfg not in seen:
@@ -400,8 +394,8 @@ def warm(tasks, procs: int):
 
 
 def sweep(device="cuda", deadline=None, skip=(), warm_procs=0, csv_path=None):
-    """Time the old default and every sensible candidate on SWEEP_SHAPES. Returns the compact
-    summary lines (one per shape: old default, best, speedup)."""
+    """Time the current default and every sensible candidate on SWEEP_SHAPES. Returns the
+    compact summary lines (one per shape: default, best, speedup)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     plans = []
     for fam, H, T in SWEEP_SHAPES:
@@ -463,11 +457,11 @@ def sweep(device="cuda", deadline=None, skip=(), warm_procs=0, csv_path=None):
         if not res:
             summary.append(f"{fam:7s} H={H:<3d} T={T:<4d}: no result")
             continue
-        old = [r for r in res if r[1] == "old-default"]
+        base = [r for r in res if r[1] == "default"]
         best = min(good or res, key=lambda r: r[0])
-        o = f"{old[0][0]:8.1f}" if old else "     n/a"
-        sp = f"{old[0][0] / best[0]:5.2f}x" if old else "   -"
-        summary.append(f"{fam:7s} H={H:<3d} T={T:<4d} old {o} us  best {best[0]:8.1f} us "
+        o = f"{base[0][0]:8.1f}" if base else "     n/a"
+        sp = f"{base[0][0] / best[0]:5.2f}x" if base else "   -"
+        summary.append(f"{fam:7s} H={H:<3d} T={T:<4d} default {o} us  best {best[0]:8.1f} us "
                        f"{sp}  {best[1]} s{best[2].num_splits}")
     if csv_path:
         with open(csv_path, "w") as f:

@@ -2,7 +2,7 @@
 ("mega") contract.
 
 - ``sparse_mla_decode`` / ``sparse_mla_prefill``: Triton kernels (``decode.py``, ``prefill.py``,
-  shared template in ``_kernels.py``); references in ``ref.py``.
+  one kernel in ``_sparse_kernel.py``, launched by ``_launch.py``); references in ``ref.py``.
 - ``sparse_mla_decode_fused`` / ``sparse_mla_prefill_fused``: FlashMLA's fused-op argument order
   (q norm + RoPE -> attention -> inverse RoPE -> MXFP8 pair); reference in ``fused_ref.py``.
 

@@ -1,6 +1,6 @@
 """Sparse MLA prefill over a gathered bf16 workspace (SPEC §3, §6).
 
-The same Triton template as decode (``_kernels.py``) with bf16 rows as the key source:
+The same Triton kernel as decode (``_sparse_kernel.py``) with bf16 rows as the key source:
 ``indices`` are rows of ``kv``; an index ``< 0`` or ``>= S`` is skipped.
 """
 from __future__ import annotations

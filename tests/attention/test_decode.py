@@ -6,9 +6,9 @@ CPU: the Triton interpreter, small shapes (<= 7 tokens, <= ~200 keys). GPU-marke
 import pytest
 import torch
 
-from dsv41_triton.attention import _kernels
-from dsv41_triton.attention._kernels import (GPU_CANDIDATES, MIN_BLOCK_N_GPU, VARIANTS,
-                                             KernelConfig, config_shape, default_config)
+from dsv41_triton.attention import _configs
+from dsv41_triton.attention._kernels import (GPU_CANDIDATES, MIN_BLOCK_N_GPU, KernelConfig,
+                                             config_shape, default_config)
 from dsv41_triton.attention.decode import sparse_mla_decode
 from dsv41_triton.attention.ref import sparse_mla_decode_ref
 from dsv41_triton.ops.records import (allocate_k_cache, encode_records_ref, get_record_format,
@@ -78,11 +78,11 @@ def test_decode_records_heads(device, H, swa_rec, extra_rec):
 @pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (584, 528), (528, 288), (584, 288),
                                                (528, 528), (584, None), (528, None)])
 @pytest.mark.parametrize("splits,lazy", [(1, False), (3, True)])
-def test_decode_group_variant(device, H, swa_rec, extra_rec, splits, lazy):
-    """The 'group' kernel (8 dim-groups of 64) on every record pair, with and without
-    splits; Ws/K not multiples of the key block, lens and -1 inside the rows."""
+def test_decode_record_pairs_splits(device, H, swa_rec, extra_rec, splits, lazy):
+    """Every record pair, with and without splits (and the lazy rescale); Ws/K not
+    multiples of the key block, lens and -1 inside the rows."""
     args = _case(device, 3, H, swa_rec, extra_rec, Ws=37, K=45)
-    _check(args, KernelConfig(16, BN, splits, variant="group", lazy_rescale=lazy))
+    _check(args, KernelConfig(16, BN, splits, lazy_rescale=lazy))
 
 
 @pytest.mark.parametrize("splits", [1, 2])
@@ -94,7 +94,7 @@ def test_decode_lazy_rescale_growing_max(device, splits):
         args = _case(device, 3, 3, Ws=48, K=64, sink="rand")
         outs = []
         for lazy in (False, True):
-            cfg = KernelConfig(16, BN, splits, variant="group", lazy_rescale=lazy)
+            cfg = KernelConfig(16, BN, splits, lazy_rescale=lazy)
             outs.append(_check(args, cfg, scale=scale)[0])
         assert rel_err(outs[1], outs[0]) < 5e-3
 
@@ -133,8 +133,7 @@ def test_decode_lens_and_negative_indices(device):
     _check(args)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_decode_empty_rows(device, variant):
+def test_decode_empty_rows(device):
     args = _case(device, 5, 3, Ws=20, K=30)
     args["swa_lens"][1] = 0
     args["extra_lens"][1] = 0  # token 1: no columns
@@ -142,21 +141,20 @@ def test_decode_empty_rows(device, variant):
     args["extra_indices"][3] = -1  # token 3: only -1
     args["extra_indices"][4, :] = 10 ** 7  # token 4's extra slots are past the cache
     args["swa_lens"][4] = 0
-    for cfg in (KernelConfig(16, BN, 1, variant=variant),
-                KernelConfig(16, BN, 3, variant=variant)):
+    for cfg in (KernelConfig(16, BN, 1),
+                KernelConfig(16, BN, 3)):
         o, lse, _, _ = _check(args, cfg)
         for t in (1, 3, 4):
             assert torch.all(o[t] == 0)
             assert torch.all(torch.isinf(lse[t]) & (lse[t] > 0))
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_decode_all_empty(device, variant):
+def test_decode_all_empty(device):
     args = _case(device, 3, 16, Ws=16, K=16)
     args["swa_lens"].zero_()
     args["extra_indices"].fill_(-1)
-    for cfg in (KernelConfig(16, BN, 1, variant=variant),
-                KernelConfig(16, BN, 2, variant=variant)):
+    for cfg in (KernelConfig(16, BN, 1),
+                KernelConfig(16, BN, 2)):
         out = poison_(torch.empty(3, 16, 512, dtype=torch.bfloat16, device=device))
         o, lse = sparse_mla_decode(**args, out=out, _config=cfg)
         assert torch.all(o == 0)
@@ -165,10 +163,9 @@ def test_decode_all_empty(device, variant):
 
 @pytest.mark.parametrize("sink", [None, "-inf", "large"])
 @pytest.mark.parametrize("splits", [1, 2])
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_decode_sink(device, sink, splits, variant):
+def test_decode_sink(device, sink, splits):
     args = _case(device, 3, 3, sink=sink)
-    cfg = KernelConfig(16, BN, splits, variant=variant)
+    cfg = KernelConfig(16, BN, splits)
     o, lse, ro, rl = _check(args, cfg)
     if sink == "large":
         assert o.abs().max().item() < 1e-20
@@ -178,16 +175,15 @@ def test_decode_sink(device, sink, splits, variant):
         assert torch.equal(o, o2) and torch.equal(lse, l2)
 
 
-@pytest.mark.parametrize("cfg", [None, KernelConfig(16, BN, 2, variant="group"),
-                                 KernelConfig(16, BN, 1, variant="group", lazy_rescale=True)])
+@pytest.mark.parametrize("cfg", [None, KernelConfig(16, BN, 2),
+                                 KernelConfig(16, BN, 1, lazy_rescale=True)])
 def test_decode_sharp_softmax_and_scale(device, cfg):
     args = _case(device, 3, 8, q_scale=6.0)
     _check(args, cfg)
     _check(args, cfg, scale=0.01)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_decode_layouts(device, variant):
+def test_decode_layouts(device):
     """Padded block stride, 4-D cache view, odd page size, strided q/out, int64 indices."""
     T, H, page = 3, 3, 5
     fmt = get_record_format(584)
@@ -202,7 +198,7 @@ def test_decode_layouts(device, variant):
     out = obig[:, 1:H + 1, 50:562]
     args = dict(q=q, swa_cache=ca.unsqueeze(2), swa_indices=ia, swa_lens=la, extra_cache=cb,
                 extra_indices=ib, extra_lens=None, attn_sink=torch.randn(H, device=device))
-    _check(args, KernelConfig(16, BN, 2, variant=variant), out=out)
+    _check(args, KernelConfig(16, BN, 2), out=out)
     # nothing outside the owned rows was written
     assert torch.isnan(obig[:, 0]).all() and torch.isnan(obig[:, H + 1]).all()
     assert torch.isnan(obig[:, :, :50]).all() and torch.isnan(obig[:, :, 562:]).all()
@@ -261,7 +257,7 @@ def test_decode_bad_inputs(device):
 def test_kernel_config_validation():
     for bad in (dict(block_h=8), dict(block_h=48), dict(block_n=512), dict(num_splits=0),
                 dict(num_warps=3), dict(num_stages=0), dict(variant="fast"),
-                dict(lazy_rescale=True), dict(variant="group", lazy_rescale=1)):
+                dict(variant="tile"), dict(lazy_rescale=1)):
         kw = dict(block_h=16, block_n=32, num_splits=1)
         kw.update(bad)
         with pytest.raises(ValueError, match="KernelConfig"):
@@ -269,21 +265,57 @@ def test_kernel_config_validation():
 
 
 def test_default_config_only_returns_gpu_candidates(monkeypatch):
-    """Every launch shape the GPU defaults can pick is one the GPU tests below run."""
-    monkeypatch.setattr(_kernels, "is_interpreter", lambda: False)
-    monkeypatch.setattr(_kernels, "_sm_count", lambda device: 132)
+    """Every launch shape the GPU defaults can pick (sm_90, another CUDA GPU, ROCm) is one the
+    GPU tests below run."""
+    monkeypatch.setattr(_configs, "is_interpreter", lambda: False)
+    monkeypatch.setattr(_configs, "_sm_count", lambda device: 132)
     default_config.cache_clear()
     try:
         dev = torch.device("cuda")
-        for paged, fam in ((True, "decode"), (False, "prefill")):
-            for T in (1, 2, 7, 16, 33, 128, 512, 4096):
-                for H in (1, 3, 8, 16, 24, 32, 40, 64, 128):
-                    cfg = default_config(T, H, 640, dev, paged=paged)
-                    assert config_shape(cfg) in GPU_CANDIDATES[fam], (fam, T, H, cfg)
-                    assert cfg.block_n >= MIN_BLOCK_N_GPU
-                    assert 1 <= cfg.num_splits <= 32
+        for cap, hip in (((9, 0), None), ((8, 0), None), ((9, 4), "6.2")):
+            monkeypatch.setattr(_configs, "_capability", lambda device, c=cap: c)
+            monkeypatch.setattr(torch.version, "hip", hip)
+            default_config.cache_clear()
+            assert _configs.arch_key(dev) == ("rocm" if hip else "cuda", cap)
+            for paged, fam in ((True, "decode"), (False, "prefill")):
+                for T in (1, 2, 7, 16, 33, 128, 512, 4096):
+                    for H in (1, 3, 8, 16, 24, 32, 40, 64, 128):
+                        cfg = default_config(T, H, 640, dev, paged=paged)
+                        assert config_shape(cfg) in GPU_CANDIDATES[fam], (fam, T, H, cfg)
+                        assert cfg.block_n >= MIN_BLOCK_N_GPU
+                        assert 1 <= cfg.num_splits <= 32
     finally:
         default_config.cache_clear()
+
+
+def test_default_config_sm90_shapes(monkeypatch):
+    """The sm_90 entry of the launch table: the H200 picks (head tile, shape, splits)."""
+    monkeypatch.setattr(_configs, "is_interpreter", lambda: False)
+    monkeypatch.setattr(_configs, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(_configs, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(torch.version, "hip", None)
+    default_config.cache_clear()
+    try:
+        dev = torch.device("cuda")
+        assert default_config(128, 8, 640, dev, paged=True) == KernelConfig(16, 64, 2, 4, 2)
+        assert default_config(128, 64, 640, dev, paged=True) == KernelConfig(64, 64, 1, 8, 2)
+        assert default_config(1, 64, 640, dev, paged=True) == KernelConfig(16, 64, 10, 4, 2)
+        assert default_config(4096, 8, 640, dev, paged=False) == KernelConfig(
+            16, 64, 1, 4, 3, lazy_rescale=True)
+        assert default_config(4096, 64, 640, dev, paged=False) == KernelConfig(64, 64, 1, 8, 3)
+        assert default_config(4096, 32, 640, dev, paged=False) == KernelConfig(32, 64, 1, 4, 3)
+    finally:
+        default_config.cache_clear()
+
+
+def test_default_config_interpreter():
+    """CPU tensors: the interpreter entry (64-key steps, one split, head tile from H)."""
+    cpu = torch.device("cpu")
+    assert _configs.arch_key(cpu) == ("interpreter", None)
+    assert default_config(3, 3, 100, cpu, paged=True) == KernelConfig(16, 64, 1, 4, 1)
+    assert default_config(3, 40, 100, cpu, paged=False) == KernelConfig(64, 64, 1, 4, 1)
+    assert default_config(3, 3, 100, cpu, paged=True, block_h=32, block_n=16) == \
+        KernelConfig(32, 16, 1, 4, 1)
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,8 +2,7 @@
 import pytest
 import torch
 
-from dsv41_triton.attention._kernels import (GPU_CANDIDATES, MIN_BLOCK_N_GPU, VARIANTS,
-                                             KernelConfig)
+from dsv41_triton.attention._kernels import GPU_CANDIDATES, MIN_BLOCK_N_GPU, KernelConfig
 from dsv41_triton.attention.prefill import sparse_mla_prefill
 from dsv41_triton.attention.ref import sparse_mla_prefill_ref
 from dsv41_triton.testing import max_abs_err, poison_, rel_err
@@ -52,8 +51,8 @@ def test_prefill_heads(device, H, lens):
 
 @pytest.mark.parametrize("H", [1, 3, 16])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_prefill_group_variant(device, H, splits):
-    _check(_case(device, 3, H, K=77), KernelConfig(16, BN, splits, variant="group"))
+def test_prefill_heads_splits(device, H, splits):
+    _check(_case(device, 3, H, K=77), KernelConfig(16, BN, splits))
 
 
 def test_prefill_seven_tokens_one_token(device):
@@ -76,24 +75,22 @@ def test_prefill_sink(device, sink):
         assert o.abs().max().item() < 1e-20
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_prefill_empty_rows(device, variant):
+def test_prefill_empty_rows(device):
     args = _case(device, 4, 3, K=20)
     args["lens"][0] = 0
     args["indices"][1] = -1
     args["indices"][2] = 10 ** 6
-    for cfg in (KernelConfig(16, BN, 1, variant=variant),
-                KernelConfig(16, BN, 2, variant=variant)):
+    for cfg in (KernelConfig(16, BN, 1),
+                KernelConfig(16, BN, 2)):
         o, lse, _, _ = _check(args, cfg)
         for t in (0, 1, 2):
             assert torch.all(o[t] == 0) and torch.all(lse[t] == float("inf"))
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_prefill_shapes_and_strides(device, variant):
+def test_prefill_shapes_and_strides(device):
     """kv [S, 1, 512] and a strided [S, 512] view, indices [T, 1, K] and int64, strided q/out."""
     T, H, S, K = 3, 3, 40, 33
-    cfg = KernelConfig(16, BN, 1, variant=variant)
+    cfg = KernelConfig(16, BN, 1)
     base = _case(device, T, H, S=S, K=K)
     _check(dict(base, kv=base["kv"].unsqueeze(1), indices=base["indices"].unsqueeze(1)), cfg)
     wide = torch.randn(S, 2, 512).to(torch.bfloat16).to(device)

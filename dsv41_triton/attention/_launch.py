@@ -1,0 +1,108 @@
+"""Host side of the sparse MLA kernel: ``KeySet`` (one key source) and ``launch`` (the fwd
+kernel of ``_sparse_kernel.py``, then the split merge of ``_merge_kernel.py`` when splitting).
+Launch shapes come from ``_configs.py``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .._utils import HEAD_DIM, cdiv, is_interpreter, next_power_of_2
+from ._configs import MIN_BLOCK_N_GPU, KernelConfig, default_config
+from ._merge_kernel import _merge_kernel
+from ._sparse_kernel import SRC_BF16, SRC_BYTES, _sparse_mla_fwd_grouped_kernel
+
+LOG2E = 1.4426950408889634
+
+#: the last attention launch's compiled kernel and config (for benchmarks: registers, spills)
+LAST_LAUNCH = {}
+
+
+@dataclass(frozen=True)
+class KeySet:
+    """One key source for the kernel. ``src``: 0 (bf16 rows), 584, 528 or 288.
+    ``k``: the cache ``[nb, page, bytes]`` uint8 or the workspace ``[S, 512]`` bf16;
+    ``indices [T, width]``; ``lens [T]`` or None; ``bstride``: block stride in bytes (rows:
+    row stride in elements); ``rows``: number of valid slots / rows."""
+
+    src: int
+    k: torch.Tensor
+    indices: torch.Tensor
+    lens: Optional[torch.Tensor]
+    bstride: int
+    page: int
+    rows: int
+
+
+def _page_log2(page: int) -> int:
+    """log2(page) for a power of two (the kernel shifts instead of dividing), else -1."""
+    return page.bit_length() - 1 if page > 0 and page & (page - 1) == 0 else -1
+
+
+def launch(q: torch.Tensor, a: KeySet, b: Optional[KeySet], sink: Optional[torch.Tensor],
+           softmax_scale: float, out: torch.Tensor, lse: torch.Tensor,
+           config: Optional[KernelConfig] = None) -> None:
+    """Run the kernel on validated arguments (no checks here; see decode.py/prefill.py)."""
+    T, H, _ = q.shape
+    if T == 0 or H == 0:
+        return
+    cfg = config or default_config(T, H, a.indices.shape[1] + (b.indices.shape[1] if b else 0),
+                                   q.device, paged=a.src != SRC_BF16)
+    if q.device.type == "cuda" and not is_interpreter() and cfg.block_n < MIN_BLOCK_N_GPU:
+        raise ValueError(f"config: block_n must be >= {MIN_BLOCK_N_GPU} on a GPU, got "
+                         f"{cfg.block_n} (16-key blocks gave wrong results on an H200 with "
+                         f"triton 3.6)")
+    bh, ns = cfg.block_h, cfg.num_splits
+    n_ht = cdiv(H, bh)
+    interp = is_interpreter()
+    bb = b if b is not None else a
+    if ns > 1:
+        po = torch.empty((T, ns, H, HEAD_DIM), dtype=torch.float32, device=q.device)
+        pl = torch.empty((T, ns, H), dtype=torch.float32, device=q.device)
+    else:
+        po = pl = lse  # unused
+    sink_arg = sink if sink is not None else lse
+    sink_st = sink.stride(0) if sink is not None else 0
+
+    def _lens(ks):
+        return (ks.lens if ks.lens is not None else ks.indices,
+                ks.lens.stride(0) if ks.lens is not None else 0)
+
+    a_len, a_len_st = _lens(a)
+    b_len, b_len_st = _lens(bb)
+    da, sa = SRC_BYTES[a.src]
+    db, sbb = SRC_BYTES[bb.src]
+    grid = (T * ns * n_ht,)
+    args = (
+        q, q.stride(0), q.stride(1),
+        a.k, a.indices, a.indices.stride(0), a_len, a_len_st, a.indices.shape[1], a.bstride,
+        a.page, a.rows,
+        bb.k, bb.indices, bb.indices.stride(0), b_len, b_len_st, bb.indices.shape[1],
+        bb.bstride, bb.page, bb.rows,
+        sink_arg, sink_st,
+        out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1),
+        po, pl,
+        H, float(softmax_scale) * LOG2E, ns, n_ht,
+    )
+    kw = dict(SRC_A=a.src, DATA_A=da, SCALE_A=sa, SRC_B=bb.src, DATA_B=db, SCALE_B=sbb,
+              HAS_B=b is not None, HAS_LEN_A=a.lens is not None,
+              HAS_LEN_B=bb.lens is not None, HAS_SINK=sink is not None,
+              SPLIT=ns > 1, BH=bh, BN=cfg.block_n, DOT_F32=interp, SW=interp,
+              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    k = _sparse_mla_fwd_grouped_kernel[grid](*args, PAGE_LOG2_A=_page_log2(a.page),
+                                             PAGE_LOG2_B=_page_log2(bb.page),
+                                             LAZY=cfg.lazy_rescale, **kw)
+    LAST_LAUNCH["fwd"] = (k, cfg)
+    if ns > 1:
+        mbh = min(16, next_power_of_2(H))
+        m_ht = cdiv(H, mbh)
+        _merge_kernel[(T * m_ht,)](
+            po, pl, sink_arg, sink_st, out, out.stride(0), out.stride(1),
+            lse, lse.stride(0), lse.stride(1), H, ns, m_ht,
+            NSP=max(2, next_power_of_2(ns)), BH=mbh,
+            HAS_SINK=sink is not None, SW=interp, num_warps=4,
+        )
+
+
+__all__ = ["KeySet", "KernelConfig", "launch", "LAST_LAUNCH", "SRC_BF16"]

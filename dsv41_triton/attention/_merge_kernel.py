@@ -1,0 +1,51 @@
+"""Merge of split-K partials of the sparse MLA forward kernel (``_sparse_kernel.py``)."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..ops._codecs import f32_to_bf16
+
+
+@triton.jit
+def _merge_kernel(po_ptr, pl_ptr, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh,
+                  lse_ptr, stride_lt, stride_lh, H, num_splits, num_ht,
+                  NSP: tl.constexpr, BH: tl.constexpr, HAS_SINK: tl.constexpr,
+                  SW: tl.constexpr):
+    """Combine split partials: ``po [T, NS, H, 512]`` (each normalized by its own sum) and
+    ``pl [T, NS, H]`` (log2-sum-exp, -inf = empty) -> out bf16, lse fp32 (natural log), with
+    the sink in the denominator. Empty rows: out 0, lse +inf. Grid ``T * num_ht``."""
+    pid = tl.program_id(0)
+    ht = pid % num_ht
+    t = (pid // num_ht).to(tl.int64)
+    h = ht * BH + tl.arange(0, BH)
+    hmask = h < H
+    h64 = h.to(tl.int64)
+    sp = tl.arange(0, NSP)
+    lrow = (t * num_splits + sp[:, None]) * H + h64[None, :]
+    lse2 = tl.load(pl_ptr + lrow, mask=(sp[:, None] < num_splits) & hmask[None, :],
+                   other=float("-inf"))
+    m = tl.max(lse2, 0)
+    has = m > float("-inf")
+    m_safe = tl.where(has, m, 0.0)
+    w = tl.exp2(lse2 - m_safe[None, :])
+    l_sum = tl.sum(w, 0)
+    den = tl.where(has, l_sum, 1.0)
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + h64 * sink_st, mask=hmask, other=float("-inf"))
+        den = den + tl.exp2(sink * 1.4426950408889634 - m_safe)
+    inv = tl.where(has, 1.0 / den, 0.0)
+    d = tl.arange(0, 512)
+    acc = tl.zeros([BH, 512], tl.float32)
+    for s in range(num_splits):
+        prow = (t * num_splits + s) * H + h64
+        ls = tl.load(pl_ptr + prow, mask=hmask, other=float("-inf"))
+        ws = tl.exp2(ls - m_safe)
+        o = tl.load(po_ptr + prow[:, None] * 512 + d[None, :], mask=hmask[:, None], other=0.0)
+        acc += ws[:, None] * o
+    o = f32_to_bf16(acc * inv[:, None], SW)
+    tl.store(out_ptr + t * stride_ot + h64[:, None] * stride_oh + d[None, :], o,
+             mask=hmask[:, None])
+    lse = tl.where(has, (m + tl.log2(tl.where(has, l_sum, 1.0))) * 0.6931471805599453,
+                   float("inf"))
+    tl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
