@@ -91,7 +91,7 @@ class FlashMLABackend(ComposedFusedMixin, AttentionBackend):
                           extra_indices=None, extra_lens=None, attn_sink=None,
                           softmax_scale=None, out=None) -> Tuple[torch.Tensor, torch.Tensor]:
         _checks.check_decode(q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices,
-                             extra_lens, attn_sink, out)
+                             extra_lens, attn_sink, out, softmax_scale=softmax_scale)
         ops, scale, out, lse = _prepare(q, softmax_scale, out)
         T, H, D = q.shape
         if T == 0:
@@ -116,7 +116,7 @@ class FlashMLABackend(ComposedFusedMixin, AttentionBackend):
 
     def sparse_mla_prefill(self, q, kv, indices, lens=None, attn_sink=None, softmax_scale=None,
                            out=None) -> Tuple[torch.Tensor, torch.Tensor]:
-        _checks.check_prefill(q, kv, indices, lens, attn_sink, out)
+        _checks.check_prefill(q, kv, indices, lens, attn_sink, out, softmax_scale=softmax_scale)
         ops, scale, out, lse = _prepare(q, softmax_scale, out)
         T, H, D = q.shape
         if T == 0:
