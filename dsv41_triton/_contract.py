@@ -176,7 +176,9 @@ def check_k_cache(
     ``stride(1) == bytes`` (a page's records back to back), ``stride(0) >= page * bytes`` and
     a multiple of 16 (padding after the scale rows is fine), and a base 16-byte aligned
     (``storage_offset() % 16 == 0``). A view that cuts the page dim of a larger cache
-    (``cache[:, :8]``) is rejected too: its scale rows are not where its page size puts them.
+    (``cache[:, :8]``) is rejected too: its scale rows are not where its page size puts them
+    (detected through the view's base: a cache from ``allocate_k_cache`` or ``torch.empty``
+    is its slices' base; strides alone cannot tell such a slice from a padded block stride).
     """
     check_tensor(name, cache, dtypes=(torch.uint8,), ndims=(3, 4))
     arg = cache

@@ -67,7 +67,11 @@ def allocate_k_cache(
         flat = torch.randint(0, 256, (num_blocks * stride0,), dtype=torch.uint8, device=device)
     else:
         flat = torch.full((num_blocks * stride0,), fill, dtype=torch.uint8, device=device)
-    return flat.as_strided((num_blocks, page_size, fmt.record_bytes), (stride0, fmt.record_bytes, 1))
+    # a tensor of its own over the flat storage, not a view of it: then a slice of the cache
+    # (``cache[:, :8]``) is a view whose base is the cache, which ``check_k_cache`` rejects
+    cache = torch.empty(0, dtype=torch.uint8, device=flat.device)
+    return cache.set_(flat.untyped_storage(), 0, (num_blocks, page_size, fmt.record_bytes),
+                      (stride0, fmt.record_bytes, 1))
 
 
 def record_views(cache: torch.Tensor, fmt: RecordFormat) -> Tuple[torch.Tensor, torch.Tensor]:
