@@ -211,10 +211,10 @@ def check_k_cache(
     if nb > 1 and cache.stride(0) % CACHE_ALIGN != 0:
         raise ValueError(f"{name}: block stride {cache.stride(0)} must be a multiple of "
                          f"{CACHE_ALIGN} bytes")
-    if cache.storage_offset() % CACHE_ALIGN != 0:
-        raise ValueError(f"{name}: the cache must start {CACHE_ALIGN}-byte aligned (storage "
-                         f"offset {cache.storage_offset()} bytes)")
-    if not _compiling():
+    if not _compiling():  # (Dynamo traces neither storage offsets nor view bases)
+        if cache.storage_offset() % CACHE_ALIGN != 0:
+            raise ValueError(f"{name}: the cache must start {CACHE_ALIGN}-byte aligned "
+                             f"(storage offset {cache.storage_offset()} bytes)")
         base = arg._base
         if (base is not None and base.dtype == torch.uint8 and base.dim() in (3, 4)
                 and base.shape[-1] == rb and base.shape[1] != page
