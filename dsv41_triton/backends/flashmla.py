@@ -6,13 +6,22 @@ over the gathered bf16 workspace. FlashMLA takes 64 or 128 query heads only: few
 zero-padded (the sink with ``-inf``) and the padding is sliced off the output; index rows are
 padded with ``-1`` to the block multiple its kernels assume. The fused contract runs FlashMLA's
 bf16 attention between the project's Triton RoPE and inverse-RoPE/MXFP8 epilogue kernels.
+
+Scheduler metadata: decode passes FlashMLA no ``topk_length`` (columns past a row's length are
+set to ``-1`` instead, which its kernel skips), so the split-KV schedule depends on the shapes
+alone. Given a ``step_cache`` dict (the layer passes its step's ``StepMetadata.backend_cache``),
+one ``FlashMLASchedMeta`` per shape and the masked window index rows are built once and shared
+by every layer of the step: the first call fills the schedule (inside a CUDA graph capture:
+records its kernel), later calls reuse it; nothing synchronizes with the host. Without one, each
+call gets a fresh schedule.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
+from .._utils import round_up
 from . import _checks
 from ._flashmla_common import (
     arch_reason,
@@ -45,8 +54,24 @@ def _prepare(q, softmax_scale, out):
     return ops, scale, out, torch.empty((T, H), dtype=torch.float32, device=q.device)
 
 
+def masked_indices(idx: torch.Tensor, lens: Optional[torch.Tensor], multiple: int) -> torch.Tensor:
+    """``idx [T, K]`` -> ``[T, Kp]`` int32, ``Kp`` a multiple of ``multiple`` (at least one
+    block): negative entries, and columns ``>= lens[t]`` when ``lens`` is given, become ``-1``
+    (what FlashMLA skips). One elementwise kernel, no host sync."""
+    T, K = idx.shape
+    Kp = max(round_up(K, multiple), multiple)
+    src = idx if Kp == K else torch.nn.functional.pad(idx, (0, Kp - K), value=-1)
+    keep = src >= 0
+    if lens is not None:
+        cols = torch.arange(Kp, device=idx.device, dtype=torch.int32)
+        keep = keep & (cols[None, :] < lens.to(torch.int32)[:, None])
+    return torch.where(keep, src, torch.full_like(src, -1)).to(torch.int32)
+
+
 class FlashMLABackend(ComposedFusedMixin, AttentionBackend):
     name = "flashmla"
+    #: ``sparse_mla_decode`` takes ``step_cache`` (per-step scheduler metadata and index rows)
+    accepts_step_cache = True
     fused_steps_impl = "triton"  # our RoPE prologue and MXFP8 epilogue around FlashMLA
     description = "FlashMLA sparse decode/prefill kernels (SM90a, SM100), heads padded to 64/128"
 
@@ -89,30 +114,60 @@ class FlashMLABackend(ComposedFusedMixin, AttentionBackend):
     # ---------------------------------------------------------------------------------------
     def sparse_mla_decode(self, q, swa_cache, swa_indices, swa_lens, extra_cache=None,
                           extra_indices=None, extra_lens=None, attn_sink=None,
-                          softmax_scale=None, out=None) -> Tuple[torch.Tensor, torch.Tensor]:
+                          softmax_scale=None, out=None, *, step_cache: Optional[dict] = None
+                          ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """See the module docstring; ``step_cache``: a dict living for one step (shared by its
+        layers) where the schedule and the window index rows are kept."""
         _checks.check_decode(q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices,
                              extra_lens, attn_sink, out, softmax_scale=softmax_scale)
-        ops, scale, out, lse = _prepare(q, softmax_scale, out)
+        ops, why = load_flashmla()
+        if ops is None:
+            raise RuntimeError(f"FlashMLA is not available: {why}")
         T, H, D = q.shape
+        scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
         if T == 0:
-            return out, lse
+            out = torch.empty_like(q) if out is None else out
+            return out, torch.empty((T, H), dtype=torch.float32, device=q.device)
         hp = padded_heads(H)
         qp = pad_heads(q, hp).unsqueeze(1)  # [T, 1, hp, 512]: each token its own "batch"
-        idx = pad_indices(swa_indices, _DECODE_TOPK_MULTIPLE).unsqueeze(1)
+        cache4 = as_cache4(swa_cache)
+        key = ("swa_idx", swa_indices.data_ptr(), tuple(swa_indices.shape),
+               swa_lens.data_ptr())
+        idx = None if step_cache is None else step_cache.get(key)
+        if idx is None:
+            idx = masked_indices(swa_indices, swa_lens, _DECODE_TOPK_MULTIPLE).unsqueeze(1)
+            if step_cache is not None:  # the step's window rows are the same for every layer
+                step_cache[key] = idx
         extra = None if extra_cache is None else as_cache4(extra_cache)
         eidx = None
         if extra is not None:
-            eidx = pad_indices(extra_indices, _DECODE_TOPK_MULTIPLE).unsqueeze(1)
+            eidx = masked_indices(extra_indices, extra_lens, _DECODE_TOPK_MULTIPLE).unsqueeze(1)
         o, l = ops.with_kvcache(
-            qp, as_cache4(swa_cache), None, None, 512, new_sched_meta(ops.get_metadata), None,
+            qp, cache4, None, None, 512, self._sched_meta(ops, step_cache, qp, cache4, idx, extra,
+                                                          eidx), None,
             softmax_scale=scale, causal=False, is_fp8_kvcache=True, indices=idx,
             attn_sink=pad_sink(attn_sink, H, hp), extra_k_cache=extra,
-            extra_indices_in_kvcache=eidx, topk_length=lens_i32(swa_lens),
-            extra_topk_length=lens_i32(extra_lens) if extra is not None else None,
+            extra_indices_in_kvcache=eidx, topk_length=None, extra_topk_length=None,
         )
-        out.copy_(o.reshape(T, hp, D)[:, :H])
-        lse.copy_(l.reshape(T, hp)[:, :H])  # s_q == 1: [b, h, 1] and [b, 1, h] agree
-        return out, lse
+        o = o.reshape(T, hp, D)[:, :H]
+        l = l.reshape(T, hp)[:, :H]  # s_q == 1: [b, h, 1] and [b, 1, h] agree
+        if out is None:  # FlashMLA's own buffer when no head was padded (no copy)
+            return (o if hp == H else o.contiguous()), l.contiguous()
+        out.copy_(o)
+        return out, l.contiguous()
+
+    @staticmethod
+    def _sched_meta(ops, step_cache, qp, cache4, idx, extra, eidx):
+        """The step's schedule for this shape (FlashMLA's config fields), or a fresh one."""
+        if step_cache is None:
+            return new_sched_meta(ops.get_metadata)
+        key = ("sched", qp.shape[0], qp.shape[2], cache4.shape[1], idx.shape[-1],
+               None if extra is None else extra.shape[1],
+               None if eidx is None else eidx.shape[-1], qp.device)
+        meta = step_cache.get(key)
+        if meta is None:
+            meta = step_cache[key] = new_sched_meta(ops.get_metadata)
+        return meta
 
     def sparse_mla_prefill(self, q, kv, indices, lens=None, attn_sink=None, softmax_scale=None,
                            out=None) -> Tuple[torch.Tensor, torch.Tensor]:

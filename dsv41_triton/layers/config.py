@@ -15,7 +15,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Mapping, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 
@@ -36,6 +36,11 @@ class DeepseekV41AttentionConfig:
     ``compress_ratios[layer_id]`` is the layer's ratio (0 = window only); layers past the list
     (e.g. MTP) are window only. ``q_head_norm``: V4 re-normalizes each head of Q (RMSNorm
     without weight) after ``wq_b``; V4.1 does not (it norms ``qr`` before ``wq_b`` only).
+    ``index_n_heads`` / ``index_head_dim`` / ``index_topk`` describe the indexer that feeds the
+    layer its top-k rows; ``kv_source_layer_ids`` / ``index_source_layer_ids`` (V4.1) name the
+    layers that compute compressed KV / indexer keys for the others (recorded as given; the
+    caller shares the caches). Layers whose ratio is in ``hca_ratios`` (heavily compressed
+    attention) have no indexer: they attend to every completed compressed entry.
     """
 
     name: str = "custom"
@@ -58,6 +63,12 @@ class DeepseekV41AttentionConfig:
     beta_slow: float = 1.0
     max_position_embeddings: int = 1048576
     q_head_norm: bool = False
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    num_hidden_layers: Optional[int] = None
+    kv_source_layer_ids: Tuple[int, ...] = field(default_factory=tuple)
+    index_source_layer_ids: Tuple[int, ...] = field(default_factory=tuple)
+    hca_ratios: Tuple[int, ...] = (128,)
 
     def __post_init__(self):
         if self.head_dim != HEAD_DIM or self.qk_rope_head_dim != ROPE_DIM:
@@ -74,6 +85,12 @@ class DeepseekV41AttentionConfig:
         if any((not isinstance(r, int)) or r < 0 for r in self.compress_ratios):
             raise ValueError(f"compress_ratios: expected ints >= 0, got {self.compress_ratios}")
         object.__setattr__(self, "compress_ratios", tuple(self.compress_ratios))
+        for f in ("kv_source_layer_ids", "index_source_layer_ids", "hca_ratios"):
+            object.__setattr__(self, f, tuple(int(i) for i in getattr(self, f)))
+        for f in ("index_topk", "index_n_heads", "index_head_dim"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{f}: expected a positive int, got {v!r}")
 
     # ---------------------------------------------------------------------------------------
     @property
@@ -83,6 +100,11 @@ class DeepseekV41AttentionConfig:
     def compress_ratio(self, layer_id: int) -> int:
         """The layer's ratio (0 past the list)."""
         return self.compress_ratios[layer_id] if 0 <= layer_id < len(self.compress_ratios) else 0
+
+    def has_indexer(self, layer_id: int) -> bool:
+        """Whether the layer's top-k rows come from an indexer (compressed, not HCA)."""
+        r = self.compress_ratio(layer_id)
+        return r > 0 and r not in self.hca_ratios
 
     def replace(self, **changes) -> "DeepseekV41AttentionConfig":
         return dataclasses.replace(self, **changes)
@@ -115,35 +137,16 @@ class DeepseekV41AttentionConfig:
         return base.replace(**changes) if changes else base
 
     @classmethod
-    def from_hf_config(cls, cfg: Mapping[str, Any], **changes) -> "DeepseekV41AttentionConfig":
-        """From a checkpoint's ``config.json`` dict (``rope_scaling`` / ``rope_parameters``
-        read for the YaRN fields)."""
-        rs = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
-        if isinstance(rs.get("compress"), dict):
-            rs = dict(rs["compress"])
-        kw = dict(
-            name=str(cfg.get("model_type", "hf")),
-            hidden_size=cfg["hidden_size"],
-            num_attention_heads=cfg["num_attention_heads"],
-            head_dim=cfg.get("head_dim", HEAD_DIM),
-            qk_rope_head_dim=cfg.get("qk_rope_head_dim", ROPE_DIM),
-            q_lora_rank=cfg["q_lora_rank"],
-            o_lora_rank=cfg["o_lora_rank"],
-            o_groups=cfg["o_groups"],
-            sliding_window=cfg.get("sliding_window", 128),
-            index_topk=cfg.get("index_topk", 512),
-            compress_ratios=tuple(int(r) for r in cfg.get("compress_ratios", ())),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            compress_rope_theta=float(cfg.get("compress_rope_theta", 160000.0)),
-            rope_factor=float(rs.get("factor", 1.0)),
-            original_max_position_embeddings=int(
-                rs.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 65536))),
-            beta_fast=float(rs.get("beta_fast", 32)),
-            beta_slow=float(rs.get("beta_slow", 1)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 1048576)),
-            q_head_norm=str(cfg.get("model_type", "")) == "deepseek_v4",
-        )
+    def from_hf_config(cls, cfg: Any, **changes) -> "DeepseekV41AttentionConfig":
+        """From a model config: transformers' ``DeepseekV4Config`` (object or ``to_dict()``),
+        the checkpoint's ``config.json``, vLLM's ``hf_config`` or DeepSeek's
+        ``inference/config.json`` (see :mod:`dsv41_triton.layers.hf_config`). Every layer's
+        ratio, the RoPE of each layer type, window, groups and index settings are read; an
+        unknown or contradictory field raises ``ValueError`` naming it. ``changes`` override
+        fields afterwards."""
+        from .hf_config import attention_config_kwargs
+
+        kw = attention_config_kwargs(cfg)
         kw.update(changes)
         return cls(**kw)
 

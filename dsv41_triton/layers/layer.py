@@ -45,6 +45,7 @@ from ..backends.base import WV_GROUP_SIZE
 from .config import DeepseekV41AttentionConfig, build_cos_sin_cache
 from .metadata import StepMetadata
 from .weights import (
+    EXTRA_PARAM_NAMES,
     PARAM_NAMES,
     canonicalize_attention_state_dict,
     check_tp,
@@ -207,6 +208,8 @@ class DeepseekV41Attention(nn.Module):
         self.n_local_heads, self.n_local_groups = check_tp(config, tp_rank, tp_size)
         self.heads_per_group = config.heads_per_group
         self.compress_ratio = config.compress_ratio(layer_id)
+        #: False on HCA layers: no indexer, they attend to every completed compressed entry
+        self.has_indexer = config.has_indexer(layer_id)
         self.head_dim = config.head_dim
         self.window_size = config.sliding_window
         self.q_lora_rank, self.o_lora_rank = config.q_lora_rank, config.o_lora_rank
@@ -225,6 +228,8 @@ class DeepseekV41Attention(nn.Module):
         if not self.fused:
             self.layout = "standard"  # fused="auto" fell back to the bf16 path
         self._ops = _Ops(reference=self.backend.name == "torch")
+        # backends that share per-step state (FlashMLA's schedule) across the step's layers
+        self._step_cache_ok = bool(getattr(self.backend, "accepts_step_cache", False))
 
         c = config
         D, Hl, Gl = self.head_dim, self.n_local_heads, self.n_local_groups
@@ -249,6 +254,8 @@ class DeepseekV41Attention(nn.Module):
         self.swa_cache: Optional[torch.Tensor] = None
         self.compressed_cache: Optional[torch.Tensor] = None
         self._step: Dict[str, object] = {}
+        #: the compressor's / indexer's tensors from the last load (DeepSeek's names)
+        self.extra_weights: Dict[str, torch.Tensor] = {}
 
     # ---- backend selection ------------------------------------------------------------------
     def _problems(self, fused: bool, layout: str, swa: int, extra: Optional[int], dev):
@@ -331,13 +338,19 @@ class DeepseekV41Attention(nn.Module):
     # ---- weights ----------------------------------------------------------------------------
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], prefix: str = "",
                      sharded: bool = False) -> None:
-        """Load checkpoint tensors (DeepSeek or vLLM names, see
+        """Load checkpoint tensors (DeepSeek's, vLLM's or transformers' names, see
         :func:`canonicalize_attention_state_dict`). ``sharded=False``: the state dict holds the
-        full layer and this rank's shard is cut from it; ``True``: it already is the shard."""
-        sd = canonicalize_attention_state_dict(state_dict, prefix, self.wq_b.weight.dtype)
+        full layer and this rank's shard is cut from it; ``True``: it already is the shard.
+
+        The compressor's and indexer's tensors, when present, are kept (replicated, DeepSeek's
+        names) in :attr:`extra_weights` for the compressor / indexer that feed this layer."""
+        sd = canonicalize_attention_state_dict(state_dict, prefix, self.wq_b.weight.dtype,
+                                               extras=True)
+        extra = {k: sd.pop(k) for k in EXTRA_PARAM_NAMES if k in sd}
         missing = [n for n in PARAM_NAMES if n not in sd]
         if missing:
             raise ValueError(f"state_dict: missing {', '.join(prefix + m for m in missing)}")
+        self._check_extra_weights(extra, prefix)
         if not sharded:
             sd = shard_attention_state_dict(sd, self.config, self.tp_rank, self.tp_size)
         params = dict(self.named_parameters())
@@ -348,8 +361,26 @@ class DeepseekV41Attention(nn.Module):
                                  f"{tuple(p.shape)} for this shard, got {tuple(t.shape)}")
             with torch.no_grad():
                 p.copy_(t.to(p.dtype))
+        dev = self.wq_b.weight.device
+        self.extra_weights = {k: v.to(dev) for k, v in extra.items()}
         self._layouts_ready = self.layout == "standard"
         self.finalize_loaded_weights()
+
+    def _check_extra_weights(self, extra: Mapping[str, torch.Tensor], prefix: str) -> None:
+        """The compressor / indexer tensors must belong to this layer type: none on a
+        window-only layer; ``ape`` rows equal to the compress ratio; input width ``hidden``."""
+        r = self.compress_ratio
+        if r == 0 and extra:
+            raise ValueError(f"state_dict: {prefix}{next(iter(extra))} belongs to a compressor, "
+                             f"but layer {self.layer_id} is window-only (ratio 0)")
+        for name, t in extra.items():
+            if name.endswith("ape") and t.shape[0] != r:
+                raise ValueError(f"state_dict[{prefix + name!r}]: {t.shape[0]} rows, the layer's "
+                                 f"compress ratio is {r}")
+            if name.endswith(("wkv.weight", "wgate.weight", "weights_proj.weight")) and \
+                    t.shape[-1] != self.config.hidden_size:
+                raise ValueError(f"state_dict[{prefix + name!r}]: input width {t.shape[-1]}, "
+                                 f"hidden_size is {self.config.hidden_size}")
 
     def init_random_weights(self, seed: int = 0) -> None:
         """Random weights (the ``tp_rank`` shard of :func:`random_attention_state_dict`)."""
@@ -410,6 +441,14 @@ class DeepseekV41Attention(nn.Module):
         self._step = {"metadata": metadata, "topk_indices": topk_indices,
                       "compressed_kv": compressed_kv}
 
+    def _topk_rows(self, md: StepMetadata, topk_indices: Optional[torch.Tensor]):
+        """The given rows, else the bound ones, else (HCA layer) every completed entry."""
+        if topk_indices is None:
+            topk_indices = self._step.get("topk_indices")
+        if topk_indices is None and self.compress_ratio > 0 and not self.has_indexer:
+            topk_indices = md.all_entries_topk(self.compress_ratio)
+        return topk_indices
+
     def _check_step(self, md: StepMetadata, T: int, topk_indices, compressed_kv) -> None:
         if not isinstance(md, StepMetadata):
             raise TypeError(f"metadata: expected a StepMetadata, got {type(md).__name__}")
@@ -434,7 +473,8 @@ class DeepseekV41Attention(nn.Module):
                                  f"the cache's is {self.compressed_cache.shape[1]}")
             if T > 0:
                 if topk_indices is None:
-                    raise ValueError(f"topk_indices: required for a ratio-{r} layer")
+                    raise ValueError(f"topk_indices: required for a ratio-{r} layer with an "
+                                     "indexer (only HCA layers build their own rows)")
                 check_tensor("topk_indices", topk_indices, dtypes=(torch.int32,), ndims=2)
                 if topk_indices.shape[0] != T:
                     raise ValueError(f"topk_indices: expected {T} rows, got {topk_indices.shape[0]}")
@@ -460,7 +500,9 @@ class DeepseekV41Attention(nn.Module):
             complete a compressed entry are RoPE'd at the entry's first position and inserted
             (None: nothing inserted, e.g. a layer sharing another layer's compressed cache).
         topk_indices: ``[T, K]`` int32 local compressed-entry indices from the indexer (``-1``
-            padded); required by compressed layers.
+            padded); required by compressed layers with an indexer. HCA layers (ratio in
+            ``config.hca_ratios``) given none attend to every completed entry
+            (:meth:`StepMetadata.all_entries_topk`).
         """
         attn_out = self.compute_attention(positions, hidden_states, metadata,
                                           compressed_kv=compressed_kv, topk_indices=topk_indices)
@@ -481,8 +523,7 @@ class DeepseekV41Attention(nn.Module):
         md = metadata if metadata is not None else self._step.get("metadata")
         if md is None:
             raise ValueError("metadata: pass the step's StepMetadata (or set_step it first)")
-        if topk_indices is None:
-            topk_indices = self._step.get("topk_indices")
+        topk_indices = self._topk_rows(md, topk_indices)
         if compressed_kv is None:
             compressed_kv = self._step.get("compressed_kv")
         check_tensor("hidden_states", hidden_states, dtypes=(torch.bfloat16,), ndims=2,
@@ -531,10 +572,9 @@ class DeepseekV41Attention(nn.Module):
         ``accepts_unnormed_unroped_query``; ``kv`` is unused (it was inserted already)."""
         del kv
         md = metadata if metadata is not None else self._step.get("metadata")
-        if topk_indices is None:
-            topk_indices = self._step.get("topk_indices")
         if md is None:
             raise ValueError("metadata: pass the step's StepMetadata (or set_step it first)")
+        topk_indices = self._topk_rows(md, topk_indices)
         Td = md.num_decode_tokens
         if md.num_prefills > 0:
             self._forward_prefill(q, positions, output, md, topk_indices)
@@ -570,9 +610,10 @@ class DeepseekV41Attention(nn.Module):
                 data=output.data[:Td], scale=output.scale[:Td])
             self._write(output, 0, Td, res)
         else:
+            kw = {"step_cache": md.backend_cache} if self._step_cache_ok else {}
             self.backend.sparse_mla_decode(
                 q, self.swa_cache, md.decode_swa_indices, md.decode_swa_lens, *extra,
-                attn_sink=self._sink(), softmax_scale=self.scale, out=output[:Td])
+                attn_sink=self._sink(), softmax_scale=self.scale, out=output[:Td], **kw)
 
     def _forward_prefill(self, q, positions, output: AttnOut, md: StepMetadata, topk_indices):
         r = self.compress_ratio

@@ -108,6 +108,25 @@ class StepMetadata:
     prefill_chunk_size: int
     max_workspace_rows: Optional[int]
     _plans: Dict[int, List[PrefillChunk]] = field(default_factory=dict)
+    _all_entries: Dict[int, torch.Tensor] = field(default_factory=dict)
+    #: scratch a backend keeps for the step's layers (e.g. FlashMLA's scheduler metadata)
+    backend_cache: Dict[object, object] = field(default_factory=dict)
+
+    def all_entries_topk(self, compress_ratio: int, multiple: int = 64) -> torch.Tensor:
+        """``[T, K]`` int32 "top-k" rows of a layer without an indexer (HCA): each token's
+        every completed compressed entry (:func:`completed_entries_topk`). ``K`` is the step's
+        largest entry count rounded up to ``multiple`` (host data, no device sync); the tensor
+        is built once per ratio and shared by the step's layers."""
+        check_int("compress_ratio", compress_ratio, lo=1)
+        if compress_ratio not in self._all_entries:
+            if compress_ratio in self.compressed:
+                n = max(self.compressed[compress_ratio].num_entries_cpu, default=0)
+            else:
+                n = max(self.seq_lens_cpu, default=0) // compress_ratio
+            width = max(cdiv(max(n, 1), multiple) * multiple, 1)
+            self._all_entries[compress_ratio] = completed_entries_topk(
+                self.positions, compress_ratio, width, self.is_valid_token)
+        return self._all_entries[compress_ratio]
 
     def chunk_plan(self, compress_ratio: int) -> List[PrefillChunk]:
         """The prefill chunks for a layer of ``compress_ratio`` (cached per ratio)."""
@@ -122,6 +141,21 @@ class StepMetadata:
                 self.max_workspace_rows,
             )
         return self._plans[compress_ratio]
+
+
+def completed_entries_topk(positions: torch.Tensor, compress_ratio: int, width: int,
+                           is_valid_token: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[T, width]`` int32: row ``t`` is ``0, 1, .., n_t - 1`` then ``-1``, with
+    ``n_t = (positions[t] + 1) // compress_ratio`` the entries completed at or before the token
+    (all ``-1`` for invalid tokens). What a layer without an indexer attends to."""
+    check_int("compress_ratio", compress_ratio, lo=1)
+    check_int("width", width, lo=1)
+    n = torch.div(positions.to(torch.int64) + 1, compress_ratio, rounding_mode="floor")
+    if is_valid_token is not None:
+        n = torch.where(is_valid_token, n, torch.zeros_like(n))
+    cols = torch.arange(width, device=positions.device, dtype=torch.int64)
+    rows = torch.where(cols[None, :] < n[:, None], cols[None, :], torch.full_like(cols, -1)[None, :])
+    return rows.to(torch.int32)
 
 
 def plan_prefill_chunks(

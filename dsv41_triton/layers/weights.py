@@ -1,7 +1,9 @@
 """Weights of the V4.1 attention layer: checkpoint names, random init, TP sharding.
 
 Canonical (vLLM) names are :data:`PARAM_NAMES`; :func:`canonicalize_attention_state_dict` maps a
-checkpoint's names onto them, :func:`shard_attention_state_dict` cuts one tensor-parallel shard.
+checkpoint's names (DeepSeek's, vLLM's, transformers') onto them, and the compressor's / indexer's
+onto :data:`EXTRA_PARAM_NAMES`; :func:`shard_attention_state_dict` cuts one tensor-parallel shard
+(the compressor and indexer are replicated).
 """
 from __future__ import annotations
 
@@ -62,35 +64,93 @@ def _dequant_block_fp8(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return w.float() * sf
 
 
+#: transformers' names (``DeepseekV4Attention`` and its compressor / indexer) -> DeepSeek's
+HF_NAMES = {
+    "q_a_proj": "wq_a",
+    "q_a_norm": "q_norm",
+    "q_b_proj": "wq_b",
+    "kv_proj": "wkv",
+    "kv_norm": "kv_norm",
+    "o_a_proj": "wo_a",
+    "o_b_proj": "wo_b",
+    "sinks": "attn_sink",
+    "compressor.kv_proj": "compressor.wkv",
+    "compressor.gate_proj": "compressor.wgate",
+    "compressor.position_bias": "compressor.ape",
+    "compressor.kv_norm": "compressor.norm",
+    "compressor.indexer.kv_proj": "indexer.compressor.wkv",
+    "compressor.indexer.gate_proj": "indexer.compressor.wgate",
+    "compressor.indexer.position_bias": "indexer.compressor.ape",
+    "compressor.indexer.kv_norm": "indexer.compressor.norm",
+    "compressor.indexer.q_b_proj": "indexer.wq_b",
+    "compressor.indexer.scorer.weights_proj": "indexer.weights_proj",
+}
+#: the compressor's and indexer's tensors, kept by the layer (DeepSeek's names; the indexer
+#: exists on layers with an indexer only, the compressor on compressed layers only)
+EXTRA_PARAM_NAMES = ("compressor.wkv.weight", "compressor.wgate.weight", "compressor.ape",
+                     "compressor.norm.weight", "indexer.wq_b.weight", "indexer.weights_proj.weight",
+                     "indexer.compressor.wkv.weight", "indexer.compressor.wgate.weight",
+                     "indexer.compressor.ape", "indexer.compressor.norm.weight")
+_SCALE_SUFFIXES = (".scale", ".weight_scale_inv", ".weight_scale")
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _rename_hf(sd: Dict[str, torch.Tensor], prefix: str) -> Dict[str, torch.Tensor]:
+    """transformers' names -> DeepSeek's (longest module path first); a tensor given under
+    both names is an error."""
+    order = sorted(HF_NAMES, key=len, reverse=True)
+    out: Dict[str, torch.Tensor] = {}
+    origin: Dict[str, str] = {}
+    for k, v in sd.items():
+        new = k
+        for hf in order:
+            if k == hf or k.startswith(hf + "."):
+                new = HF_NAMES[hf] + k[len(hf):]
+                break
+        if new in out:
+            raise ValueError(f"state_dict: {prefix}{k} and {prefix}{origin[new]} are the same "
+                             f"tensor ({new}) under two names")
+        out[new], origin[new] = v, k
+    return out
+
+
 def canonicalize_attention_state_dict(
-    state_dict: Mapping[str, torch.Tensor], prefix: str = "", dtype: torch.dtype = torch.bfloat16
+    state_dict: Mapping[str, torch.Tensor], prefix: str = "", dtype: torch.dtype = torch.bfloat16,
+    *, extras: bool = False,
 ) -> Dict[str, torch.Tensor]:
     """Map a checkpoint's attention tensors (under ``prefix``, e.g. ``"layers.3.attn."`` or
     ``"model.layers.3.self_attn."``) to the canonical names of :data:`PARAM_NAMES`.
 
-    Accepts DeepSeek's names (``wq_a`` + ``wkv`` are concatenated into ``fused_wqa_wkv``) and
-    vLLM's (``fused_wqa_wkv``); fp8 weights with a ``.scale`` / ``.weight_scale_inv`` block
-    multiplier are dequantized to ``dtype``. Unrelated keys (compressor, indexer) are ignored.
+    Accepts DeepSeek's names (``wq_a`` + ``wkv`` are concatenated into ``fused_wqa_wkv``),
+    vLLM's (``fused_wqa_wkv``) and transformers' (``q_a_proj``, ``q_a_norm``, ``q_b_proj``,
+    ``kv_proj``, ``kv_norm``, ``o_a_proj``, ``o_b_proj``, ``sinks``; :data:`HF_NAMES`); fp8
+    weights with a ``.scale`` / ``.weight_scale_inv`` block multiplier are dequantized to
+    ``dtype``. ``extras=True`` also returns the compressor's and indexer's tensors under
+    :data:`EXTRA_PARAM_NAMES` (projections in ``dtype``, ``ape`` and norms as stored); otherwise
+    they are ignored, as are keys of neither.
     """
-    sd = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    sd = _rename_hf({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)},
+                    prefix)
 
-    def weight(base: str) -> Optional[torch.Tensor]:
+    def weight(base: str, cast: Optional[torch.dtype] = dtype) -> Optional[torch.Tensor]:
         w = sd.get(base + ".weight")
         if w is None:
             return None
-        if w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            s = sd.get(base + ".scale", sd.get(base + ".weight_scale_inv", sd.get(base + ".weight_scale")))
+        if w.dtype in _FP8:
+            s = next((sd[base + x] for x in _SCALE_SUFFIXES if base + x in sd), None)
             if s is None:
                 raise ValueError(f"{prefix}{base}.weight: fp8 weight without a .scale")
             return _dequant_block_fp8(w, s).to(dtype)
-        return w.to(dtype)
+        return w.to(cast) if cast is not None else w
 
     out: Dict[str, torch.Tensor] = {}
     fused = weight("fused_wqa_wkv")
-    if fused is None:
-        wq_a, wkv = weight("wq_a"), weight("wkv")
-        if wq_a is not None and wkv is not None:
-            fused = torch.cat([wq_a, wkv], 0)
+    wq_a, wkv = weight("wq_a"), weight("wkv")
+    if fused is not None and (wq_a is not None or wkv is not None):
+        raise ValueError(f"state_dict: {prefix}fused_wqa_wkv.weight and {prefix}wq_a / wkv both "
+                         "given; pass one spelling")
+    if fused is None and wq_a is not None and wkv is not None:
+        fused = torch.cat([wq_a, wkv], 0)
     if fused is not None:
         out["fused_wqa_wkv.weight"] = fused
     for base in ("wq_b", "wo_a", "wo_b"):
@@ -102,6 +162,15 @@ def canonicalize_attention_state_dict(
             out[base + ".weight"] = sd[base + ".weight"].to(dtype)
     if "attn_sink" in sd:
         out["attn_sink"] = sd["attn_sink"].float()
+    if extras:
+        for name in EXTRA_PARAM_NAMES:
+            if name.endswith(".weight"):
+                base = name[:-len(".weight")]
+                w = weight(base, None if base.endswith("norm") else dtype)
+            else:
+                w = sd.get(name)
+            if w is not None:
+                out[name] = w
     return out
 
 
@@ -145,6 +214,8 @@ def shard_attention_state_dict(
 
 
 __all__ = [
+    "EXTRA_PARAM_NAMES",
+    "HF_NAMES",
     "PARAM_NAMES",
     "canonicalize_attention_state_dict",
     "check_tp",

@@ -293,7 +293,7 @@ def test_checkpoint_names_and_fp8_weights():
     ck = {pre + "wq_a.weight": qa, pre + "wkv.weight": wkv, pre + "attn_sink": sd["attn_sink"],
           pre + "q_norm.weight": sd["q_norm.weight"], pre + "kv_norm.weight": sd["kv_norm.weight"],
           pre + "wo_a.weight": sd["wo_a.weight"], pre + "wo_b.weight": sd["wo_b.weight"],
-          pre + "compressor.wkv.weight": torch.zeros(3, 3)}
+          pre + "compressor.wkv.weight": torch.randn(512, CFG.hidden_size).bfloat16()}
     # wq_b as block-fp8 (128x128 blocks) with power-of-two multipliers
     w = sd["wq_b.weight"].float()
     s = torch.full((w.shape[0] // 128, 1), 2.0 ** -4)
@@ -305,6 +305,7 @@ def test_checkpoint_names_and_fp8_weights():
     layer = DeepseekV41Attention(CFG, 1, backend="torch", device="cpu", max_model_len=MAX_LEN)
     layer.load_weights(ck, prefix=pre)
     assert torch.equal(layer.attn_sink, sd["attn_sink"])
+    assert torch.equal(layer.extra_weights["compressor.wkv.weight"], ck[pre + "compressor.wkv.weight"])
     with pytest.raises(ValueError, match="missing"):
         layer.load_weights({pre + "wq_a.weight": qa}, prefix=pre)
 
