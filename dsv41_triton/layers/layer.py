@@ -40,7 +40,10 @@ import torch
 import torch.nn as nn
 
 from .._utils import HEAD_DIM, check_int, check_tensor
-from ..backends import AttentionBackend, Problem, Selection, select_backend
+from ..backends import (AttentionBackend, Problem, Selection, get_backend, list_backends,
+                        select_backend)
+from ..backends import _custom_ops  # noqa: F401  (registers torch.ops.dsv41.backend_*)
+from ..backends._custom_ops import step_cache_key
 from ..backends.base import WV_GROUP_SIZE
 from .config import DeepseekV41AttentionConfig, build_cos_sin_cache
 from .metadata import StepMetadata
@@ -109,7 +112,14 @@ class _Ops:
     interpreter), the Triton kernels otherwise."""
 
     def __init__(self, reference: bool):
-        self.reference = reference
+        self._reference = reference
+
+    @property
+    def reference(self) -> bool:
+        # under torch.compile the public ops (torch.library custom ops; CPU tensors without the
+        # interpreter run these same references behind them): the references themselves have
+        # data-dependent shapes (boolean indexing), which would break the graph
+        return self._reference and not torch.compiler.is_compiling()
 
     def rope(self, x, positions, cos_sin_cache, inverse=False):
         if self.reference:
@@ -230,6 +240,10 @@ class DeepseekV41Attention(nn.Module):
         self._ops = _Ops(reference=self.backend.name == "torch")
         # backends that share per-step state (FlashMLA's schedule) across the step's layers
         self._step_cache_ok = bool(getattr(self.backend, "accepts_step_cache", False))
+        # a registered backend is called through its torch.library op (the dispatcher stays
+        # out of torch.compile's tracing); an unregistered instance directly
+        self._backend_op = (self.backend.name if self.backend.name in list_backends()
+                            and get_backend(self.backend.name) is self.backend else None)
 
         c = config
         D, Hl, Gl = self.head_dim, self.n_local_heads, self.n_local_groups
@@ -602,13 +616,26 @@ class DeepseekV41Attention(nn.Module):
                 topk_indices[:Td], md.token_to_req[:Td], cm.block_table[:md.num_decodes],
                 cm.page_size, md.is_valid_token[:Td])
             extra = (self.compressed_cache, gidx, glens)
-        if self.fused:
+        q_norm_eps = self.eps if self.config.q_head_norm else None
+        if self.fused and self._backend_op is not None:
+            torch.ops.dsv41.backend_sparse_mla_decode_fused(
+                self._backend_op, q, positions, self.cos_sin_cache, self.swa_cache,
+                md.decode_swa_indices, md.decode_swa_lens, *extra, self._sink(), self.scale,
+                q_norm_eps, self.layout, output.data[:Td], output.scale[:Td],
+                torch.empty(q.shape[:2], dtype=torch.float32, device=q.device))
+        elif self.fused:
             res = self.backend.sparse_mla_decode_fused(
                 q, positions, self.cos_sin_cache, self.swa_cache, md.decode_swa_indices,
                 md.decode_swa_lens, *extra, attn_sink=self._sink(), softmax_scale=self.scale,
-                q_norm_eps=self.eps if self.config.q_head_norm else None, layout=self.layout,
+                q_norm_eps=q_norm_eps, layout=self.layout,
                 data=output.data[:Td], scale=output.scale[:Td])
             self._write(output, 0, Td, res)
+        elif self._backend_op is not None:
+            torch.ops.dsv41.backend_sparse_mla_decode(
+                self._backend_op, q, self.swa_cache, md.decode_swa_indices, md.decode_swa_lens,
+                *extra, self._sink(), self.scale,
+                step_cache_key(md.backend_cache) if self._step_cache_ok else -1,
+                output[:Td], torch.empty(q.shape[:2], dtype=torch.float32, device=q.device))
         else:
             kw = {"step_cache": md.backend_cache} if self._step_cache_ok else {}
             self.backend.sparse_mla_decode(
