@@ -13,12 +13,14 @@ tensor-parallel shard of the layer's weights (checkpoint names) and runs one ste
     o        = inverse RoPE(o);  z_g = wo_a_g(o of group g);  y = wo_b(z)   (+ all-reduce)
 
 Attention goes through the selected backend (``dsv41_triton.backends``): decode tokens (first
-``num_decode_tokens``) read the paged caches directly; prefill requests are processed in chunks
-of at most 4 requests whose compressed and window keys are gathered into a bf16 workspace
-(SPEC §5). With the fused contract (``fused=True``, or ``"auto"`` picking FlashMLA's mega
-kernel) the backend RoPEs Q itself and returns the MXFP8 pair after the inverse RoPE; the layer
-then declares ``accepts_unnormed_unroped_query`` and ``_o_proj`` consumes the pair. Mixed
-prefill + decode steps write disjoint token ranges of one output buffer.
+``num_decode_tokens``) read the paged caches directly; so do prefill tokens with
+``prefill_path="paged"`` (memory independent of the context); with ``"workspace"`` (the
+default, faster on the H200) prefill requests are processed in chunks of at most 4 requests
+whose compressed and window keys are gathered into a bf16 workspace (SPEC §5). With the fused
+contract (``fused=True``, or ``"auto"`` picking FlashMLA's mega kernel) the backend RoPEs Q
+itself and returns the MXFP8 pair after the inverse RoPE; the layer then declares
+``accepts_unnormed_unroped_query`` and ``_o_proj`` consumes the pair. Mixed prefill + decode
+steps write disjoint token ranges of one output buffer.
 
 The interface mirrors vLLM's ``DeepseekV4Attention``: ``accepts_unnormed_unroped_query``,
 ``_alloc_attn_out``, ``forward_mqa(q, kv, positions, output)``, ``_o_proj(attn_out,
@@ -59,6 +61,14 @@ from .weights import (
 
 DEFAULT_MAX_MODEL_LEN = 131072
 PREFILL_CHUNK_SIZE = 4
+#: prefill paths: "paged" (slot ids into the paged caches, records dequantized in the
+#: attention kernel, no workspace), "workspace" (gather + bf16 workspace, chunks of requests)
+PREFILL_PATHS = ("paged", "workspace")
+#: what prefill_path="auto" picks. H200 (perf/NOTES.md "Prefill from the paged caches"):
+#: the paged attention kernel is 1.46x (8 heads) to 1.7x (64/128 heads) the workspace
+#: kernel's GPU time, more than the gather it saves up to 1M context; the paged path's gain
+#: is memory (5 MiB instead of 264 MiB per 2048-token chunk at 1M context)
+AUTO_PREFILL_PATH = "workspace"
 
 
 # --------------------------------------------------------------------------------------------
@@ -158,6 +168,13 @@ class _Ops:
             from ..ops.indices import compute_global_topk_indices_and_lens as f
         return f(*args)
 
+    def prefill_slots(self, *args):
+        if self.reference:
+            from ..ops.prefill_indices_ref import prefill_slot_indices_ref as f
+        else:
+            from ..ops.prefill_indices import prefill_slot_indices as f
+        return f(*args)
+
 
 # --------------------------------------------------------------------------------------------
 # the layer
@@ -180,6 +197,10 @@ class DeepseekV41Attention(nn.Module):
         max_model_len: rows of the RoPE tables (positions must stay below it).
         process_group / output_reduce: how the row-parallel ``wo_b`` partial sums are reduced
             (neither: the caller sums the ranks' outputs).
+        prefill_path: ``"paged"`` (prefill tokens read the paged caches like decode tokens:
+            no workspace, memory independent of the context), ``"workspace"`` (gather +
+            bf16 workspace in chunks of ``prefill_chunk_size`` requests) or ``"auto"``
+            (:data:`AUTO_PREFILL_PATH`).
     """
 
     def __init__(
@@ -200,6 +221,7 @@ class DeepseekV41Attention(nn.Module):
         process_group=None,
         output_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
         prefill_chunk_size: int = PREFILL_CHUNK_SIZE,
+        prefill_path: str = "auto",
     ):
         super().__init__()
         if not isinstance(config, DeepseekV41AttentionConfig):
@@ -229,6 +251,10 @@ class DeepseekV41Attention(nn.Module):
         self.process_group = process_group
         self.output_reduce = output_reduce
         self.prefill_chunk_size = check_int("prefill_chunk_size", prefill_chunk_size, lo=1)
+        if prefill_path not in PREFILL_PATHS + ("auto",):
+            raise ValueError(f"prefill_path: expected one of {PREFILL_PATHS + ('auto',)}, got "
+                             f"{prefill_path!r}")
+        self.prefill_path = AUTO_PREFILL_PATH if prefill_path == "auto" else prefill_path
         dev = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
 
@@ -642,7 +668,35 @@ class DeepseekV41Attention(nn.Module):
                 q, self.swa_cache, md.decode_swa_indices, md.decode_swa_lens, *extra,
                 attn_sink=self._sink(), softmax_scale=self.scale, out=output[:Td], **kw)
 
+    def _forward_prefill_paged(self, q, positions, output: AttnOut, md: StepMetadata,
+                               topk_indices):
+        """All prefill tokens at once, as decode tokens over the paged caches: their window
+        and top-k entries as slot ids (the workspace path's keys), no workspace."""
+        r = self.compress_ratio
+        a, b = md.num_decode_tokens, md.num_tokens
+        if b == a:
+            return
+        cm = md.compressed[r] if r > 0 else None
+        si, sl, ei, el = self._ops.prefill_slots(
+            positions[a:b], md.token_to_req[a:b], md.seq_lens, md.swa_block_table,
+            md.swa_page_size, self.window_size, topk_indices[a:b] if r > 0 else None,
+            cm.block_table if r > 0 else None, cm.page_size if r > 0 else 1, r)
+        extra = (self.compressed_cache, ei, el) if r > 0 else (None, None, None)
+        if self.fused:
+            res = self.backend.sparse_mla_decode_fused(
+                q[a:b], positions[a:b], self.cos_sin_cache, self.swa_cache, si, sl, *extra,
+                attn_sink=self._sink(), softmax_scale=self.scale,
+                q_norm_eps=self.eps if self.config.q_head_norm else None, layout=self.layout,
+                data=output.data[a:b], scale=output.scale[a:b])
+            self._write(output, a, b, res)
+        else:
+            self.backend.sparse_mla_decode(q[a:b], self.swa_cache, si, sl, *extra,
+                                           attn_sink=self._sink(), softmax_scale=self.scale,
+                                           out=output[a:b])
+
     def _forward_prefill(self, q, positions, output: AttnOut, md: StepMetadata, topk_indices):
+        if self.prefill_path == "paged":
+            return self._forward_prefill_paged(q, positions, output, md, topk_indices)
         r = self.compress_ratio
         nd = md.num_decodes
         dev = q.device

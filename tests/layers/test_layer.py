@@ -196,9 +196,10 @@ def _gather_oracle(orc, owners):
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("layer_id", [0, 1, 2], ids=["ratio0", "ratio1", "ratio2"])
 @pytest.mark.parametrize("chunk_size", [4, 1])
-def test_multistep_torch_backend_equals_oracle(layer_id, chunk_size):
+@pytest.mark.parametrize("prefill_path", ["paged", "workspace"])
+def test_multistep_torch_backend_equals_oracle(layer_id, chunk_size, prefill_path):
     sd = random_attention_state_dict(CFG, seed=layer_id)
-    layer = make_layer(CFG, layer_id, "torch", sd)
+    layer = make_layer(CFG, layer_id, "torch", sd, prefill_path=prefill_path)
     sc, results = run_scenario([layer], CFG, layer_id, chunk_size=chunk_size)
     orc = sc.oracle(sd)
     for md, owners, [(a, y)] in results:
@@ -311,6 +312,8 @@ def test_checkpoint_names_and_fp8_weights():
 
 
 def test_bad_topologies_and_inputs_raise():
+    with pytest.raises(ValueError, match="prefill_path"):
+        DeepseekV41Attention(CFG, 0, backend="torch", device="cpu", prefill_path="gather")
     with pytest.raises(ValueError, match="does not divide o_groups"):
         DeepseekV41Attention(CFG, 0, tp_rank=0, tp_size=8, backend="torch", device="cpu")
     with pytest.raises(ValueError, match="tp_rank"):
@@ -343,11 +346,13 @@ CFG8 = CFG.replace(name="tiny8", o_groups=1)  # 8 heads, one wo_a group of 8
 
 
 @pytest.mark.parametrize("layout", ["standard", "interleaved"])
-def test_fused_contract_torch_backend(layout):
+@pytest.mark.parametrize("prefill_path", ["paged", "workspace"])
+def test_fused_contract_torch_backend(layout, prefill_path):
     """fused=True: the backend RoPEs Q, the MXFP8 pair goes into _o_proj; equals the oracle
     within the MXFP8 quantization error of the attention output."""
     sd = random_attention_state_dict(CFG8, seed=7)
-    layer = make_layer(CFG8, 2, "torch", sd, fused=True, layout=layout)
+    layer = make_layer(CFG8, 2, "torch", sd, fused=True, layout=layout,
+                       prefill_path=prefill_path)
     assert layer.accepts_unnormed_unroped_query
     sc, results = run_scenario([layer], CFG8, 2, steps=[STEPS[0], STEPS[3]])
     orc = sc.oracle(sd)
@@ -363,12 +368,13 @@ def _triton_ok():
 
 
 @pytest.mark.skipif(not _triton_ok(), reason="the triton backend is not available here")
-def test_multistep_triton_backend_equals_oracle(device):
+@pytest.mark.parametrize("prefill_path", ["paged", "workspace"])
+def test_multistep_triton_backend_equals_oracle(device, prefill_path):
     """One small configuration through the Triton kernels (the interpreter on CPU)."""
     if device != "cpu":
         pytest.skip("covered by the GPU variant")
     sd = random_attention_state_dict(CFG, seed=21)
-    layer = make_layer(CFG, 2, "triton", sd)
+    layer = make_layer(CFG, 2, "triton", sd, prefill_path=prefill_path)
     steps = [([("C", 1), ("A", 6), ("B", 3)], 0), ([("A", 1), ("C", 1), ("B", 4)], 0)]
     sc, results = run_scenario([layer], CFG, 2, steps=steps)
     orc = sc.oracle(sd)
@@ -396,11 +402,12 @@ GPU_STEPS = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "flashmla", "auto"])
 @pytest.mark.parametrize("layer_id", [0, 1, 2], ids=["ratio0", "ratio1", "ratio2"])
-def test_gpu_multistep_equals_oracle(backend, layer_id):
+@pytest.mark.parametrize("prefill_path", ["paged", "workspace"])
+def test_gpu_multistep_equals_oracle(backend, layer_id, prefill_path):
     sd = random_attention_state_dict(GPU_CFG, seed=layer_id, device="cuda")
     try:
         layer = make_layer(GPU_CFG, layer_id, backend, sd, device="cuda", page=64, cpage=64,
-                           num_blocks=128, max_len=1024)
+                           num_blocks=128, max_len=1024, prefill_path=prefill_path)
     except ValueError as e:  # e.g. FlashMLA not installed: skip with the probe's reason
         pytest.skip(str(e))
     sc, results = run_scenario([layer], GPU_CFG, layer_id, steps=GPU_STEPS, device="cuda",

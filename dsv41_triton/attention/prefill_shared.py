@@ -1,0 +1,191 @@
+"""Few-head sparse MLA prefill that shares window keys between consecutive queries.
+
+In V4.1 a prefill token reads a window of ``W`` consecutive positions plus its own top-k
+compressed entries; consecutive tokens of one request share ``W - 1`` of their window keys.
+``sparse_mla_prefill_shared_window`` takes the window as a row range per token (rows of the
+workspace, ``[win_start, win_start + win_len)``) and the top-k part as index rows, and runs
+``_shared_window_kernel.py``: tiles of ``BT`` consecutive tokens of one request load each
+window key once for the whole tile. ``sparse_mla_prefill`` stays the general entry point (any
+head count, any key rows). Reference: ``prefill_shared_ref.py``.
+
+``workspace_window_rows`` derives the window ranges and top-k lengths of the layer's gathered
+workspace (the layout of ``ops.indices.combine_topk_swa_indices``) so that the combined index
+rows can be passed as the top-k rows with ``topk_lens``.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .._utils import (
+    HEAD_DIM,
+    INT_DTYPES,
+    check_int,
+    check_same_device,
+    check_tensor,
+    is_interpreter,
+    next_power_of_2,
+)
+from ..ops.indices_ref import token_requests_ref
+from ._configs import MIN_BLOCK_N_GPU
+from ._kernels import check_common, check_indices, check_lens, new_outputs
+from ._launch import LAST_LAUNCH
+from ._shared_window_kernel import _shared_window_fwd_kernel
+
+LOG2E = 1.4426950408889634
+#: most heads the shared-window kernel takes (more heads: ``sparse_mla_prefill``)
+MAX_SHARED_HEADS = 16
+
+
+def shared_window_tiles(query_start_loc: torch.Tensor, T: int, block_t: int) -> torch.Tensor:
+    """``[cdiv(T, block_t) + B + 1, 2]`` int32 tiles (first token, count) of at most
+    ``block_t`` consecutive tokens of one request (tokens ``query_start_loc[b] - [0] ..``);
+    tokens past the last request form their own tiles; unused tiles have count 0. Device
+    ops only (no host sync); ``query_start_loc`` must be non-decreasing."""
+    dev = query_start_loc.device
+    qsl = query_start_loc.long() - query_start_loc[0].long()
+    B = qsl.numel() - 1
+    bounds = torch.cat([qsl.clamp(0, T), torch.full((1,), T, dtype=torch.long, device=dev)])
+    lens = (bounds[1:] - bounds[:-1]).clamp_min(0)  # [B + 1], the last: tokens past requests
+    nt = torch.div(lens + block_t - 1, block_t, rounding_mode="floor")
+    cum = torch.cumsum(nt, 0)
+    NT = -(-T // block_t) + B + 1
+    i = torch.arange(NT, device=dev)
+    b = torch.searchsorted(cum, i, right=True).clamp(max=B)
+    start = bounds[b] + (i - (cum[b] - nt[b])) * block_t
+    cnt = torch.minimum(bounds[b + 1] - start, torch.full_like(start, block_t)).clamp_min(0)
+    cnt = torch.where(i < cum[-1], cnt, 0)
+    return torch.stack([torch.where(cnt > 0, start, 0), cnt], 1).to(torch.int32)
+
+
+def workspace_window_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                          gather_lens: Optional[torch.Tensor], window_size: int,
+                          compress_ratio: int, topk: int, M: int, N: int, T: int
+                          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For the workspace of ``combine_topk_swa_indices`` (same arguments): ``(win_start [T],
+    win_len [T], topk_lens [T])`` int32: token ``t``'s window rows are ``win_start ..
+    win_start + win_len - 1`` (its combined columns ``topk_lens .. lens - 1``) and its top-k
+    part the first ``topk_lens`` combined columns."""
+    dev = seq_lens.device
+    req, owned = token_requests_ref(query_start_loc.to(dev), T)
+    qsl = query_start_loc.to(dev).long() - query_start_loc[0].to(dev).long()
+    if qsl.numel() > 1:
+        sl = seq_lens.long()[req]
+        gl = sl if gather_lens is None else gather_lens.to(dev).long()[req]
+        qs, qe = qsl[req], qsl[req + 1]
+    else:
+        sl = gl = qs = qe = torch.zeros(T, dtype=torch.int64, device=dev)
+    pos = sl - (qe - qs) + torch.arange(T, device=dev) - qs
+    if compress_ratio > 0:
+        tlen = torch.div((pos + 1).clamp_min(0), compress_ratio,
+                         rounding_mode="floor").clamp(max=topk)
+    else:
+        tlen = torch.zeros_like(pos)
+    gs = sl - gl
+    start = torch.maximum(torch.maximum(pos - window_size + 1, torch.zeros_like(pos)), gs)
+    wlen = torch.where(owned, (pos - start + 1).clamp_min(0), 0)
+    ws = M * req + N + start - gs
+    return (torch.where(owned, ws, 0).to(torch.int32), wlen.to(torch.int32),
+            torch.where(owned, tlen, 0).to(torch.int32))
+
+
+def sparse_mla_prefill_shared_window(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    win_start: torch.Tensor,
+    win_len: torch.Tensor,
+    topk_indices: torch.Tensor,
+    topk_lens: Optional[torch.Tensor],
+    query_start_loc: torch.Tensor,
+    attn_sink: Optional[torch.Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    out: Optional[torch.Tensor] = None,
+    *,
+    block_t: Optional[int] = None,
+    block_n: int = 64,
+    num_warps: Optional[int] = None,
+    num_stages: int = 2,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA prefill (1..16 heads) whose window keys are shared by consecutive tokens.
+
+    Args:
+        q: ``[T, H, 512]`` bf16, RoPE'd, ``H <= 16``.
+        kv: ``[S, 512]`` bf16 workspace (rows may be strided).
+        win_start, win_len: ``[T]`` int32/int64: token ``t`` reads rows ``win_start[t] ..
+            win_start[t] + win_len[t] - 1`` (rows outside ``[0, S)`` skipped; ``win_len <= 0``:
+            none). Consecutive tokens of a request should have overlapping ranges (the tile
+            walks the union of its tokens' ranges).
+        topk_indices: ``[T, K]`` int rows of ``kv`` (``< 0`` or ``>= S`` skipped);
+            ``topk_lens [T]`` columns read (None: all ``K``).
+        query_start_loc: ``[B + 1]`` int, non-decreasing: tiles never span two requests.
+        attn_sink: ``[H]`` fp32 or None; softmax_scale: default ``512 ** -0.5``;
+        out: optional ``[T, H, 512]`` bf16.
+        block_t: tokens per tile (default ``64 // next_power_of_2(H)``, at least 1);
+        block_n, num_warps, num_stages: launch shape.
+
+    Each token attends over its window rows and its top-k rows in one softmax (a row in both
+    counts twice). Returns ``(out [T, H, 512] bf16, lse [T, H] fp32)``; empty rows 0 / +inf.
+    """
+    T, H, scale = check_common(q, attn_sink, softmax_scale, out, "prefill")
+    if H > MAX_SHARED_HEADS:
+        raise ValueError(f"q: the shared-window prefill takes at most {MAX_SHARED_HEADS} heads, "
+                         f"got {H} (use sparse_mla_prefill)")
+    check_tensor("kv", kv, dtypes=(torch.bfloat16,), ndims=2, last_dim=HEAD_DIM)
+    for name, v in (("win_start", win_start), ("win_len", win_len)):
+        check_lens(name, v, T)
+        if v is None:
+            raise TypeError(f"{name}: expected a tensor, got None")
+    check_indices("topk_indices", topk_indices, T)
+    check_lens("topk_lens", topk_lens, T)
+    check_tensor("query_start_loc", query_start_loc, dtypes=INT_DTYPES, ndims=1,
+                 contiguous_last=False)
+    if query_start_loc.shape[0] < 1:
+        raise ValueError("query_start_loc: expected at least one entry")
+    hp = next_power_of_2(H)
+    bt = check_int("block_t", block_t if block_t is not None else max(1, 64 // hp), lo=1)
+    if bt & (bt - 1):
+        raise ValueError(f"block_t: expected a power of two, got {bt}")
+    rows = bt * hp
+    if not 16 <= rows <= 128:
+        raise ValueError(f"block_t: block_t * next_power_of_2(H) must be in [16, 128], got "
+                         f"{bt} * {hp}")
+    check_int("block_n", block_n, lo=16)
+    if block_n & (block_n - 1):
+        raise ValueError(f"block_n: expected a power of two, got {block_n}")
+    if q.device.type == "cuda" and not is_interpreter() and block_n < MIN_BLOCK_N_GPU:
+        raise ValueError(f"block_n: must be >= {MIN_BLOCK_N_GPU} on a GPU, got {block_n}")
+    check_same_device(q=q, kv=kv, win_start=win_start, win_len=win_len,
+                      topk_indices=topk_indices, topk_lens=topk_lens,
+                      query_start_loc=query_start_loc, attn_sink=attn_sink, out=out)
+    out, lse = new_outputs(q, out)
+    if T == 0:
+        return out, lse
+    tiles = shared_window_tiles(query_start_loc, T, bt)
+    win_start, win_len = win_start.contiguous(), win_len.contiguous()
+    scr = torch.empty((T, H, HEAD_DIM), dtype=torch.float32, device=q.device)
+    scl = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    S = int(kv.shape[0])
+    interp = is_interpreter()
+    sink_arg = attn_sink if attn_sink is not None else lse
+    lens_arg = topk_lens if topk_lens is not None else win_len
+    k = _shared_window_fwd_kernel[(tiles.shape[0],)](
+        q, q.stride(0), q.stride(1),
+        kv, kv.stride(0) if S > 1 else HEAD_DIM, S,
+        win_start, win_len, topk_indices, topk_indices.stride(0),
+        lens_arg, lens_arg.stride(0), topk_indices.shape[1],
+        tiles,
+        sink_arg, attn_sink.stride(0) if attn_sink is not None else 0,
+        out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1),
+        scr, scl,
+        H, scale * LOG2E,
+        HP=hp, BT=bt, BH=max(16, hp), BN=block_n,
+        HAS_LEN=topk_lens is not None, HAS_SINK=attn_sink is not None, LAZY=False,
+        DOT_F32=interp, SW=interp,
+        num_warps=num_warps or (8 if rows >= 64 else 4), num_stages=1 if interp else num_stages,
+    )
+    LAST_LAUNCH["shared"] = (k, (bt, block_n))
+    return out, lse
+
+
+__all__ = ["sparse_mla_prefill_shared_window", "shared_window_tiles", "workspace_window_rows"]

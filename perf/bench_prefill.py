@@ -1,0 +1,342 @@
+"""Prefill paths on V4.1 shapes: workspace vs shared window vs paged, and a layer chunk.
+
+    python perf/bench_prefill.py [--warm 8] [--kernels-only | --layer-only]
+
+Kernels: 4096 query tokens of one request x 640 keys each (the V4.1 pattern: the token's
+128-position window, contiguous, plus 512 random top-k compressed entries of 32768), sink on,
+8 / 64 / 128 heads:
+
+* ``workspace``: ``sparse_mla_prefill`` over a bf16 workspace (32768 compressed rows, then the
+  window rows) with the combined index rows (top-k first, then the window);
+* ``shared``: ``sparse_mla_prefill_shared_window`` on the same workspace (<= 16 heads), the
+  window as a row range per token, tiles of ``block_t`` tokens;
+* ``paged``: ``sparse_mla_prefill_paged`` over 584-byte record caches (131072-position
+  request, pages of 64: slot rows + the decode kernel); ``paged-attn``: its attention launch
+  alone (slot rows precomputed).
+
+Each is captured as a CUDA graph of one call and replayed 15 times; a 512 MB buffer is
+written before every replay (outside the timed events) so that L2 starts cold. Median us,
+TFLOP/s of ``4 * H * 640 * 512`` per token.
+
+Layer chunk: ``DeepseekV41Attention.forward_mqa`` of one prefill chunk (2048 new tokens of a
+request at 8K / 128K / 1M context; V4-flash ratio-4 layer, TP 8 = 8 local heads, top-k 512),
+``prefill_path="paged"`` vs ``"workspace"`` (gather + bf16 workspace): peak memory allocated
+during the call (above what was allocated before it) and eager time (median of 5, L2 flushed
+before each).
+
+``--warm N`` compiles every kernel first in N processes (on the same shapes), then times.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Callable, Dict, List
+
+import torch
+
+try:
+    import dsv41_triton  # noqa: F401
+except ImportError:  # run from a checkout
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dsv41_triton.attention.decode import sparse_mla_decode  # noqa: E402
+from dsv41_triton.attention.prefill import sparse_mla_prefill  # noqa: E402
+from dsv41_triton.attention.prefill_paged import sparse_mla_prefill_paged  # noqa: E402
+from dsv41_triton.attention.prefill_shared import sparse_mla_prefill_shared_window  # noqa: E402
+from dsv41_triton.ops.prefill_indices import prefill_slot_indices  # noqa: E402
+from dsv41_triton.testing import random_k_cache, rel_err  # noqa: E402
+
+T, W, TOPK, NCOMP, PAGE, RATIO = 4096, 128, 512, 32768, 64, 4
+HEADS = (8, 64, 128)
+#: shared-window launch shapes timed: (block_t, block_n, num_warps)
+SHARED_SHAPES = ((None, 64, None), (4, 64, 4), (2, 64, 4))
+CONTEXTS = (8192, 131072, 1 << 20)
+CHUNK = 2048
+FLUSH_BYTES = 512 << 20
+
+
+# --------------------------------------------------------------------------------------------
+# timing
+# --------------------------------------------------------------------------------------------
+_FLUSH = {}
+
+
+def _flush():
+    if "buf" not in _FLUSH:
+        _FLUSH["buf"] = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    _FLUSH["buf"].fill_(1)
+
+
+def time_graph_flushed(fn: Callable[[], object], replays: int = 15) -> float:
+    """One call captured as a CUDA graph; median us of ``replays`` replays, L2 flushed
+    before each (outside the events)."""
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        _flush()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def time_eager_flushed(fn: Callable[[], object], reps: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        _flush()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+# --------------------------------------------------------------------------------------------
+# kernel cases
+# --------------------------------------------------------------------------------------------
+def build_kernel_inputs(H: int, device="cuda", seed=0) -> Dict[str, object]:
+    """One request: positions P .. P+T-1 of a 131072-position sequence (32768 compressed
+    entries at ratio 4); each token's 128-position window and 512 random causal entries."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    seq = NCOMP * RATIO
+    P = seq - T
+    pos = torch.arange(P, P + T, device=device)
+    nent = (pos + 1) // RATIO
+    local = (torch.rand(T, TOPK, device=device, generator=g) * nent[:, None]).long()
+    local = local.clamp(max=NCOMP - 1).to(torch.int32)
+    q = torch.randn(T, H, 512, device=device, generator=g).to(torch.bfloat16)
+    sink = torch.randn(H, device=device, generator=g)
+    # workspace: NCOMP compressed rows, then positions P - W + 1 .. seq - 1
+    kv = torch.randn(NCOMP + T + W - 1, 512, device=device, generator=g).to(torch.bfloat16)
+    win_start = (NCOMP + torch.arange(T, device=device)).to(torch.int32)
+    win = win_start[:, None].long() + torch.arange(W, device=device)[None, :]
+    idx = torch.cat([local.long(), win], 1).to(torch.int32).contiguous()
+    # paged caches
+    nb = seq // PAGE
+    swa = random_k_cache(nb, PAGE, 584, device)
+    comp = random_k_cache(NCOMP // PAGE, PAGE, 584, device)
+    sbt = torch.randperm(nb, device=device, generator=g).to(torch.int32)[None, :]
+    cbt = torch.randperm(NCOMP // PAGE, device=device, generator=g).to(torch.int32)[None, :]
+    ttr = torch.zeros(T, dtype=torch.int32, device=device)
+    seq_lens = torch.tensor([seq], dtype=torch.int32, device=device)
+    paged = dict(q=q, positions=pos, token_to_req=ttr, seq_lens=seq_lens, swa_cache=swa,
+                 swa_block_table=sbt, window_size=W, compressed_cache=comp,
+                 compressed_block_table=cbt, topk_indices=local, compress_ratio=RATIO,
+                 attn_sink=sink)
+    slots = prefill_slot_indices(pos, ttr, seq_lens, sbt, PAGE, W, local, cbt, PAGE, RATIO)
+    return dict(H=H, q=q, sink=sink, kv=kv, idx=idx, local=local, win_start=win_start,
+                qsl=torch.tensor([0, T], dtype=torch.int32, device=device), paged=paged,
+                slots=slots, out=torch.empty(T, H, 512, dtype=torch.bfloat16, device=device))
+
+
+def kernel_fns(inp) -> List[tuple]:
+    """[(label, fn)] for one head count."""
+    H, q, out = inp["H"], inp["q"], inp["out"]
+    wl = torch.full((T,), W, dtype=torch.int32, device=q.device)
+    fns = [("workspace", lambda: sparse_mla_prefill(q, inp["kv"], inp["idx"], None, inp["sink"],
+                                                    None, out))]
+    if H <= 16:
+        for bt, bn, warps in SHARED_SHAPES:
+            lab = f"shared-bt{bt or 'def'}"
+            fns.append((lab, lambda bt=bt, bn=bn, warps=warps: sparse_mla_prefill_shared_window(
+                q, inp["kv"], inp["win_start"], wl, inp["local"], None, inp["qsl"], inp["sink"],
+                None, out, block_t=bt, block_n=bn, num_warps=warps)))
+    pg = inp["paged"]
+    fns.append(("paged", lambda: sparse_mla_prefill_paged(**pg, out=out)))
+    si, sl, ei, el = inp["slots"]
+    fns.append(("paged-attn", lambda: sparse_mla_decode(q, pg["swa_cache"], si, sl,
+                                                        pg["compressed_cache"], ei, el,
+                                                        inp["sink"], None, out)))
+    return fns
+
+
+def run_kernels(lines: List[str]):
+    for H in HEADS:
+        inp = build_kernel_inputs(H)
+        ref = None
+        for lab, fn in kernel_fns(inp):
+            try:
+                us = time_graph_flushed(fn)
+                o = fn()[0].clone()
+                torch.cuda.synchronize()
+            except Exception as e:  # report and go on
+                lines.append(f"kernel H={H:<3d} {lab:14s} FAILED {type(e).__name__}: "
+                             f"{str(e)[:200]}")
+                print(lines[-1], flush=True)
+                continue
+            if ref is None and lab == "workspace":
+                ref = o
+            # paged reads different (record-encoded) keys: compare within the workspace family
+            agree = rel_err(o, ref) if (ref is not None and not lab.startswith("paged")) else 0.0
+            tf = 4.0 * H * (TOPK + W) * 512 * T / (us * 1e-6) / 1e12
+            info = _kernel_info(lab)
+            lines.append(f"kernel H={H:<3d} {lab:14s} {us:9.1f} us {tf:6.1f} TFLOP/s "
+                         f"vs-workspace {agree:.1e} {info}")
+            print(lines[-1], flush=True)
+        del inp
+        torch.cuda.empty_cache()
+
+
+def _kernel_info(lab: str) -> str:
+    from dsv41_triton.attention._launch import LAST_LAUNCH
+    k = LAST_LAUNCH.get("shared" if lab.startswith("shared") else "fwd", (None, None))[0]
+    try:
+        return f"| regs {k.n_regs} spills {k.n_spills} smem {k.metadata.shared}"
+    except Exception:
+        return ""
+
+
+# --------------------------------------------------------------------------------------------
+# layer chunk
+# --------------------------------------------------------------------------------------------
+def build_layer_case(ctx: int, device="cuda", seed=0):
+    from dsv41_triton.layers.config import DeepseekV41AttentionConfig
+    from dsv41_triton.layers.layer import DeepseekV41Attention
+    from dsv41_triton.layers.metadata import RequestSpec, build_step_metadata
+
+    cfg = DeepseekV41AttentionConfig.v4_flash()
+    layer_id = 2
+    r = cfg.compress_ratio(layer_id)
+    g = torch.Generator().manual_seed(seed)
+    nb = -(-ctx // PAGE)
+    ncb = -(-(ctx // r) // PAGE)
+    layers = {p: DeepseekV41Attention(cfg, layer_id, tp_size=8, backend="triton", device=device,
+                                      max_model_len=ctx + 64, prefill_path=p)
+              for p in ("paged", "workspace")}
+    swa = random_k_cache(nb, PAGE, 584, device)
+    comp = random_k_cache(ncb, PAGE, 584, device)
+    for lay in layers.values():
+        lay.bind_kv_caches(swa, comp)
+    req = RequestSpec(CHUNK, prefix_len=ctx - CHUNK,
+                      swa_block_table=torch.randperm(nb, generator=g).tolist(),
+                      compressed_block_tables={r: torch.randperm(ncb, generator=g).tolist()})
+    md = build_step_metadata([req], window_size=cfg.sliding_window, swa_page_size=PAGE,
+                             compressed_page_sizes={r: PAGE}, device=device)
+    H = layers["paged"].n_local_heads
+    nent = (md.positions + 1) // r
+    tk = (torch.rand(CHUNK, cfg.index_topk, generator=g).to(device) * nent[:, None]).long()
+    tk = tk.to(torch.int32)
+    q = torch.randn(CHUNK, H, 512, device=device).to(torch.bfloat16)
+    return layers, md, q, tk
+
+
+def run_layer(lines: List[str], contexts=CONTEXTS):
+    for ctx in contexts:
+        layers, md, q, tk = build_layer_case(ctx)
+        outs = {}
+        for path, lay in layers.items():
+            out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+
+            def fn(lay=lay, out=out):
+                lay.forward_mqa(q, None, md.positions, out, metadata=md, topk_indices=tk)
+
+            try:
+                fn()
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                fn()
+                torch.cuda.synchronize()
+                peak = torch.cuda.max_memory_allocated() - base
+                us = time_eager_flushed(fn)
+            except Exception as e:
+                lines.append(f"layer ctx={ctx:<8d} {path:9s} FAILED {type(e).__name__}: "
+                             f"{str(e)[:200]}")
+                print(lines[-1], flush=True)
+                continue
+            outs[path] = out.clone()
+            lines.append(f"layer ctx={ctx:<8d} {path:9s} {us:9.1f} us  peak +{peak / 2**20:8.1f} "
+                         f"MiB  (chunk {CHUNK} tokens, {q.shape[1]} heads)")
+            print(lines[-1], flush=True)
+        if len(outs) == 2:
+            lines.append(f"layer ctx={ctx:<8d} paged vs workspace out rel "
+                         f"{rel_err(outs['paged'], outs['workspace']):.1e}")
+            print(lines[-1], flush=True)
+        del layers, md, q, tk, outs
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------------------------
+# warm-up: compile in parallel processes on the same shapes
+# --------------------------------------------------------------------------------------------
+def _warm_task(task):
+    kind, arg = task
+    try:
+        if kind == "kernel":
+            inp = build_kernel_inputs(arg)
+            for _, fn in kernel_fns(inp):
+                fn()
+        else:
+            run_layer([], contexts=(arg,))
+        torch.cuda.synchronize()
+        return None
+    except Exception as e:
+        return f"warm {kind} {arg}: {type(e).__name__}: {str(e)[:200]}"
+
+
+def warm(procs: int, kernels: bool, layer: bool):
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    tasks = ([("kernel", H) for H in HEADS] if kernels else []) + \
+        ([("layer", 8192)] if layer else [])
+    with cf.ProcessPoolExecutor(max_workers=procs, mp_context=mp.get_context("spawn")) as ex:
+        return [r for r in ex.map(_warm_task, tasks) if r]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--warm", type=int, default=0, help="compile first in N processes")
+    ap.add_argument("--warm-only", action="store_true")
+    ap.add_argument("--kernels-only", action="store_true")
+    ap.add_argument("--layer-only", action="store_true")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_prefill: no CUDA device; nothing to time")
+        return 0
+    import triton
+    t0 = time.time()
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
+          f"triton {triton.__version__}", flush=True)
+    kernels, layer = not args.layer_only, not args.kernels_only
+    if args.warm:
+        for line in warm(args.warm, kernels, layer):
+            print(line, flush=True)
+        print(f"warm: {time.time() - t0:.0f} s", flush=True)
+        if args.warm_only:
+            return 0
+    lines: List[str] = []
+    if kernels:
+        run_kernels(lines)
+    if layer:
+        run_layer(lines)
+    print(f"\n==== summary ({time.time() - t0:.0f} s) ====")
+    for line in lines:
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

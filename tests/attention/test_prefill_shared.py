@@ -1,0 +1,206 @@
+"""``sparse_mla_prefill_shared_window`` against its float64 reference and against the general
+prefill over the layer's workspace."""
+import pytest
+import torch
+
+from dsv41_triton.attention._configs import MIN_BLOCK_N_GPU
+from dsv41_triton.attention.prefill import sparse_mla_prefill
+from dsv41_triton.attention.prefill_shared import (
+    shared_window_tiles,
+    sparse_mla_prefill_shared_window,
+    workspace_window_rows,
+)
+from dsv41_triton.attention.prefill_shared_ref import sparse_mla_prefill_shared_window_ref
+from dsv41_triton.ops.indices import combine_topk_swa_indices
+from dsv41_triton.ops.kv_cache import dequantize_and_gather_k_cache
+from dsv41_triton.testing import max_abs_err, poison_, rel_err
+
+OUT_TOL, LSE_TOL = 1e-2, 1e-3
+#: key block for explicit shapes: small on the CPU; a GPU refuses blocks under 32
+BN = 16 if not torch.cuda.is_available() else MIN_BLOCK_N_GPU
+
+
+def _case(device, qlens=(3, 0, 13, 6), extra=2, H=3, W=10, K=17, S=300, seed=0):
+    """Requests with sliding windows (row ranges), ragged top-k rows with -1 and rows >= S;
+    ``extra`` tokens past the last request."""
+    g = torch.Generator().manual_seed(seed)
+    qsl = torch.tensor([0] + list(qlens)).cumsum(0).to(torch.int32)
+    T = int(qsl[-1]) + extra
+    ws = torch.zeros(T, dtype=torch.int32)
+    wl = torch.zeros(T, dtype=torch.int32)
+    base = 5
+    for b, n in enumerate(qlens):
+        for i in range(n):
+            t = int(qsl[b]) + i
+            ws[t] = base + max(0, i - W + 1)
+            wl[t] = min(i + 1, W)
+        base += n + 40
+    tk = torch.randint(0, S + 20, (T, K), generator=g).to(torch.int32)
+    tk[torch.rand(T, K, generator=g) < 0.1] = -1
+    tl_ = torch.randint(0, K + 1, (T,), generator=g).to(torch.int32)
+    q = torch.randn(T, H, 512, generator=g).to(torch.bfloat16)
+    kv = torch.randn(S, 512, generator=g).to(torch.bfloat16)
+    sink = torch.randn(H, generator=g)
+    d = dict(q=q, kv=kv, win_start=ws, win_len=wl, topk_indices=tk, topk_lens=tl_,
+             query_start_loc=qsl, attn_sink=sink)
+    return {k: v.to(device) for k, v in d.items()}
+
+
+def _check(args, out=None, **kw):
+    T, H = args["q"].shape[:2]
+    if out is None:
+        out = poison_(torch.empty(T, H, 512, dtype=torch.bfloat16, device=args["q"].device))
+    o, lse = sparse_mla_prefill_shared_window(**args, out=out, **kw)
+    assert o.data_ptr() == out.data_ptr()
+    ro, rl = sparse_mla_prefill_shared_window_ref(**args)
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    e_o, e_l = rel_err(o, ro), max_abs_err(lse, rl)
+    assert e_o <= OUT_TOL, e_o
+    assert e_l <= LSE_TOL, e_l
+    return o, lse
+
+
+def test_shared_window_tiles_cover_each_token_once(device):
+    qsl = torch.tensor([2, 2, 7, 7, 30, 31], dtype=torch.int32, device=device)  # offset start
+    T = 33
+    for bt in (1, 4, 8):
+        tiles = shared_window_tiles(qsl, T, bt).cpu()
+        assert tiles.shape == (-(-T // bt) + 6, 2)
+        seen = torch.zeros(T, dtype=torch.int32)
+        bounds = [0, 5, 28, 29, T]  # request starts relative to qsl[0], then the leftover
+        for s, c in tiles.tolist():
+            assert 0 <= c <= bt
+            if c:
+                seen[s:s + c] += 1
+                b = max(i for i in range(len(bounds) - 1) if bounds[i] <= s)
+                assert s + c <= bounds[b + 1]  # never across a request boundary
+        assert torch.equal(seen, torch.ones(T, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("H", [1, 3, 8, 16])
+def test_shared_window_matches_ref(device, H):
+    _check(_case(device, H=H, seed=H))
+
+
+@pytest.mark.parametrize("H,block_t", [(3, 4), (3, 32), (1, 16), (16, 1), (8, 2)])
+def test_shared_window_tile_sizes(device, H, block_t):
+    _check(_case(device, H=H, seed=block_t), block_t=block_t, block_n=BN)
+
+
+@pytest.mark.parametrize("sink", [None, "-inf", "large"])
+def test_shared_window_sinks(device, sink):
+    args = _case(device, H=3)
+    args["attn_sink"] = {None: None, "-inf": torch.full((3,), float("-inf"), device=device),
+                         "large": torch.full((3,), 80.0, device=device)}[sink]
+    o, _ = _check(args)
+    if sink == "large":
+        assert o.abs().max().item() < 1e-20
+
+
+def test_shared_window_empty_rows_and_hostile(device):
+    """Tokens with neither window nor top-k get 0 / +inf; windows past either end of kv and
+    negative lengths are clipped; top-k lens past K are clamped; int64 index inputs."""
+    args = _case(device, H=3, S=120, seed=3)
+    T = args["q"].shape[0]
+    ws, wl, tlen = args["win_start"].clone(), args["win_len"].clone(), args["topk_lens"].clone()
+    wl[[0, T - 1]] = 0
+    tlen[[0, T - 1]] = 0
+    ws[5], wl[5] = -4, 9  # starts before row 0
+    ws[6], wl[6] = 115, 9  # runs past S
+    wl[7] = -3
+    tlen[8] = 999
+    args.update(win_start=ws.long(), win_len=wl, topk_lens=tlen,
+                topk_indices=args["topk_indices"].long())
+    o, lse = _check(args)
+    for t in (0, T - 1):
+        assert torch.all(o[t] == 0) and torch.all(torch.isinf(lse[t]) & (lse[t] > 0))
+
+
+def test_shared_window_equals_general_prefill_on_the_layer_workspace(device):
+    """The layer's workspace (gather + combine) through both entry points."""
+    from tests.attention.test_prefill_paged import _step
+
+    s = _step(device, H=3, seed=2)
+    md, r, W = s["md"], s["r"], s["W"]
+    nd = md.num_decodes
+    for ch in md.chunk_plan(r):
+        a, b = ch.tok_start, ch.tok_end
+        pr = slice(ch.req_start - nd, ch.req_end - nd)
+        seq, glen = md.prefill_seq_lens[pr], md.prefill_gather_lens[pr]
+        ws = torch.zeros((ch.req_end - ch.req_start, ch.M, 512), dtype=torch.bfloat16,
+                         device=device)
+        cm = md.compressed[r]
+        dequantize_and_gather_k_cache(ws, s["comp"], torch.div(seq, r, rounding_mode="floor")
+                                      .to(torch.int32), None,
+                                      cm.block_table[ch.req_start:ch.req_end], cm.page_size, 0)
+        dequantize_and_gather_k_cache(ws, s["swa"], seq, glen,
+                                      md.swa_block_table[ch.req_start:ch.req_end],
+                                      md.swa_page_size, ch.N)
+        qsl = md.query_start_loc[ch.req_start:ch.req_end + 1]
+        qsl = qsl - qsl[0]
+        tk = s["tk"][a:b]
+        idx, lens = combine_topk_swa_indices(tk, qsl, seq, glen, W, r, tk.shape[1], ch.M, ch.N)
+        wst, wln, tln = workspace_window_rows(qsl, seq, glen, W, r, tk.shape[1], ch.M, ch.N,
+                                              b - a)
+        kv = ws.view(-1, 512)
+        q = s["q"][a:b]
+        o1, l1 = sparse_mla_prefill(q, kv, idx, lens, attn_sink=s["sink"])
+        o2, l2 = sparse_mla_prefill_shared_window(q, kv, wst, wln, idx, tln, qsl,
+                                                  attn_sink=s["sink"])
+        assert torch.equal(tln + wln, lens)
+        assert rel_err(o2, o1) < 5e-3 and max_abs_err(l2, l1) < 1e-3
+
+
+def test_shared_window_bad_inputs(device):
+    a = _case(device, H=3)
+
+    def call(exc, match, **kw):
+        with pytest.raises(exc, match=match):
+            sparse_mla_prefill_shared_window(**dict(a, **kw))
+
+    call(ValueError, "heads", q=torch.randn(a["q"].shape[0], 17, 512, device=device)
+         .to(torch.bfloat16), attn_sink=None)
+    call(TypeError, "q", q=a["q"].float())
+    call(ValueError, "win_start", win_start=a["win_start"][:3])
+    call(TypeError, "win_len", win_len=a["win_len"].float())
+    call(ValueError, "topk_indices", topk_indices=a["topk_indices"][:3])
+    call(ValueError, "kv", kv=a["kv"][:, :256])
+    call(ValueError, "block_t", block_t=3)
+    call(ValueError, "block_t", block_t=64)
+    call(ValueError, "block_n", block_n=48)
+    out = poison_(torch.empty_like(a["q"]))
+    with pytest.raises(ValueError):
+        sparse_mla_prefill_shared_window(**dict(a, topk_lens=a["topk_lens"][:2]), out=out)
+    assert torch.isnan(out).all()
+
+
+def test_shared_window_zero_tokens(device):
+    a = _case(device, qlens=(), extra=0, H=3)
+    o, lse = sparse_mla_prefill_shared_window(**a)
+    assert o.shape == (0, 3, 512) and lse.shape == (0, 3)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: V4.1 sizes (128-key window, 512 top-k), CUDA graph
+# --------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [8, 16])
+@pytest.mark.parametrize("block_t,block_n,warps", [(None, 64, None), (4, 32, 4)])
+def test_shared_window_v41_gpu(device, H, block_t, block_n, warps):
+    a = _case(device, qlens=(700, 1, 300), extra=3, H=H, W=128, K=512, S=8192, seed=H)
+    _check(a, block_t=block_t, block_n=block_n, num_warps=warps)
+
+
+@pytest.mark.gpu
+def test_shared_window_cuda_graph_gpu(device):
+    a = _case(device, qlens=(200, 77), extra=0, H=8, W=128, K=512, S=4096)
+    out = torch.empty_like(a["q"])
+    sparse_mla_prefill_shared_window(**a, out=out)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        _, lse = sparse_mla_prefill_shared_window(**a, out=out)
+    out.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    ro, rl = sparse_mla_prefill_shared_window_ref(**a)
+    assert rel_err(out, ro) <= OUT_TOL and max_abs_err(lse, rl) <= LSE_TOL
