@@ -196,3 +196,93 @@ def test_gpu_compile_and_cuda_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(res, eager(*fresh))
+
+
+# ---- the layer -----------------------------------------------------------------------------
+def _layer_setup(layer_id, backend, device, **kw):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "layers"))
+    import test_layer as tl
+    from dsv41_triton.layers.layer import random_attention_state_dict
+
+    sd = random_attention_state_dict(tl.CFG, seed=layer_id)
+    mk = lambda: tl.make_layer(tl.CFG, layer_id, backend, sd, device=device, **kw)  # noqa: E731
+    return tl, mk(), mk(), tl.Scenario(tl.CFG, layer_id, device=device)
+
+
+def _layer_fwd(layer, positions, hidden, md, ckv, tk):
+    return layer(positions, hidden, md, compressed_kv=ckv, topk_indices=tk)
+
+
+#: a prefill step, then decode steps of 2, 3, 4 requests (the token count changes)
+_LAYER_STEPS = [([("A", 6), ("B", 3), ("C", 5), ("D", 4)], 0), ([("A", 1), ("B", 1)], 0),
+                ([("A", 1), ("B", 1), ("C", 1)], 0), ([("A", 1), ("B", 1), ("C", 1), ("D", 1)], 0)]
+
+
+@pytest.mark.parametrize("layer_id,backend", [(1, "torch"), (2, "triton")])
+def test_layer_forward_compiles_without_breaks_or_recompiles(layer_id, backend, device):
+    tl, layer, ref, sc = _layer_setup(layer_id, backend, device)
+    cnt = dt.CompileCounterWithBackend("eager")
+    compiled = torch.compile(_layer_fwd, fullgraph=True, dynamic=True, backend=cnt)
+    frames = []
+    for i, (plan, pad) in enumerate(_LAYER_STEPS):
+        md, hid, ckv, tk, _ = sc.step(plan, pad, 4)
+        args = (md.positions, hid, md, ckv if layer_id else None, tk if layer_id else None)
+        if i == 0:
+            ex = torch._dynamo.explain(_layer_fwd)(layer, *args)  # the prefill step
+            assert ex.graph_break_count == 0, ex.break_reasons
+            _layer_fwd(ref, *args)
+            continue
+        assert torch.equal(compiled(layer, *args), _layer_fwd(ref, *args))
+        frames.append(cnt.frame_count)
+    assert frames[0] in (1, 2) and frames[1:] == frames[:1] * 2
+
+
+def test_layer_rejects_positions_past_the_rope_table(device):
+    tl, layer, _, sc = _layer_setup(0, "torch", device)
+    md, hid, _, _, _ = sc.step([("A", 3)], 0, 4)
+    bad = md.positions.clone()
+    bad[1] = layer.max_model_len
+    with pytest.raises(ValueError, match=r"positions: position \d+ is outside the RoPE table"):
+        layer(bad, hid, md)
+    bad[1] = -1
+    with pytest.raises(ValueError, match="outside the RoPE table"):
+        layer(bad, hid, md)
+    md.max_position = layer.max_model_len  # the metadata's own bound (host int)
+    with pytest.raises(ValueError, match="past max_model_len"):
+        layer(None, hid, md)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ("triton", "auto"))
+def test_gpu_layer_compile_and_cuda_graph(backend):
+    tl, layer, ref, sc = _layer_setup(2, backend, "cuda")
+    cnt = dt.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(_layer_fwd, fullgraph=True, dynamic=True, backend=cnt)
+    frames = []
+    for i, (plan, pad) in enumerate(_LAYER_STEPS):
+        md, hid, ckv, tk, _ = sc.step(plan, pad, 4)
+        args = (md.positions, hid, md, ckv, tk)
+        if i == 0:
+            _layer_fwd(layer, *args)
+            _layer_fwd(ref, *args)
+            continue
+        y, yr = compiled(layer, *args), _layer_fwd(ref, *args)
+        assert (y.float() - yr.float()).norm() <= 1e-2 * yr.float().norm()
+        frames.append(cnt.frame_count)
+    assert frames[1:] == frames[:1] * 2
+    # a decode step captured in a CUDA graph (compiled forward) and replayed
+    md, hid, ckv, tk, _ = sc.step([("A", 1), ("B", 1), ("C", 1), ("D", 1)], 0, 4)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        compiled(layer, md.positions, hid, md, ckv, tk)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = compiled(layer, md.positions, hid, md, ckv, tk)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(y).all()
