@@ -134,6 +134,37 @@ def test_explain_reports_no_graph_break(device):
         assert f"dsv41.{op}" in names, op
 
 
+def test_paged_and_shared_window_prefill_compile(device):
+    from dsv41_triton.attention.prefill_paged import sparse_mla_prefill_paged
+    from dsv41_triton.attention.prefill_shared import sparse_mla_prefill_shared_window
+
+    swa, extra, kv, cs = _state(device)
+    bt = torch.tensor([[0, 1, 2, 3, 4, 5]], dtype=torch.int32, device=device)
+
+    def f(q, idx, lens, pos):
+        T = q.shape[0]
+        zeros = torch.zeros(T, dtype=torch.int32, device=q.device)
+        o1, l1 = sparse_mla_prefill_paged(q, pos, zeros, torch.tensor([24], dtype=torch.int32,
+                                                                       device=q.device),
+                                          swa, bt, 4)
+        qsl = torch.stack([zeros[0], zeros[0] + T])
+        o2, l2 = sparse_mla_prefill_shared_window(q, kv, pos.clamp_max(15), lens, idx, lens,
+                                                  qsl)
+        return o1, l1, o2, l2
+
+    cnt = dt.CompileCounterWithBackend("eager")
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend=cnt)
+    frames = []
+    for T in (5, 9):
+        q, _, idx, lens, pos = _inputs(T, device)
+        q = q[:, :4].contiguous()
+        pos = pos.clamp_max(23)
+        for a, b in zip(compiled(q, idx, lens, pos), f(q, idx, lens, pos)):
+            assert torch.equal(a, b)
+        frames.append(cnt.frame_count)
+    assert frames[0] in (1, 2) and frames[1] == frames[0]
+
+
 def test_compile_without_fullgraph_runs(device):
     """Without fullgraph Dynamo used to trace into the Triton interpreter's numpy pointer
     arithmetic (``KeyError(torch.uint64)``); the op boundary keeps it out."""

@@ -57,6 +57,13 @@ ops.combine_topk_swa_indices(torch.zeros(2, 4, dtype=torch.int32),
                              torch.tensor([5], dtype=torch.int32), None, 4, 1, 4, 16, 4)
 ops.compute_global_topk_indices_and_lens(idx, torch.zeros(2, dtype=torch.int32),
                                          torch.tensor([[0, 1, 2]], dtype=torch.int32), 4, None)
+from dsv41_triton.attention.prefill_paged import sparse_mla_prefill_paged
+from dsv41_triton.attention.prefill_shared import sparse_mla_prefill_shared_window
+from dsv41_triton.ops.prefill_indices import prefill_slot_indices
+sparse_mla_prefill_paged(q, pos, torch.zeros(2, dtype=torch.int32), torch.tensor([10], dtype=torch.int32),
+                         c, torch.tensor([[0, 1, 2]], dtype=torch.int32), 4)
+sparse_mla_prefill_shared_window(q, ws[0], torch.tensor([0, 1]), torch.tensor([3, 3]), idx, None,
+                                 torch.tensor([0, 2], dtype=torch.int32))
 print("OK", kernel_is_interpreted(_INSERT_KERNELS[584]))
 '''
 
