@@ -17,7 +17,9 @@ from dsv41_triton.ops.mxfp8_ref import mxfp8_quantize_ref
 from dsv41_triton.ops.rope_ref import apply_rope_ref, make_cos_sin_cache
 from dsv41_triton.testing import random_k_cache
 
-IMPLS = ("torch", "triton", "ref")
+#: backends checked here (those that cannot run on this machine are skipped: FlashMLA needs
+#: an SM90/SM100 GPU and its library) and "ref", the float64 references
+IMPLS = ("torch", "triton", "flashmla", "ref")
 PAGE = 4
 
 
@@ -45,16 +47,21 @@ def prefill(impl, device, *args, **kw):
     return be.sparse_mla_prefill(*args, **kw)
 
 
-def _decode_case(device, T=3, H=3, g=None):
+def _decode_case(device, T=3, H=3, g=None, extra_record=288):
     g = g or torch.Generator().manual_seed(7)
     q = torch.randn(T, H, 512, generator=g).bfloat16().to(device)
     swa = random_k_cache(4, PAGE, 584, device, generator=g)
-    extra = random_k_cache(3, PAGE, 288, device, generator=g)
+    extra = random_k_cache(3, PAGE, extra_record, device, generator=g)
     si = torch.randint(0, 4 * PAGE, (T, 6), generator=g, dtype=torch.int32).to(device)
     ei = torch.randint(0, 3 * PAGE, (T, 5), generator=g, dtype=torch.int32).to(device)
     sl = torch.full((T,), 6, dtype=torch.int32, device=device)
     el = torch.full((T,), 5, dtype=torch.int32, device=device)
     return q, swa, si, sl, extra, ei, el
+
+
+def _extra(impl):
+    """FlashMLA's sparse decode reads both caches in one record."""
+    return 584 if impl == "flashmla" else 288
 
 
 def _f(x):
@@ -64,7 +71,7 @@ def _f(x):
 # ---- NaN ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("impl", IMPLS)
 def test_nan_in_q_propagates_and_nothing_else_changes(impl, device):
-    q, swa, si, sl, extra, ei, el = _decode_case(device)
+    q, swa, si, sl, extra, ei, el = _decode_case(device, extra_record=_extra(impl))
     clean_o, clean_l = decode(impl, device, q, swa, si, sl, extra, ei, el)
     qn = q.clone()
     qn[0, 1, 5] = float("nan")
@@ -150,7 +157,7 @@ def test_nan_in_q_fused(impl, device):
 # ---- empty ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("impl", IMPLS)
 def test_no_tokens(impl, device):
-    q, swa, si, sl, extra, ei, el = _decode_case(device)
+    q, swa, si, sl, extra, ei, el = _decode_case(device, extra_record=_extra(impl))
     o, lse = decode(impl, device, q[:0], swa, si[:0], sl[:0], extra, ei[:0], el[:0])
     assert o.shape == (0, 3, 512) and lse.shape == (0, 3)
     kv = torch.randn(5, 512).bfloat16().to(device)
@@ -160,7 +167,7 @@ def test_no_tokens(impl, device):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_index_width_zero(impl, device):
-    q, swa, si, sl, extra, ei, el = _decode_case(device)
+    q, swa, si, sl, extra, ei, el = _decode_case(device, extra_record=_extra(impl))
     z = si[:, :0]
     o, lse = decode(impl, device, q, swa, z, None, extra, ei[:, :0], None)
     assert torch.equal(_f(o), torch.zeros(3, 3, 512, dtype=torch.float64))
@@ -191,9 +198,9 @@ def test_no_tokens_fused(impl, kind, device):
 
 
 # ---- rejected -------------------------------------------------------------------------------
-@pytest.mark.parametrize("impl", ("torch", "triton"))
+@pytest.mark.parametrize("impl", ("torch", "triton", "flashmla"))
 def test_zero_heads_rejected(impl, device):
-    q, swa, si, sl, extra, ei, el = _decode_case(device)
+    q, swa, si, sl, extra, ei, el = _decode_case(device, extra_record=_extra(impl))
     with pytest.raises(ValueError, match="q: expected at least one head"):
         decode(impl, device, q[:, :0], swa, si, sl)
     with pytest.raises(ValueError, match="q: expected at least one head"):
@@ -211,7 +218,7 @@ def test_select_backend_bogus_kind_is_one_value_error():
 # ---- lens -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("impl", IMPLS)
 def test_lens_are_clamped_to_the_width(impl, device):
-    q, swa, si, sl, extra, ei, el = _decode_case(device)
+    q, swa, si, sl, extra, ei, el = _decode_case(device, extra_record=_extra(impl))
     wild = torch.tensor([99, -5, 3], dtype=torch.int32, device=device)
     clamped = wild.clamp(0, si.shape[1])
     ewild = torch.tensor([-1, 50, 0], dtype=torch.int32, device=device)
@@ -229,7 +236,7 @@ def test_lens_are_clamped_to_the_width(impl, device):
 # ---- sink -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("impl", IMPLS)
 def test_sink_values(impl, device):
-    q, swa, si, sl, extra, ei, el = _decode_case(device)
+    q, swa, si, sl, extra, ei, el = _decode_case(device, extra_record=_extra(impl))
     sl = sl.clone()
     sl[2] = 0
     el = el.clone()
