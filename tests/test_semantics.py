@@ -50,8 +50,9 @@ def prefill(impl, device, *args, **kw):
 def _decode_case(device, T=3, H=3, g=None, extra_record=288):
     g = g or torch.Generator().manual_seed(7)
     q = torch.randn(T, H, 512, generator=g).bfloat16().to(device)
-    swa = random_k_cache(4, PAGE, 584, device, generator=g)
-    extra = random_k_cache(3, PAGE, extra_record, device, generator=g)
+    # built on the CPU (the generator is a CPU one), then moved
+    swa = random_k_cache(4, PAGE, 584, "cpu", generator=g).to(device)
+    extra = random_k_cache(3, PAGE, extra_record, "cpu", generator=g).to(device)
     si = torch.randint(0, 4 * PAGE, (T, 6), generator=g, dtype=torch.int32).to(device)
     ei = torch.randint(0, 3 * PAGE, (T, 5), generator=g, dtype=torch.int32).to(device)
     sl = torch.full((T,), 6, dtype=torch.int32, device=device)
