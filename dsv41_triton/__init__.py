@@ -2,8 +2,9 @@
 
 The contract is SPEC.md. Subpackages: ``ops`` (records, cache and index ops, RoPE, MXFP8),
 ``attention`` (sparse MLA kernels, the fused contract), ``backends`` (the dispatcher),
-``layers`` (the drop-in layer, its config and step metadata), ``perf`` (the comparison
-harness, ``dsv41-bench``). Imports run one way: ops <- attention <- backends <- layers <- perf.
+``layers`` (the drop-in layer, its config and step metadata), ``integrations`` (transformers'
+DeepSeek-V4 on this package's layer), ``perf`` (the comparison harness, ``dsv41-bench``).
+Imports run one way: ops <- attention <- backends <- layers <- integrations, perf.
 
 The most used names are re-exported here::
 

@@ -13,7 +13,8 @@ Variants (µs per call; the "step" rows are per step of ``--layers`` layers, div
   backend           FlashMLABackend.sparse_mla_decode with the step's cache warm (a layer after
                     the first of its step), no out= buffer
   backend, out=     the same writing into a given buffer (as the layer calls it)
-  backend, no step  a fresh schedule per call (the behaviour before the step cache)
+  backend, no step  no step cache: the schedule the backend keeps per shape
+  backend, fresh    a fresh schedule every call (the behaviour before this change)
   step (backend)    ``--layers`` calls sharing one new step cache: one schedule per step
   step (bare)       ``--layers`` bare calls, schedule reused
 Needs CUDA and ``flash_mla`` (see third_party/FLASHMLA.txt for the device build).
@@ -139,6 +140,7 @@ def main(argv=None) -> int:
         ("backend, out=", lambda: be.sparse_mla_decode(**case, step_cache=warm_step,
                                                       out=out_buf), 1),
         ("backend, no step", lambda: be.sparse_mla_decode(**case), 1),
+        ("backend, fresh", lambda: be.sparse_mla_decode(**case, step_cache={}), 1),
         (f"step of {L} (backend)", step_backend, L),
         (f"step of {L} (bare)", step_bare, L),
     ]

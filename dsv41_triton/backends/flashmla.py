@@ -12,11 +12,13 @@ set to ``-1`` instead, which its kernel skips), so the split-KV schedule depends
 alone. Given a ``step_cache`` dict (the layer passes its step's ``StepMetadata.backend_cache``),
 one ``FlashMLASchedMeta`` per shape and the masked window index rows are built once and shared
 by every layer of the step: the first call fills the schedule (inside a CUDA graph capture:
-records its kernel), later calls reuse it; nothing synchronizes with the host. Without one, each
-call gets a fresh schedule.
+records its kernel), later calls reuse it; nothing synchronizes with the host. Without one, an
+eager call reuses a schedule this backend keeps per shape (filled eagerly, so valid inside later
+captures too); a call being captured without one gets a fresh schedule.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Optional, Tuple
 
 import torch
@@ -131,8 +133,9 @@ class FlashMLABackend(ComposedFusedMixin, AttentionBackend):
         hp = padded_heads(H)
         qp = pad_heads(q, hp).unsqueeze(1)  # [T, 1, hp, 512]: each token its own "batch"
         cache4 = as_cache4(swa_cache)
-        key = ("swa_idx", swa_indices.data_ptr(), tuple(swa_indices.shape),
-               swa_lens.data_ptr())
+        # the same tensors, not modified in place since (version counters)
+        key = ("swa_idx", swa_indices.data_ptr(), swa_indices._version, tuple(swa_indices.shape),
+               None if swa_lens is None else (swa_lens.data_ptr(), swa_lens._version))
         idx = None if step_cache is None else step_cache.get(key)
         if idx is None:
             idx = masked_indices(swa_indices, swa_lens, _DECODE_TOPK_MULTIPLE).unsqueeze(1)
@@ -156,14 +159,29 @@ class FlashMLABackend(ComposedFusedMixin, AttentionBackend):
         out.copy_(o)
         return out, l.contiguous()
 
-    @staticmethod
-    def _sched_meta(ops, step_cache, qp, cache4, idx, extra, eidx):
-        """The step's schedule for this shape (FlashMLA's config fields), or a fresh one."""
-        if step_cache is None:
-            return new_sched_meta(ops.get_metadata)
+    #: schedules of eager calls without a step cache, by shape (most recent last)
+    _EAGER_SCHEDULES = 64
+
+    def _sched_meta(self, ops, step_cache, qp, cache4, idx, extra, eidx):
+        """The schedule for this shape (FlashMLA's config fields): the step's; without a step
+        cache, the one this backend keeps per shape (filled by an eager call), else a fresh one
+        (kept only when this call is eager: one first filled inside a capture is written only
+        when the graph replays)."""
         key = ("sched", qp.shape[0], qp.shape[2], cache4.shape[1], idx.shape[-1],
                None if extra is None else extra.shape[1],
                None if eidx is None else eidx.shape[-1], qp.device)
+        if step_cache is None:
+            kept = self.__dict__.setdefault("_eager", OrderedDict())
+            meta = kept.get(key)
+            if meta is not None:
+                kept.move_to_end(key)
+                return meta
+            meta = new_sched_meta(ops.get_metadata)
+            if not (qp.is_cuda and torch.cuda.is_current_stream_capturing()):
+                if len(kept) >= self._EAGER_SCHEDULES:
+                    kept.popitem(last=False)
+                kept[key] = meta  # filled by this eager call
+            return meta
         meta = step_cache.get(key)
         if meta is None:
             meta = step_cache[key] = new_sched_meta(ops.get_metadata)

@@ -306,8 +306,12 @@ def _rope(d: Dict[str, Any], deepseek_yarn: Mapping[str, Any]) -> Dict[str, Any]
         yarn = _yarn("rope_parameters.compress", compress, deepseek_yarn)
     for name, v in flat:
         y = _yarn(name, {k: x for k, x in v.items() if k != "rope_theta"}, deepseek_yarn)
-        if v.get("rope_theta") is not None:
-            _merge(d, "rope_theta", v["rope_theta"], f"{name}.rope_theta")
+        t = v.get("rope_theta")
+        # a flat dict's theta is the window layers' (transformers' conversion); vLLM overwrites
+        # it in place with the compressed layers' while it builds them: both are consistent
+        if t is not None and not (compress_theta is not None and rope_theta is not None
+                                  and _same("", t, compress_theta)):
+            _merge(d, "rope_theta", t, f"{name}.rope_theta")
             rope_theta = d["rope_theta"]
         if yarn is not None and y != yarn:
             raise ValueError(f"config: {name} {y} contradicts the other RoPE fields {yarn}")

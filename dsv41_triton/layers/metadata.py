@@ -109,7 +109,8 @@ class StepMetadata:
     max_workspace_rows: Optional[int]
     _plans: Dict[int, List[PrefillChunk]] = field(default_factory=dict)
     _all_entries: Dict[int, torch.Tensor] = field(default_factory=dict)
-    #: scratch a backend keeps for the step's layers (e.g. FlashMLA's scheduler metadata)
+    #: scratch a backend keeps for the step's layers (e.g. FlashMLA's scheduler metadata);
+    #: clear it when this object's tensors are refilled for another step
     backend_cache: Dict[object, object] = field(default_factory=dict)
 
     def all_entries_topk(self, compress_ratio: int, multiple: int = 64) -> torch.Tensor:

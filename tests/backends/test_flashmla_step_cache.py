@@ -122,12 +122,20 @@ def test_one_schedule_per_shape_and_step(fake, H):
         assert o.shape == (5, H, 512) and l.shape == (5, H)
     assert fake.calls == 6 and fake.schedules == 2  # one per shape
     assert sum(1 for k in step if k[0] == "swa_idx") == 1  # window rows masked once
-    # a new step gets new schedules; no step cache: one per call (the old behaviour)
+    window["swa_lens"].clamp_(max=3)  # refilled in place: the kept rows are not reused
+    o, _ = be.sparse_mla_decode(**window, step_cache=step)
+    assert rel_err(o, _ref(window)[0]) <= 1e-2
+    assert sum(1 for k in step if k[0] == "swa_idx") == 2
+    # a new step gets new schedules; eager calls without a step cache share one per shape
     be.sparse_mla_decode(**window, step_cache={})
     assert fake.schedules == 3
-    be.sparse_mla_decode(**window)
-    be.sparse_mla_decode(**window)
+    for _ in range(3):
+        be.sparse_mla_decode(**window)
+    assert fake.schedules == 4
+    be.sparse_mla_decode(**compressed)
+    be.sparse_mla_decode(**compressed)
     assert fake.schedules == 5
+    assert FlashMLABackend().sparse_mla_decode(**window) and fake.schedules == 6  # per backend
 
 
 def test_out_buffer_and_empty_step(fake):
@@ -176,3 +184,72 @@ def test_layers_of_a_step_share_one_schedule(fake):
             assert rel_err(y, y_ref) <= 1e-2, (step, i)
         if step > 0:  # decode steps: window-only and compressed shapes, once each
             assert fake.schedules - before == 2, fake.schedules - before
+
+
+def _real_flashmla_or_skip():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    _flashmla_common._CACHE.clear()
+    ops, why = _flashmla_common.load_flashmla()
+    if ops is None or ops.source != "flash_mla":
+        pytest.skip(f"FlashMLA not available: {why}")
+    if torch.cuda.get_device_capability()[0] not in (9, 10):
+        pytest.skip("FlashMLA's sparse kernels: SM90/SM100")
+    return ops
+
+
+@pytest.mark.gpu
+def test_real_flashmla_shared_schedule_eager_graph_and_no_sync():
+    """On the GPU with FlashMLA: the shared schedule gives the reference's values eagerly and
+    when first filled inside a CUDA graph capture (three 'layers' sharing one step cache), and
+    the backend's decode does not synchronize with the host."""
+    _real_flashmla_or_skip()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
+    from bench_flashmla_backend import build_case
+
+    be = FlashMLABackend()
+    for H in (8, 64):
+        case = build_case(16, H, seed=H)
+        ro, rl = sparse_mla_decode_ref(**case)
+        step: dict = {}
+        o, l = be.sparse_mla_decode(**case, step_cache=step)
+        o2, _ = be.sparse_mla_decode(**case, step_cache=step)  # reused schedule
+        assert rel_err(o, ro) <= 1e-2 and rel_err(o2, ro) <= 1e-2
+        assert float((l.double() - rl.double()).abs().max()) <= 1e-3
+        prev = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            be.sparse_mla_decode(**case, step_cache={})
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+        outs = [torch.full_like(case["q"], float("nan")) for _ in range(3)]
+        graph_step: dict = {}
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s), torch.cuda.graph(g):
+            for out in outs:
+                be.sparse_mla_decode(**case, step_cache=graph_step, out=out)
+        torch.cuda.current_stream().wait_stream(s)
+        g.replay()
+        torch.cuda.synchronize()
+        for out in outs:
+            assert rel_err(out, ro) <= 1e-2
+        # no step cache: the eagerly kept schedule inside a capture, a fresh one for a new shape
+        be.sparse_mla_decode(**case)
+        small = dict(case, q=case["q"][:4], swa_indices=case["swa_indices"][:4],
+                     swa_lens=case["swa_lens"][:4], extra_indices=case["extra_indices"][:4],
+                     extra_lens=case["extra_lens"][:4])
+        o_small = torch.full_like(small["q"], float("nan"))
+        g2 = torch.cuda.CUDAGraph()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s), torch.cuda.graph(g2):
+            be.sparse_mla_decode(**case, out=outs[0])
+            be.sparse_mla_decode(**small, out=o_small)
+        torch.cuda.current_stream().wait_stream(s)
+        for out in outs:
+            out.fill_(float("nan"))
+        g2.replay()
+        torch.cuda.synchronize()
+        assert rel_err(outs[0], ro) <= 1e-2 and rel_err(o_small, ro[:4]) <= 1e-2
+        del g, g2

@@ -116,6 +116,12 @@ def test_vllm_flat_and_nested_rope_parameters():
                                "is_deepseek_v4": True, "rope_dim": 64}
     ref = Cfg.from_hf_config(V4_FLASH_JSON)
     assert Cfg.from_hf_config(flat) == ref
+    # vLLM writes the compressed layers' theta into the shared dict while building them
+    assert Cfg.from_hf_config(dict(flat, rope_parameters=dict(flat["rope_parameters"],
+                                                              rope_theta=160000))) == ref
+    with pytest.raises(ValueError, match="rope_parameters.rope_theta"):
+        Cfg.from_hf_config(dict(flat, rope_parameters=dict(flat["rope_parameters"],
+                                                           rope_theta=50000)))
     nested = dict(flat, rope_parameters={
         "main": {"rope_type": "default", "rope_theta": 10000, "partial_rotary_factor": 0.125},
         "compress": {"rope_type": "yarn", "rope_theta": 160000, "factor": 16, "beta_fast": 32,
