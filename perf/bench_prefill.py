@@ -24,7 +24,9 @@ request at 8K / 128K / 1M context; V4-flash ratio-4 layer, TP 8 = 8 local heads,
 during the call (above what was allocated before it) and eager time (median of 5, L2 flushed
 before each).
 
-``--warm N`` compiles every kernel first in N processes (on the same shapes), then times.
+``--warm N`` compiles every kernel first in N processes (on the same shapes), then times;
+``--paged-candidates`` adds other (GPU-tested decode) launch shapes on the paged prefill, each
+compared with the default paged output ("vs-family"; shared rows compare with workspace).
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ try:
 except ImportError:  # run from a checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from dsv41_triton.attention._configs import KernelConfig  # noqa: E402
 from dsv41_triton.attention.decode import sparse_mla_decode  # noqa: E402
 from dsv41_triton.attention.prefill import sparse_mla_prefill  # noqa: E402
 from dsv41_triton.attention.prefill_paged import sparse_mla_prefill_paged  # noqa: E402
@@ -53,6 +56,13 @@ HEADS = (8, 64, 128)
 #: shared-window launch shapes timed: (block_t, block_n, num_warps)
 SHARED_SHAPES = ((None, 64, None), (4, 64, 4), (2, 64, 4))
 CONTEXTS = (8192, 131072, 1 << 20)
+#: ``--paged-candidates``: decode launch shapes (GPU-tested with 584 records) also timed on the
+#: paged prefill, few heads / many heads
+PAGED_SHAPES_FEW = (("group", 16, 64, 4, 2, True), ("group", 16, 32, 4, 3, True),
+                    ("group", 16, 64, 8, 3, False))
+PAGED_SHAPES_MANY = (("group", 32, 64, 8, 3, False), ("group", 32, 64, 8, 3, True),
+                     ("group", 64, 32, 8, 2, False), ("group", 64, 64, 8, 2, True))
+PAGED_CANDIDATES = False
 CHUNK = 2048
 FLUSH_BYTES = 512 << 20
 
@@ -170,13 +180,21 @@ def kernel_fns(inp) -> List[tuple]:
     fns.append(("paged-attn", lambda: sparse_mla_decode(q, pg["swa_cache"], si, sl,
                                                         pg["compressed_cache"], ei, el,
                                                         inp["sink"], None, out)))
+    if PAGED_CANDIDATES:
+        for shape in (PAGED_SHAPES_FEW if H <= 16 else PAGED_SHAPES_MANY):
+            _, bh, bn, warps, stages, lazy = shape
+            cfg = KernelConfig(bh, bn, 1, warps, stages, lazy_rescale=lazy)
+            fns.append(("paged-" + "-".join(map(str, shape[1:])),
+                        lambda cfg=cfg: sparse_mla_decode(q, pg["swa_cache"], si, sl,
+                                                          pg["compressed_cache"], ei, el,
+                                                          inp["sink"], None, out, _config=cfg)))
     return fns
 
 
 def run_kernels(lines: List[str]):
     for H in HEADS:
         inp = build_kernel_inputs(H)
-        ref = None
+        ref = ref_paged = None
         for lab, fn in kernel_fns(inp):
             try:
                 us = time_graph_flushed(fn)
@@ -189,12 +207,15 @@ def run_kernels(lines: List[str]):
                 continue
             if ref is None and lab == "workspace":
                 ref = o
-            # paged reads different (record-encoded) keys: compare within the workspace family
-            agree = rel_err(o, ref) if (ref is not None and not lab.startswith("paged")) else 0.0
+            # paged reads other (record-encoded) keys: compare within each family
+            if lab == "paged":
+                ref_paged = o
+            base = ref_paged if lab.startswith("paged") else ref
+            agree = rel_err(o, base) if base is not None else 0.0
             tf = 4.0 * H * (TOPK + W) * 512 * T / (us * 1e-6) / 1e12
             info = _kernel_info(lab)
             lines.append(f"kernel H={H:<3d} {lab:14s} {us:9.1f} us {tf:6.1f} TFLOP/s "
-                         f"vs-workspace {agree:.1e} {info}")
+                         f"vs-family {agree:.1e} {info}")
             print(lines[-1], flush=True)
         del inp
         torch.cuda.empty_cache()
@@ -250,7 +271,7 @@ def run_layer(lines: List[str], contexts=CONTEXTS):
         for path, lay in layers.items():
             out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
 
-            def fn(lay=lay, out=out):
+            def fn(lay=lay, out=out, q=q, md=md, tk=tk):
                 lay.forward_mqa(q, None, md.positions, out, metadata=md, topk_indices=tk)
 
             try:
@@ -312,7 +333,11 @@ def main(argv=None):
     ap.add_argument("--warm-only", action="store_true")
     ap.add_argument("--kernels-only", action="store_true")
     ap.add_argument("--layer-only", action="store_true")
+    ap.add_argument("--paged-candidates", action="store_true",
+                    help="also time other launch shapes on the paged prefill")
     args = ap.parse_args(argv)
+    global PAGED_CANDIDATES
+    PAGED_CANDIDATES = args.paged_candidates
     if not torch.cuda.is_available():
         print("bench_prefill: no CUDA device; nothing to time")
         return 0
