@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 import torch
 
 from .._contract import EXTRA_RECORDS, SWA_RECORDS, check_decode_args, new_outputs
-from .._utils import use_reference
+from .._utils import call_op, use_reference
 from ._kernels import KernelConfig, KeySet, launch
 from ._sparse_kernel import _sparse_mla_fwd_grouped_kernel
 
@@ -71,7 +71,7 @@ def sparse_mla_decode(
         _decode_impl(q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices,
                      extra_lens, attn_sink, args.scale, out, lse, _config)
     else:
-        torch.ops.dsv41.sparse_mla_decode(q, swa_cache, swa_indices, swa_lens, extra_cache,
+        call_op(_decode_op, q, swa_cache, swa_indices, swa_lens, extra_cache,
                                           extra_indices, extra_lens, attn_sink, args.scale,
                                           out, lse)
     return out, lse

@@ -80,7 +80,6 @@ import triton.language as tl
 from .._contract import (
     EXTRA_RECORDS,
     HEAD_DIM,
-    INT_DTYPES,
     MXFP8_CHUNK,
     ROPE_DIM,
     SWA_RECORDS,
@@ -99,7 +98,7 @@ from .._contract import (
     check_tensor,
     check_workspace,
 )
-from .._utils import is_interpreter, next_power_of_2, use_reference
+from .._utils import call_op, is_interpreter, next_power_of_2, use_reference
 from ..ops._codecs import f32_to_bf16
 from ..ops.mxfp8 import alloc_mxfp8_output, check_mxfp8_output, rope_mxfp8_epilogue
 from ..ops.rope import check_rope_args, rope_cos_sin, rope_interleaved
@@ -310,7 +309,7 @@ def q_norm_rope(
         check_same_device(q=q, out=out)
         if out is q:
             raise ValueError("out: must not alias q (the prologue reads whole rows first)")
-    torch.ops.dsv41.q_norm_rope(q, token_positions, cos_sin_cache, layout, enable_q_norm, eps,
+    call_op(_q_norm_rope_op, q, token_positions, cos_sin_cache, layout, enable_q_norm, eps,
                                 out)
     return out
 
@@ -421,7 +420,7 @@ def sparse_mla_decode_fused(
                       cos_sin_cache=cos_sin_cache, data=data, scale=scale)
 
     lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
-    torch.ops.dsv41.sparse_mla_decode_fused(
+    call_op(_decode_fused_op, 
         q, kv, indices, scale_f, attn_sink, topk_length, extra_kv, extra_indices,
         extra_topk_length, enable_q_norm, eps, token_positions, cos_sin_cache, layout, data,
         scale, lse)
@@ -513,7 +512,7 @@ def sparse_mla_prefill_fused(
                       cos_sin_cache=cos_sin_cache, data=data, scale=scale)
 
     lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
-    torch.ops.dsv41.sparse_mla_prefill_fused(
+    call_op(_prefill_fused_op, 
         q, kv, indices, scale_f, attn_sink, topk_length, enable_q_norm, eps, token_positions,
         cos_sin_cache, layout, data, scale, lse)
     return data, scale, None, lse

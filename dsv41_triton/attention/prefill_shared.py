@@ -19,6 +19,7 @@ from typing import Optional, Tuple
 import torch
 
 from .._utils import (
+    call_op,
     HEAD_DIM,
     INT_DTYPES,
     check_int,
@@ -160,7 +161,7 @@ def sparse_mla_prefill_shared_window(
                       topk_indices=topk_indices, topk_lens=topk_lens,
                       query_start_loc=query_start_loc, attn_sink=attn_sink, out=out)
     out, lse = new_outputs(q, out)
-    torch.ops.dsv41.sparse_mla_prefill_shared_window(
+    call_op(_shared_window_op, 
         q, kv, win_start, win_len, topk_indices, topk_lens, query_start_loc, attn_sink, scale,
         out, lse, bt, block_n, -1 if num_warps is None else num_warps, num_stages)
     return out, lse

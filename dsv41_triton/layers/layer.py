@@ -41,7 +41,7 @@ from typing import Callable, Dict, Mapping, Optional, Union
 import torch
 import torch.nn as nn
 
-from .._utils import HEAD_DIM, check_int, check_tensor
+from .._utils import HEAD_DIM, call_op, check_int, check_tensor
 from ..backends import (AttentionBackend, Problem, Selection, get_backend, list_backends,
                         select_backend)
 from ..backends import _custom_ops  # noqa: F401  (registers torch.ops.dsv41.backend_*)
@@ -672,7 +672,7 @@ class DeepseekV41Attention(nn.Module):
         q_norm_eps = self.eps if self.config.q_head_norm else None
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         if self.fused and self._backend_op is not None:
-            torch.ops.dsv41.backend_sparse_mla_decode_fused(
+            call_op(_custom_ops.backend_sparse_mla_decode_fused, 
                 self._backend_op, q, positions, self.cos_sin_cache, self.swa_cache, si, sl,
                 *extra, self._sink(), self.scale, q_norm_eps, self.layout, output.data[a:b],
                 output.scale[a:b], lse)
@@ -684,7 +684,7 @@ class DeepseekV41Attention(nn.Module):
             self._write(output, a, b, res)
         elif self._backend_op is not None:
             key = step_cache_key(md.backend_cache) if step_cache else -1
-            torch.ops.dsv41.backend_sparse_mla_decode(
+            call_op(_custom_ops.backend_sparse_mla_decode, 
                 self._backend_op, q, self.swa_cache, si, sl, *extra, self._sink(), self.scale,
                 key, output[a:b], lse)
         else:
@@ -699,7 +699,7 @@ class DeepseekV41Attention(nn.Module):
         q_norm_eps = self.eps if self.config.q_head_norm else None
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         if self.fused and self._backend_op is not None:
-            torch.ops.dsv41.backend_sparse_mla_prefill_fused(
+            call_op(_custom_ops.backend_sparse_mla_prefill_fused, 
                 self._backend_op, q, positions, self.cos_sin_cache, kv, idx, lens,
                 self._sink(), self.scale, q_norm_eps, self.layout, output.data[a:b],
                 output.scale[a:b], lse)
@@ -710,7 +710,7 @@ class DeepseekV41Attention(nn.Module):
                 data=output.data[a:b], scale=output.scale[a:b])
             self._write(output, a, b, res)
         elif self._backend_op is not None:
-            torch.ops.dsv41.backend_sparse_mla_prefill(
+            call_op(_custom_ops.backend_sparse_mla_prefill, 
                 self._backend_op, q, kv, idx, lens, self._sink(), self.scale, output[a:b], lse)
         else:
             self.backend.sparse_mla_prefill(q, kv, idx, lens, attn_sink=self._sink(),

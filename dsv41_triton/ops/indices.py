@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .._utils import (
+    call_op,
     INT_DTYPES,
     check_int,
     check_same_device,
@@ -204,7 +205,7 @@ def combine_topk_swa_indices(
         check_tensor("out[1] (lens)", lens, dtypes=(torch.int32,), ndims=1, contiguous_last=False)
         check_shape("out[1] (lens)", lens, [T])
         check_same_device(topk_indices=topk_indices, out_indices=indices, out_lens=lens)
-    torch.ops.dsv41.combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens,
+    call_op(_combine_op, topk_indices, query_start_loc, seq_lens,
                                              gather_lens, window_size, compress_ratio, topk, M,
                                              N, indices, lens)
     return indices, lens
@@ -412,7 +413,7 @@ def compute_global_topk_indices_and_lens(
     )
     indices = torch.empty(T, K, dtype=torch.int32, device=dev)
     lens = torch.empty(T, dtype=torch.int32, device=dev)
-    torch.ops.dsv41.compute_global_topk_indices_and_lens(
+    call_op(_global_topk_op, 
         topk_indices, token_to_req_indices, block_table, block_size, is_valid_token, indices,
         lens)
     return indices, lens

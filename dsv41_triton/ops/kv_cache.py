@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._utils import cdiv, is_interpreter, use_reference
+from .._utils import call_op, cdiv, is_interpreter, use_reference
 from . import _codecs as C
 from .kv_cache_ref import (check_gather_args, check_insert_args,
                            dequantize_and_gather_k_cache_ref, quantize_and_insert_k_cache_ref)
@@ -223,7 +223,7 @@ def quantize_and_insert_k_cache(
     The ``torch.library`` op ``dsv41::quantize_and_insert_k_cache`` (mutates ``k_cache``);
     CPU tensors run the reference when the kernels are not in the Triton interpreter."""
     check_insert_args(k, k_cache, slot_mapping)
-    torch.ops.dsv41.quantize_and_insert_k_cache(k, k_cache, slot_mapping)
+    call_op(_insert_op, k, k_cache, slot_mapping)
 
 
 @torch.library.custom_op("dsv41::quantize_and_insert_k_cache", mutates_args=("k_cache",))
@@ -419,7 +419,7 @@ def dequantize_and_gather_k_cache(
     The ``torch.library`` op ``dsv41::dequantize_and_gather_k_cache`` (mutates ``out``).
     """
     check_gather_args(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset)
-    torch.ops.dsv41.dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens,
+    call_op(_gather_op, out, k_cache, seq_lens, gather_lens,
                                                   block_table, block_size, offset)
 
 

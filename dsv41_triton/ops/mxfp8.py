@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .._utils import (
+    call_op,
     HEAD_DIM,
     check_int,
     check_same_device,
@@ -215,7 +216,7 @@ def mxfp8_quantize(
     T, G, _ = x.shape
     data, scale = _outputs(data, scale, T, G, x.device)
     check_same_device(x=x, data=data, scale=scale)
-    torch.ops.dsv41.mxfp8_quantize(x, data, scale)
+    call_op(_mxfp8_quantize_op, x, data, scale)
     return data, scale
 
 
@@ -284,7 +285,7 @@ def rope_mxfp8_epilogue(
     G = H // WV_GROUP_SIZE
     data, scale = _outputs(data, scale, T, G, o.device)
     check_same_device(o=o, data=data, scale=scale)
-    torch.ops.dsv41.rope_mxfp8_epilogue(o, positions, cos_sin_cache, layout, data, scale)
+    call_op(_rope_mxfp8_epilogue_op, o, positions, cos_sin_cache, layout, data, scale)
     return data, scale
 
 

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._utils import (INT_DTYPES, check_int, check_same_device, check_tensor, next_power_of_2,
-                      use_reference)
+from .._utils import (INT_DTYPES, call_op, check_int, check_same_device, check_tensor,
+                      next_power_of_2, use_reference)
 
 #: tokens per program (one warp each) and compressed columns per step
 SLOT_BLOCK_T = 4
@@ -149,7 +149,7 @@ def prefill_slot_indices(
         K = topk_indices.shape[1]
         ext = torch.empty(T, K, dtype=torch.int32, device=dev)
         ext_lens = torch.empty(T, dtype=torch.int32, device=dev)
-    torch.ops.dsv41.prefill_slot_indices(
+    call_op(_prefill_slot_op, 
         positions, token_to_req, seq_lens, swa_block_table, swa_page_size, window_size,
         topk_indices if compress_ratio > 0 else None,
         compressed_block_table if compress_ratio > 0 else None, compressed_page_size,

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .._utils import (
+    call_op,
     HEAD_DIM,
     INT_DTYPES,
     ROPE_DIM,
@@ -163,7 +164,7 @@ def apply_rope(
         check_tensor("out", out, dtypes=(x.dtype,), ndims=3, last_dim=HEAD_DIM)
         check_shape("out", out, [T, H, HEAD_DIM])
         check_same_device(x=x, out=out)
-    torch.ops.dsv41.apply_rope(x, positions, cos_sin_cache, inverse, out)
+    call_op(_apply_rope_op, x, positions, cos_sin_cache, inverse, out)
     return out
 
 

@@ -1,5 +1,4 @@
 """backend_status(): every backend, per kind, on this machine's default device."""
-import torch
 
 from dsv41_triton import backends as B
 from dsv41_triton.backends.registry import default_device, format_backend_status
