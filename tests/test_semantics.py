@@ -103,6 +103,21 @@ def test_nan_key_propagates_to_the_tokens_that_read_it(impl, device):
     assert torch.isfinite(o[1]).all() and torch.isfinite(lse[1]).all()
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_nan_stored_in_a_record_propagates(impl, device):
+    q, swa, si, sl, extra, ei, el = _decode_case(device, extra_record=_extra(impl))
+    k = torch.randn(2, 512).bfloat16().to(device)
+    k[0, 9] = float("nan")  # e4m3 byte 0x7F in the record of slot 5
+    quantize_and_insert_k_cache_ref(k, swa, torch.tensor([5, 6], device=device))
+    si = si.clone()
+    si[1, 2] = 5
+    si[0] = torch.where(si[0] == 5, 6, si[0])
+    si[2] = torch.where(si[2] == 5, 6, si[2])
+    o, lse = map(_f, decode(impl, device, q, swa, si, sl, extra, ei, el))
+    assert torch.isnan(o[1]).all() and torch.isnan(lse[1]).all()
+    assert torch.isfinite(o[[0, 2]]).all() and torch.isfinite(lse[[0, 2]]).all()
+
+
 @pytest.mark.parametrize("record", (584, 528, 288))
 def test_nan_and_inf_keys_are_encoded_by_one_rule(record, device):
     g = torch.Generator().manual_seed(record)

@@ -10,14 +10,24 @@ Non-finite inputs follow one rule in every quantizer (and in ``records.py``): Na
 not count in a group's amax; +-inf saturates (e4m3 +-448, e2m1 +-6); NaN is the e4m3 byte 0x7F
 (e2m1 code 0).
 """
+import os
+
 import triton
 import triton.language as tl
 
 
+#: the kernels of this process run in Triton's interpreter (fixed when they are defined)
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+
+
 @triton.jit
 def e4m3_bits_to_f32(b):
-    """uint8 e4m3 bits -> fp32 (exact)."""
-    return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    """uint8 e4m3 bits -> fp32 (exact; the NaN bytes 0x7F / 0xFF give NaN, which the
+    interpreter's numpy cast turns into +-480 unless corrected here)."""
+    v = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if _INTERPRETED:
+        v = tl.where((b & 0x7F) == 0x7F, float("nan"), v)
+    return v
 
 
 @triton.jit

@@ -25,7 +25,7 @@ conversions). The NVFP4 encode needs no per-element division (see ``_nvfp4_quant
 so subnormal inputs keep their sign on the GPU too.
 The gather is bit-exact for every record byte pattern (UE8M0 bytes 0 and 255 included) wherever
 the reference is not NaN. Where it is NaN (e4m3 NaN bytes 0x7F/0xFF, or a UE8M0 byte 255 times
-zero) the GPU gives a NaN of another payload, and the CPU interpreter reads 0x7F as 480.
+zero) the kernels give a NaN too, possibly of another payload.
 
 Tuning knobs (constants below) are the tokens per insert program, the positions per gather
 program and the warps of each; the reasoning behind them (from the sm_90 code Triton 3.6
