@@ -216,9 +216,11 @@ def check_k_cache(
             raise ValueError(f"{name}: the cache must start {CACHE_ALIGN}-byte aligned "
                              f"(storage offset {cache.storage_offset()} bytes)")
         base = arg._base
+        # a page-dim slice keeps its base's block stride and cuts its page count (a reshape
+        # into smaller blocks, e.g. .view(2 * nb, page // 2, bytes), changes the stride: fine)
         if (base is not None and base.dtype == torch.uint8 and base.dim() in (3, 4)
-                and base.shape[-1] == rb and base.shape[1] != page
-                and base.stride(1) == rb):
+                and base.shape[-1] == rb and base.shape[1] > page and base.stride(1) == rb
+                and (nb <= 1 or cache.stride(0) == base.stride(0))):
             raise ValueError(
                 f"{name}: a view of {page} tokens per page cut from a cache of {base.shape[1]} "
                 f"tokens per page; inside a block the data rows of all its tokens come first, "

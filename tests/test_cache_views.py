@@ -72,6 +72,14 @@ def test_bad_views_rejected_everywhere_cache_untouched(which, device):
     assert torch.equal(bad, before) and torch.equal(out, torch.zeros_like(out))
 
 
+def test_a_reshape_into_smaller_blocks_is_a_cache(device):
+    base = torch.zeros(4, PAGE, 584, dtype=torch.uint8, device=device)
+    fmt, c3 = check_k_cache("k_cache", base.view(8, PAGE // 2, 584))
+    assert fmt.record_bytes == 584 and c3.shape == (8, PAGE // 2, 584)
+    with pytest.raises(ValueError, match="page-dim slice"):
+        check_k_cache("k_cache", base[:, : PAGE // 2])
+
+
 @pytest.mark.parametrize("four_d", (False, True))
 @pytest.mark.parametrize("record", (584, 528, 288))
 def test_padded_block_stride_and_block_slices_are_accepted(record, four_d, device):
