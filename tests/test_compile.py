@@ -35,18 +35,20 @@ def _inputs(T, device, g=None):
 
 
 def _step(swa, extra, kv, cs):
-    """One serving-like step over every public entry point (the caches are mutated)."""
+    """One serving-like step over every public entry point (the caches are mutated). No
+    tensor is built from host data inside (the step is also captured in a CUDA graph)."""
+    dev = swa.device
+    seq = torch.tensor([6], dtype=torch.int32, device=dev)
+    gather_bt = torch.tensor([[0, 1]], dtype=torch.int32, device=dev)
+    topk_bt = torch.tensor([[2, 1, 0]], dtype=torch.int32, device=dev)
+
     def step(q, k, idx, lens, pos):
         T = q.shape[0]
         ops.quantize_and_insert_k_cache(k, swa, idx[:, 0].long().clamp_min(-1))
         ws = torch.zeros(1, 8, 512, dtype=torch.bfloat16, device=q.device)
-        ops.dequantize_and_gather_k_cache(ws, extra, torch.tensor([6], dtype=torch.int32,
-                                                                   device=q.device), None,
-                                          torch.tensor([[0, 1]], dtype=torch.int32,
-                                                       device=q.device), PAGE, 0)
+        ops.dequantize_and_gather_k_cache(ws, extra, seq, None, gather_bt, PAGE, 0)
         gi, gl = ops.compute_global_topk_indices_and_lens(
-            idx, torch.zeros(T, dtype=torch.int32, device=q.device),
-            torch.tensor([[2, 1, 0]], dtype=torch.int32, device=q.device), PAGE, None)
+            idx, torch.zeros(T, dtype=torch.int32, device=q.device), topk_bt, PAGE, None)
         qr = ops.apply_rope(q, pos, cs)
         o1, l1 = sparse_mla_decode(qr, swa, idx, lens, extra, gi, gl)
         o2, l2 = sparse_mla_prefill(qr, kv, idx, lens)
@@ -204,10 +206,13 @@ def test_gpu_compile_and_cuda_graph_capture():
     cnt = dt.CompileCounterWithBackend("inductor")
     compiled = torch.compile(_step(swa, extra, kv, cs), fullgraph=True, dynamic=True,
                              backend=cnt)
+    def close(a, b):  # Inductor's reductions may round the final sums differently
+        return torch.allclose(a, b, rtol=1e-3, atol=1e-2)
+
     frames = []
     for T in (3, 17):
         args = _inputs(T, device)
-        assert torch.equal(compiled(*args), eager(*args))
+        assert close(compiled(*args), eager(*args))
         frames.append(cnt.frame_count)
     assert frames[1] == frames[0] and torch.equal(swa, swa_eager)
     # capture the compiled function in a CUDA graph, replay it on new inputs of the same shape
@@ -218,6 +223,7 @@ def test_gpu_compile_and_cuda_graph_capture():
         for _ in range(2):
             compiled(*static)
     torch.cuda.current_stream().wait_stream(s)
+    eager(*static)  # the same inserts into the eager side's cache
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         res = compiled(*static)
@@ -226,7 +232,7 @@ def test_gpu_compile_and_cuda_graph_capture():
         dst.copy_(src)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(res, eager(*fresh))
+    assert close(res, eager(*fresh)) and torch.equal(swa, swa_eager)
 
 
 # ---- the layer -----------------------------------------------------------------------------
