@@ -293,8 +293,13 @@ def test_layer_rejects_positions_past_the_rope_table(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ("triton", "auto"))
+@pytest.mark.parametrize("backend", ("triton", "flashmla"))
 def test_gpu_layer_compile_and_cuda_graph(backend):
+    from dsv41_triton import backends as B
+
+    a = B.probe(backend, B.Problem(kind="decode", num_heads=8, device=torch.device("cuda")))
+    if not a.available:
+        pytest.skip(a.reason)
     tl, layer, ref, sc = _layer_setup(2, backend, "cuda")
     cnt = dt.CompileCounterWithBackend("inductor")
     compiled = torch.compile(_layer_fwd, fullgraph=True, dynamic=True, backend=cnt)
