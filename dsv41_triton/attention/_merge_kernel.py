@@ -14,7 +14,7 @@ def _merge_kernel(po_ptr, pl_ptr, sink_ptr, sink_st, out_ptr, stride_ot, stride_
                   SW: tl.constexpr):
     """Combine split partials: ``po [T, NS, H, 512]`` (each normalized by its own sum) and
     ``pl [T, NS, H]`` (log2-sum-exp, -inf = empty) -> out bf16, lse fp32 (natural log), with
-    the sink in the denominator. Empty rows: out 0, lse +inf. Grid ``T * num_ht``."""
+    the sink in the denominator. Empty rows: out 0, lse +inf; a NaN partial: NaN. Grid ``T * num_ht``."""
     pid = tl.program_id(0)
     ht = pid % num_ht
     t = (pid // num_ht).to(tl.int64)
@@ -26,7 +26,9 @@ def _merge_kernel(po_ptr, pl_ptr, sink_ptr, sink_st, out_ptr, stride_ot, stride_
     lse2 = tl.load(pl_ptr + lrow, mask=(sp[:, None] < num_splits) & hmask[None, :],
                    other=float("-inf"))
     m = tl.max(lse2, 0)
-    has = m > float("-inf")
+    # a NaN partial makes the row NaN (the GPU max would skip it)
+    m = tl.where(tl.sum((lse2 != lse2).to(tl.int32), 0) > 0, float("nan"), m)
+    has = m != float("-inf")
     m_safe = tl.where(has, m, 0.0)
     w = tl.exp2(lse2 - m_safe[None, :])
     l_sum = tl.sum(w, 0)

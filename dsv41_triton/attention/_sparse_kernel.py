@@ -346,7 +346,8 @@ def _sparse_mla_fwd_grouped_kernel(
             b_ptr, b_idx_ptr + t * b_idx_st, b_lo, hi - len_a, b_bstride, b_page, b_rows,
             qk_scale, SRC_B, DATA_B, SCALE_B, PAGE_LOG2_B, BN, DOT_F32, LAZY)
 
-    has = l_i > 0.0
+    # no key <=> l == 0 exactly; a NaN l (NaN in q or a key) propagates to out and lse
+    has = l_i != 0.0
     l_safe = tl.where(has, l_i, 1.0)
     if not SPLIT:
         den = l_safe

@@ -11,27 +11,19 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._utils import check_same_device
-from ..ops.records import check_k_cache
-from ._kernels import (KernelConfig, KeySet, check_common, check_indices, check_lens, launch,
-                       new_outputs)
-
-#: record widths accepted for each cache (SPEC §4: nvfp4 is for the compressed cache only)
-SWA_RECORDS = (584, 528)
-EXTRA_RECORDS = (584, 528, 288)
+from .._contract import EXTRA_RECORDS, SWA_RECORDS, check_decode_args, new_outputs
+from .._utils import call_op, use_reference
+from ._kernels import KernelConfig, KeySet, launch
+from ._sparse_kernel import _sparse_mla_fwd_grouped_kernel
 
 
-def _keyset(name: str, cache, indices, lens, allowed, T: int, idx_name: str, len_name: str):
-    fmt, c3 = check_k_cache(name, cache)
-    if fmt.record_bytes not in allowed:
-        raise ValueError(f"{name}: expected a record width in {allowed}, got "
-                         f"{fmt.record_bytes} ({fmt.name})")
-    check_indices(idx_name, indices, T)
-    check_lens(len_name, lens, T)
-    nb, page = int(c3.shape[0]), int(c3.shape[1])
-    bstride = int(c3.stride(0)) if nb > 1 else page * fmt.record_bytes
-    return KeySet(src=fmt.record_bytes, k=c3, indices=indices, lens=lens, bstride=bstride,
-                  page=page, rows=nb * page)
+def _keyset(cache, indices, lens) -> KeySet:
+    """A checked cache (3-D or 4-D), its slot ids and lens -> the kernel's key source."""
+    c3 = cache.squeeze(2) if cache.dim() == 4 else cache
+    nb, page, rb = c3.shape
+    bstride = c3.stride(0) if nb > 1 else page * rb
+    return KeySet(src=rb, k=c3, indices=indices, lens=lens, bstride=bstride, page=page,
+                  rows=nb * page)
 
 
 def sparse_mla_decode(
@@ -63,46 +55,72 @@ def sparse_mla_decode(
         softmax_scale: default ``512 ** -0.5``.
         out: optional ``[T, H, 512]`` bf16 output (any strides, last dim contiguous).
 
-    ``_kernel``: ``"tl"`` or ``"gluon"`` forces a kernel family (``"gluon"`` raises
-    ``ValueError`` where it cannot run); None picks: the Gluon Hopper kernel
-    (``attention/gluon``) on sm_90 for the shapes where it measured faster, else ``tl``.
-
     Returns:
         ``(out [T, H, 512] bf16, lse [T, H] fp32)``; ``lse`` is the natural log-sum-exp of the
         scaled logits without the sink; a token with no valid key gets ``out = 0``,
-        ``lse = +inf``. Slot ids past the end of a cache are skipped too.
+        ``lse = +inf``. Slot ids past the end of a cache are skipped too. Lens are clamped
+        to ``[0, width]``; NaN in ``q`` or a key propagates to ``out`` and ``lse``; ``T = 0``
+        and width 0 are fine; ``H = 0`` is a ValueError (docs/semantics.md).
+
+    The ``torch.library`` op ``dsv41::sparse_mla_decode`` (fills ``out`` and ``lse``); CPU
+    tensors run the float64 reference when the kernels are not in the Triton interpreter.
+    On sm_90 the Gluon kernel (``attention/gluon``) runs the shapes where it measured faster;
+    ``_kernel='tl'`` / ``'gluon'`` pins one (tests and benchmarks).
     """
-    T, H, scale = check_common(q, attn_sink, softmax_scale, out, "decode")
-    a = _keyset("swa_cache", swa_cache, swa_indices, swa_lens, SWA_RECORDS, T,
-                "swa_indices", "swa_lens")
-    b = None
-    if extra_cache is not None or extra_indices is not None or extra_lens is not None:
-        if extra_cache is None:
-            raise ValueError("extra_cache: required when extra_indices/extra_lens are given")
-        if extra_indices is None:
-            raise ValueError("extra_indices: required when extra_cache is given")
-        b = _keyset("extra_cache", extra_cache, extra_indices, extra_lens, EXTRA_RECORDS, T,
-                    "extra_indices", "extra_lens")
-    check_same_device(q=q, swa_cache=swa_cache, swa_indices=swa_indices, swa_lens=swa_lens,
-                      extra_cache=extra_cache, extra_indices=extra_indices,
-                      extra_lens=extra_lens, attn_sink=attn_sink, out=out)
+    args = check_decode_args(q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices,
+                             extra_lens, attn_sink, softmax_scale, out)
     if _kernel not in (None, "tl", "gluon"):
         raise ValueError(f"_kernel: expected None, 'tl' or 'gluon', got {_kernel!r}")
-    use_gluon = False
-    if _config is None and _kernel != "tl":
-        from .gluon import launch as gluon_launch
-        ok = gluon_launch.usable(q, a, b)
-        if _kernel == "gluon" and not ok:
-            raise ValueError("_kernel: 'gluon' needs an sm_90 GPU, a Triton with Gluon and "
-                             "16-byte aligned caches/block strides")
-        use_gluon = ok and (_kernel == "gluon" or gluon_launch.pick(q.shape[0], q.shape[1], a,
-                                                                      b, q.device))
     out, lse = new_outputs(q, out)
-    if use_gluon:
-        gluon_launch.launch(q, a, b, attn_sink, scale, out, lse)
+    if _config is not None or _kernel is not None:  # pinned by a test/benchmark: no op boundary
+        _decode_impl(q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices,
+                     extra_lens, attn_sink, args.scale, out, lse, _config, _kernel)
     else:
-        launch(q, a, b, attn_sink, scale, out, lse, _config)
+        call_op(_decode_op, q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices,
+                extra_lens, attn_sink, args.scale, out, lse)
     return out, lse
 
 
-__all__ = ["sparse_mla_decode"]
+def _decode_impl(q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices, extra_lens,
+                 attn_sink, scale, out, lse, config=None, kernel=None) -> None:
+    if kernel != "gluon" and use_reference(q.device, _sparse_mla_fwd_grouped_kernel):
+        from .ref import sparse_mla_decode_ref
+
+        o, l = sparse_mla_decode_ref(q, swa_cache, swa_indices, swa_lens, extra_cache,
+                                     extra_indices, extra_lens, attn_sink, scale)
+        out.copy_(o)
+        lse.copy_(l)
+        return
+    a = _keyset(swa_cache, swa_indices, swa_lens)
+    b = None if extra_cache is None else _keyset(extra_cache, extra_indices, extra_lens)
+    if config is None and kernel != "tl":
+        from .gluon import launch as gluon_launch
+
+        ok = gluon_launch.usable(q, a, b)
+        if kernel == "gluon" and not ok:
+            raise ValueError("_kernel: 'gluon' needs an sm_90 GPU, a Triton with Gluon and "
+                             "16-byte aligned caches/block strides")
+        if ok and (kernel == "gluon" or gluon_launch.pick(q.shape[0], q.shape[1], a, b,
+                                                          q.device)):
+            gluon_launch.launch(q, a, b, attn_sink, scale, out, lse)
+            return
+    launch(q, a, b, attn_sink, scale, out, lse, config)
+
+
+@torch.library.custom_op("dsv41::sparse_mla_decode", mutates_args=("out", "lse"))
+def _decode_op(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torch.Tensor,
+               swa_lens: Optional[torch.Tensor], extra_cache: Optional[torch.Tensor],
+               extra_indices: Optional[torch.Tensor], extra_lens: Optional[torch.Tensor],
+               attn_sink: Optional[torch.Tensor], softmax_scale: float, out: torch.Tensor,
+               lse: torch.Tensor) -> None:
+    _decode_impl(q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices, extra_lens,
+                 attn_sink, softmax_scale, out, lse)
+
+
+@_decode_op.register_fake
+def _decode_fake(q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices, extra_lens,
+                 attn_sink, softmax_scale, out, lse) -> None:
+    return None
+
+
+__all__ = ["sparse_mla_decode", "SWA_RECORDS", "EXTRA_RECORDS"]

@@ -77,24 +77,32 @@ import torch
 import triton
 import triton.language as tl
 
-from .._utils import (
+from .._contract import (
+    EXTRA_RECORDS,
     HEAD_DIM,
-    INT_DTYPES,
+    MXFP8_CHUNK,
     ROPE_DIM,
+    SWA_RECORDS,
+    WV_GROUP_SIZE,
+    check_bool,
+    check_indices,
     check_int,
+    check_k_cache,
+    check_layout,
+    check_lens,
+    check_q,
     check_same_device,
+    check_scale,
     check_shape,
+    check_sink,
     check_tensor,
-    is_interpreter,
-    next_power_of_2,
+    check_workspace,
 )
+from .._utils import call_op, is_interpreter, next_power_of_2, use_reference
 from ..ops._codecs import f32_to_bf16
-from ..ops.layouts import WV_GROUP_SIZE, check_layout
 from ..ops.mxfp8 import alloc_mxfp8_output, check_mxfp8_output, rope_mxfp8_epilogue
-from ..ops.mxfp8_ref import MXFP8_CHUNK
-from ..ops.records import check_k_cache
 from ..ops.rope import check_rope_args, rope_cos_sin, rope_interleaved
-from .decode import EXTRA_RECORDS, SWA_RECORDS, sparse_mla_decode
+from .decode import sparse_mla_decode
 from .prefill import sparse_mla_prefill
 
 #: FlashMLA's kernel conventions (the only values accepted)
@@ -179,10 +187,7 @@ def _launch_q_prologue(q, positions, cos_sin_cache, out, interleaved: bool, norm
 # --------------------------------------------------------------------------------------------
 # argument checks (all before any launch)
 # --------------------------------------------------------------------------------------------
-def _check_bool(name: str, v: object) -> bool:
-    if not isinstance(v, bool):
-        raise TypeError(f"{name}: expected a bool, got {type(v).__name__}")
-    return v
+_check_bool = check_bool
 
 
 def _check_eps(enable_q_norm: object, rms_norm_eps: object) -> float:
@@ -195,22 +200,8 @@ def _check_eps(enable_q_norm: object, rms_norm_eps: object) -> float:
     return eps
 
 
-def _check_q(q: object, layout: str, *, fused: bool) -> Tuple[int, int]:
-    check_tensor("q", q, dtypes=(torch.bfloat16,), ndims=3, last_dim=HEAD_DIM)
-    T, H = int(q.shape[0]), int(q.shape[1])
-    if fused and (H == 0 or H % WV_GROUP_SIZE != 0):
-        raise ValueError(
-            f"q: the fused contract needs the number of heads to be a positive multiple of "
-            f"{WV_GROUP_SIZE} (n_wv_group = H / {WV_GROUP_SIZE}), got H = {H}"
-        )
-    if H == 0:
-        raise ValueError(f"q: expected at least one head, got shape {tuple(q.shape)}")
-    if layout == "interleaved" and H > 1 and q.stride(1) != HEAD_DIM:
-        raise ValueError(
-            f"q: the interleaved layout needs each token's H*512 values contiguous "
-            f"(stride(1) == 512, stride(2) == 1), got strides {tuple(q.stride())}"
-        )
-    return T, H
+def _check_q(q: object, layout: str, *, fused: bool):
+    return check_q(q, fused=fused, layout=layout)
 
 
 def _check_fixed(**given: Any) -> None:
@@ -225,30 +216,11 @@ def _check_fixed(**given: Any) -> None:
                              f"got {v!r}")
 
 
-def _check_sm_scale(sm_scale: object) -> Optional[float]:
-    if sm_scale is None:
-        return None
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
-        raise TypeError(f"sm_scale: expected a float or None, got {type(sm_scale).__name__}")
-    if not math.isfinite(float(sm_scale)):
-        raise ValueError(f"sm_scale: expected a finite number, got {sm_scale}")
-    return float(sm_scale)
-
-
-def _check_sink(attn_sink: object, H: int) -> None:
-    if attn_sink is None:
-        return
-    check_tensor("attn_sink", attn_sink, dtypes=(torch.float32,), ndims=1, contiguous_last=False)
-    if attn_sink.shape[0] != H:
-        raise ValueError(f"attn_sink: expected shape [{H}] (one per head of q), got "
-                         f"{tuple(attn_sink.shape)}")
-
-
-def _check_rows(name: str, t: object, T: int, ndims: int) -> None:
-    check_tensor(name, t, dtypes=INT_DTYPES, ndims=ndims, contiguous_last=ndims > 1)
-    if t.shape[0] != T:
-        raise ValueError(f"{name}: expected {T} rows (one per query token), got shape "
-                         f"{tuple(t.shape)}")
+def _check_rows(name: str, t: object, T, ndims: int) -> None:
+    if ndims == 1:
+        check_lens(name, t, T)
+    else:
+        check_indices(name, t, T, allow_3d=ndims == 3)
 
 
 def _check_n_wv_group(n_wv_group: object, H: int) -> int:
@@ -280,7 +252,7 @@ def _check_common(q, sm_scale, d_v, attn_sink, topk_length, enable_q_norm, rms_n
                   layout):
     check_layout(layout)
     T, H = _check_q(q, layout, fused=True)
-    scale_f = _check_sm_scale(sm_scale)
+    scale_f = check_scale(sm_scale, "sm_scale")
     _check_fixed(d_v=d_v, is_rope_neox_style=is_rope_neox_style, rope_dim=rope_dim,
                  num_per_channels=num_per_channels,
                  use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, round_sf=round_sf,
@@ -291,7 +263,7 @@ def _check_common(q, sm_scale, d_v, attn_sink, topk_length, enable_q_norm, rms_n
     if cos_sin_cache is None:
         raise ValueError("cos_sin_cache: required ([max_pos, 64] fp32, cos | sin)")
     check_rope_args(q, token_positions, cos_sin_cache, x_name="q")
-    _check_sink(attn_sink, H)
+    check_sink(attn_sink, H)
     if topk_length is not None:
         _check_rows("topk_length", topk_length, T, 1)
     G = _check_n_wv_group(n_wv_group, H)
@@ -335,11 +307,38 @@ def q_norm_rope(
         check_tensor("out", out, dtypes=(torch.bfloat16,), ndims=3, last_dim=HEAD_DIM)
         check_shape("out", out, [T, H, HEAD_DIM])
         check_same_device(q=q, out=out)
-        if T > 0 and out.data_ptr() == q.data_ptr():
+        if out is q:
             raise ValueError("out: must not alias q (the prologue reads whole rows first)")
+    call_op(_q_norm_rope_op, q, token_positions, cos_sin_cache, layout, enable_q_norm, eps,
+                                out)
+    return out
+
+
+def _q_norm_rope_impl(q, token_positions, cos_sin_cache, layout, enable_q_norm, eps, out):
+    if use_reference(q.device, _q_norm_rope_kernel):
+        from .fused_ref import q_norm_rope_ref
+
+        out.copy_(q_norm_rope_ref(q, token_positions, cos_sin_cache, layout, enable_q_norm,
+                                  eps, dtype=torch.float32))
+        return
+    if q.shape[0] > 0 and out.data_ptr() == q.data_ptr():
+        raise ValueError("out: must not alias q (the prologue reads whole rows first)")
     _launch_q_prologue(q, token_positions, cos_sin_cache, out, layout == "interleaved",
                        enable_q_norm, eps)
-    return out
+
+
+@torch.library.custom_op("dsv41::q_norm_rope", mutates_args=("out",))
+def _q_norm_rope_op(q: torch.Tensor, token_positions: torch.Tensor,
+                    cos_sin_cache: torch.Tensor, layout: str, enable_q_norm: bool,
+                    rms_norm_eps: float, out: torch.Tensor) -> None:
+    _q_norm_rope_impl(q, token_positions, cos_sin_cache, layout, enable_q_norm, rms_norm_eps,
+                      out)
+
+
+@_q_norm_rope_op.register_fake
+def _q_norm_rope_fake(q, token_positions, cos_sin_cache, layout, enable_q_norm, rms_norm_eps,
+                      out) -> None:
+    return None
 
 
 def sparse_mla_decode_fused(
@@ -403,15 +402,10 @@ def sparse_mla_decode_fused(
         q, sm_scale, d_v, attn_sink, topk_length, enable_q_norm, rms_norm_eps,
         token_positions, is_rope_neox_style, rope_dim, cos_sin_cache, n_wv_group,
         num_per_channels, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0, layout)
-    fmt, _ = check_k_cache("kv", kv)
-    if fmt.record_bytes not in SWA_RECORDS:
-        raise ValueError(f"kv: expected a record width in {SWA_RECORDS}, got {fmt.record_bytes}")
+    check_k_cache("kv", kv, SWA_RECORDS)
     _check_rows("indices", indices, T, 2)
     if extra_kv is not None:
-        efmt, _ = check_k_cache("extra_kv", extra_kv)
-        if efmt.record_bytes not in EXTRA_RECORDS:
-            raise ValueError(f"extra_kv: expected a record width in {EXTRA_RECORDS}, got "
-                             f"{efmt.record_bytes}")
+        check_k_cache("extra_kv", extra_kv, EXTRA_RECORDS)
         if extra_indices is None:
             raise ValueError("extra_indices: required when extra_kv is given")
         _check_rows("extra_indices", extra_indices, T, 2)
@@ -425,13 +419,48 @@ def sparse_mla_decode_fused(
                       attn_sink=attn_sink, token_positions=token_positions,
                       cos_sin_cache=cos_sin_cache, data=data, scale=scale)
 
+    lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    call_op(_decode_fused_op,
+        q, kv, indices, scale_f, attn_sink, topk_length, extra_kv, extra_indices,
+        extra_topk_length, enable_q_norm, eps, token_positions, cos_sin_cache, layout, data,
+        scale, lse)
+    return data, scale, lse
+
+
+@torch.library.custom_op("dsv41::sparse_mla_decode_fused", mutates_args=("data", "scale", "lse"))
+def _decode_fused_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+                     attn_sink: Optional[torch.Tensor], topk_length: Optional[torch.Tensor],
+                     extra_kv: Optional[torch.Tensor], extra_indices: Optional[torch.Tensor],
+                     extra_topk_length: Optional[torch.Tensor], enable_q_norm: bool,
+                     rms_norm_eps: float, token_positions: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, layout: str, data: torch.Tensor,
+                     scale: torch.Tensor, lse: torch.Tensor) -> None:
+    if use_reference(q.device, _q_norm_rope_kernel):
+        from .fused_ref import sparse_mla_decode_fused_ref
+
+        d, s, l, _ = sparse_mla_decode_fused_ref(
+            q, kv, indices, sm_scale, attn_sink, topk_length, extra_kv, extra_indices,
+            extra_topk_length, enable_q_norm, rms_norm_eps, token_positions, cos_sin_cache,
+            layout=layout, bf16_steps=True)
+        data.copy_(d)
+        scale.copy_(s)
+        lse.copy_(l)
+        return
+    T, H = q.shape[0], q.shape[1]
     q_rot = torch.empty((T, H, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
     _launch_q_prologue(q, token_positions, cos_sin_cache, q_rot, layout == "interleaved",
-                       enable_q_norm, eps)
-    o, lse = sparse_mla_decode(q_rot, kv, indices, topk_length, extra_kv, extra_indices,
-                               extra_topk_length, attn_sink=attn_sink, softmax_scale=scale_f)
+                       enable_q_norm, rms_norm_eps)
+    o, l = sparse_mla_decode(q_rot, kv, indices, topk_length, extra_kv, extra_indices,
+                             extra_topk_length, attn_sink=attn_sink, softmax_scale=sm_scale)
+    lse.copy_(l)
     rope_mxfp8_epilogue(o, token_positions, cos_sin_cache, layout, data, scale)
-    return data, scale, lse
+
+
+@_decode_fused_op.register_fake
+def _decode_fused_fake(q, kv, indices, sm_scale, attn_sink, topk_length, extra_kv,
+                       extra_indices, extra_topk_length, enable_q_norm, rms_norm_eps,
+                       token_positions, cos_sin_cache, layout, data, scale, lse) -> None:
+    return None
 
 
 def sparse_mla_prefill_fused(
@@ -475,25 +504,53 @@ def sparse_mla_prefill_fused(
         q, sm_scale, d_v, attn_sink, topk_length, enable_q_norm, rms_norm_eps,
         token_positions, is_rope_neox_style, rope_dim, cos_sin_cache, n_wv_group,
         num_per_channels, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0, layout)
-    check_tensor("kv", kv, dtypes=(torch.bfloat16,), ndims=(2, 3), last_dim=HEAD_DIM)
-    if kv.dim() == 3 and kv.shape[1] != 1:
-        raise ValueError(f"kv: a 3-D workspace must be [S, 1, 512], got {tuple(kv.shape)}")
-    check_tensor("indices", indices, dtypes=INT_DTYPES, ndims=(2, 3))
-    if indices.dim() == 3 and indices.shape[1] != 1:
-        raise ValueError(f"indices: 3-D indices must be [T, 1, K], got {tuple(indices.shape)}")
-    _check_rows("indices", indices, T, indices.dim())
+    check_workspace(kv)
+    check_indices("indices", indices, T, allow_3d=True)
     data, scale = check_fused_output(data, scale, T, G, q.device)
     check_same_device(q=q, kv=kv, indices=indices, topk_length=topk_length,
                       attn_sink=attn_sink, token_positions=token_positions,
                       cos_sin_cache=cos_sin_cache, data=data, scale=scale)
 
+    lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    call_op(_prefill_fused_op,
+        q, kv, indices, scale_f, attn_sink, topk_length, enable_q_norm, eps, token_positions,
+        cos_sin_cache, layout, data, scale, lse)
+    return data, scale, None, lse
+
+
+@torch.library.custom_op("dsv41::sparse_mla_prefill_fused",
+                         mutates_args=("data", "scale", "lse"))
+def _prefill_fused_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
+                      sm_scale: float, attn_sink: Optional[torch.Tensor],
+                      topk_length: Optional[torch.Tensor], enable_q_norm: bool,
+                      rms_norm_eps: float, token_positions: torch.Tensor,
+                      cos_sin_cache: torch.Tensor, layout: str, data: torch.Tensor,
+                      scale: torch.Tensor, lse: torch.Tensor) -> None:
+    if use_reference(q.device, _q_norm_rope_kernel):
+        from .fused_ref import sparse_mla_prefill_fused_ref
+
+        d, s, _, l, _ = sparse_mla_prefill_fused_ref(
+            q, kv, indices, sm_scale, attn_sink, topk_length, enable_q_norm, rms_norm_eps,
+            token_positions, cos_sin_cache, layout=layout, bf16_steps=True)
+        data.copy_(d)
+        scale.copy_(s)
+        lse.copy_(l)
+        return
+    T, H = q.shape[0], q.shape[1]
     q_rot = torch.empty((T, H, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
     _launch_q_prologue(q, token_positions, cos_sin_cache, q_rot, layout == "interleaved",
-                       enable_q_norm, eps)
-    o, lse = sparse_mla_prefill(q_rot, kv, indices, topk_length, attn_sink=attn_sink,
-                                softmax_scale=scale_f)
+                       enable_q_norm, rms_norm_eps)
+    o, l = sparse_mla_prefill(q_rot, kv, indices, topk_length, attn_sink=attn_sink,
+                              softmax_scale=sm_scale)
+    lse.copy_(l)
     rope_mxfp8_epilogue(o, token_positions, cos_sin_cache, layout, data, scale)
-    return data, scale, None, lse
+
+
+@_prefill_fused_op.register_fake
+def _prefill_fused_fake(q, kv, indices, sm_scale, attn_sink, topk_length, enable_q_norm,
+                        rms_norm_eps, token_positions, cos_sin_cache, layout, data, scale,
+                        lse) -> None:
+    return None
 
 
 __all__ = [

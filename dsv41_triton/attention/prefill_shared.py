@@ -19,6 +19,7 @@ from typing import Optional, Tuple
 import torch
 
 from .._utils import (
+    call_op,
     HEAD_DIM,
     INT_DTYPES,
     check_int,
@@ -26,6 +27,7 @@ from .._utils import (
     check_tensor,
     is_interpreter,
     next_power_of_2,
+    use_reference,
 )
 from ..ops.indices_ref import token_requests_ref
 from ._configs import MIN_BLOCK_N_GPU
@@ -159,8 +161,36 @@ def sparse_mla_prefill_shared_window(
                       topk_indices=topk_indices, topk_lens=topk_lens,
                       query_start_loc=query_start_loc, attn_sink=attn_sink, out=out)
     out, lse = new_outputs(q, out)
+    call_op(_shared_window_op,
+        q, kv, win_start, win_len, topk_indices, topk_lens, query_start_loc, attn_sink, scale,
+        out, lse, bt, block_n, -1 if num_warps is None else num_warps, num_stages)
+    return out, lse
+
+
+@torch.library.custom_op("dsv41::sparse_mla_prefill_shared_window", mutates_args=("out", "lse"))
+def _shared_window_op(q: torch.Tensor, kv: torch.Tensor, win_start: torch.Tensor,
+                      win_len: torch.Tensor, topk_indices: torch.Tensor,
+                      topk_lens: Optional[torch.Tensor], query_start_loc: torch.Tensor,
+                      attn_sink: Optional[torch.Tensor], scale: float, out: torch.Tensor,
+                      lse: torch.Tensor, bt: int, block_n: int, num_warps: int,
+                      num_stages: int) -> None:
+    """The op behind :func:`sparse_mla_prefill_shared_window` (checked arguments; the
+    outputs allocated by the caller; ``num_warps = -1``: the default)."""
+    if use_reference(q.device, _shared_window_fwd_kernel):
+        from .prefill_shared_ref import sparse_mla_prefill_shared_window_ref
+
+        o, l = sparse_mla_prefill_shared_window_ref(q, kv, win_start, win_len, topk_indices,
+                                                    topk_lens, query_start_loc, attn_sink,
+                                                    scale)
+        out.copy_(o)
+        lse.copy_(l)
+        return
+    T, H = q.shape[0], q.shape[1]
     if T == 0:
-        return out, lse
+        return
+    hp = next_power_of_2(H)
+    rows = bt * hp
+    num_warps = None if num_warps < 0 else num_warps
     tiles = shared_window_tiles(query_start_loc, T, bt)
     win_start, win_len = win_start.contiguous(), win_len.contiguous()
     scr = torch.empty((T, H, HEAD_DIM), dtype=torch.float32, device=q.device)
@@ -185,7 +215,12 @@ def sparse_mla_prefill_shared_window(
         num_warps=num_warps or (8 if rows >= 64 else 4), num_stages=1 if interp else num_stages,
     )
     LAST_LAUNCH["shared"] = (k, (bt, block_n))
-    return out, lse
+
+
+@_shared_window_op.register_fake
+def _shared_window_fake(q, kv, win_start, win_len, topk_indices, topk_lens, query_start_loc,
+                        attn_sink, scale, out, lse, bt, block_n, num_warps, num_stages) -> None:
+    return None
 
 
 __all__ = ["sparse_mla_prefill_shared_window", "shared_window_tiles", "workspace_window_rows"]

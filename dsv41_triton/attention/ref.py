@@ -7,8 +7,12 @@ For query head ``h`` over the key set ``S`` of its token (every key row is also 
     lse_h = log(sum_j exp(z_j))                      (natural log, sink NOT included)
 
 A token with no valid key gets ``out = 0`` and ``lse = +inf``. Skipped key columns: index
-``< 0`` anywhere, columns at or past the row's ``len``, and (so that nothing reads out of
-bounds) an index at or past the number of rows / slots. Duplicated indices count twice.
+``< 0`` anywhere, columns at or past the row's ``len`` (lens are clamped to ``[0, width]``),
+and (so that nothing reads out of bounds) an index at or past the number of rows / slots.
+Duplicated indices count twice. NaN propagates: a NaN in ``q[t, h]`` or in a selected key
+gives NaN in ``out[t, h]`` and ``lse[t, h]`` (a NaN sink: NaN ``out``, ``lse`` unaffected);
+``T = 0`` and index width 0 are fine (empty outputs; ``0`` / ``+inf``). The full table is
+``docs/semantics.md``.
 
 These are oracles, not fast paths: everything is float64, the keys are materialized per
 token chunk (memory ``chunk * keys * 512 * 8`` bytes).
@@ -41,24 +45,38 @@ def _attend(
     sink: Optional[torch.Tensor], scale: float,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """q [t, H, D] f64; keys[i] [t, K_i, D] f64; masks[i] [t, K_i] -> (out f64, lse f64)."""
-    k = torch.cat(keys, 1)
-    valid = torch.cat(masks, 1)
+    k = torch.cat(keys, 1) if len(keys) > 1 else keys[0]
+    valid = torch.cat(masks, 1) if len(masks) > 1 else masks[0]
+    t, H = q.shape[0], q.shape[1]
+    if k.shape[1] == 0:  # index width 0: no keys at all
+        return (torch.zeros(t, H, HEAD_DIM, dtype=q.dtype, device=q.device),
+                torch.full((t, H), float("inf"), dtype=q.dtype, device=q.device))
     z = torch.einsum("thd,tkd->thk", q, k) * scale
     z = z.masked_fill(~valid[:, None, :], float("-inf"))
-    m = z.amax(-1, keepdim=True)  # -inf for an empty row
+    # the max over the finite logits (a NaN logit must not hide the others; it reaches l
+    # through exp below), -inf for a row without keys
+    zf = torch.where(torch.isnan(z), torch.full_like(z, float("-inf")), z)
+    m = zf.amax(-1, keepdim=True)
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p = torch.exp(z - m_safe)  # exactly 0 where masked
+    p = torch.exp(z - m_safe)  # exactly 0 where masked, NaN where the logit is NaN
     l = p.sum(-1)  # [t, H]
     den = l
     if sink is not None:
         den = l + torch.exp(sink.double()[None, :] - m_safe[..., 0])
     num = torch.einsum("thk,tkd->thd", p, k)
-    has = l > 0
+    # "no key" means l == 0 exactly; a NaN l (NaN in q, a key or the sink) propagates
+    has = l != 0
     out = torch.where(has[..., None], num / torch.where(has, den, torch.ones_like(den))[..., None],
                       torch.zeros_like(num))
     lse = torch.where(has, torch.log(torch.where(has, l, torch.ones_like(l))) + m_safe[..., 0],
                       torch.full_like(l, float("inf")))
     return out, lse
+
+
+def _empty(q: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    H = q.shape[1]
+    return (torch.zeros(0, H, HEAD_DIM, dtype=torch.float64, device=q.device),
+            torch.zeros(0, H, dtype=torch.float64, device=q.device))
 
 
 def _chunks(T: int, keys: int):
@@ -96,6 +114,8 @@ def sparse_mla_decode_ref(
         prepared.append((c3, idx.long(), mask))
     T = q.shape[0]
     total_keys = sum(p[1].shape[1] for p in prepared)
+    if T == 0:
+        return _empty(q)
     outs, lses = [], []
     for a, b in _chunks(T, total_keys):
         keys, masks = [], []
@@ -126,6 +146,8 @@ def sparse_mla_prefill_ref(
     S = kv2.shape[0]
     mask = _column_mask(idx, lens, S)
     T = q.shape[0]
+    if T == 0:
+        return _empty(q)
     outs, lses = [], []
     for a, b in _chunks(T, idx.shape[1]):
         rows = torch.where(mask[a:b], idx[a:b], torch.zeros_like(idx[a:b]))

@@ -11,26 +11,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from .._utils import HEAD_DIM, check_tensor
-from .base import LAYOUTS, WV_GROUP_SIZE
-
-
-def check_fused_common(q, positions, cos_sin_cache, layout, q_norm_eps) -> Tuple[int, int]:
-    """Validate the fused-only arguments; return ``(T, H)``."""
-    check_tensor("q", q, dtypes=(torch.bfloat16,), ndims=3, last_dim=HEAD_DIM)
-    T, H = q.shape[0], q.shape[1]
-    if H % WV_GROUP_SIZE:
-        raise ValueError(f"q: the fused contract needs heads to be a multiple of "
-                         f"{WV_GROUP_SIZE}, got {H}")
-    check_tensor("positions", positions, dtypes=(torch.int32, torch.int64), ndims=1)
-    if positions.shape[0] != T:
-        raise ValueError(f"positions: expected {T} entries (one per token), got {positions.shape[0]}")
-    check_tensor("cos_sin_cache", cos_sin_cache, dtypes=(torch.float32,), ndims=2, last_dim=64)
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
-    if q_norm_eps is not None and not (isinstance(q_norm_eps, float) and q_norm_eps >= 0):
-        raise ValueError(f"q_norm_eps: expected None or a float >= 0, got {q_norm_eps!r}")
-    return T, H
+from .._contract import WV_GROUP_SIZE, check_fused_common  # noqa: F401 (re-exported)
 
 
 def q_to_standard(q: torch.Tensor, layout: str) -> torch.Tensor:

@@ -23,11 +23,7 @@ from typing import Optional, Tuple
 
 import torch
 
-#: the kinds of work a backend can be probed for
-KINDS = ("decode", "prefill", "decode_fused", "prefill_fused")
-LAYOUTS = ("standard", "interleaved")
-#: heads per output-projection group in the fused contract (FlashMLA's WV_GROUP_SIZE)
-WV_GROUP_SIZE = 8
+from .._contract import KINDS, LAYOUTS, WV_GROUP_SIZE, problem_error  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -134,19 +130,5 @@ def interpreter_enabled() -> bool:
 
 def check_problem(problem: Problem) -> Optional[str]:
     """A reason string when the problem itself is malformed, else None."""
-    if problem.kind not in KINDS:
-        return f"unknown kind {problem.kind!r} (expected one of {KINDS})"
-    if not isinstance(problem.num_heads, int) or problem.num_heads < 1:
-        return f"num_heads must be a positive int, got {problem.num_heads!r}"
-    if problem.head_dim != 512:
-        return f"head_dim must be 512, got {problem.head_dim}"
-    if problem.swa_record not in (584, 528, 288):
-        return f"unknown window record width {problem.swa_record}"
-    if problem.extra_record not in (None, 584, 528, 288):
-        return f"unknown compressed record width {problem.extra_record}"
-    if problem.layout not in LAYOUTS:
-        return f"layout must be one of {LAYOUTS}, got {problem.layout!r}"
-    if problem.kind.endswith("_fused") and problem.num_heads % WV_GROUP_SIZE:
-        return (f"the fused contract needs the head count to be a multiple of {WV_GROUP_SIZE}, "
-                f"got {problem.num_heads}")
-    return None
+    return problem_error(problem.kind, problem.num_heads, problem.head_dim, problem.swa_record,
+                         problem.extra_record, problem.layout)

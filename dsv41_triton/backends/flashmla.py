@@ -121,7 +121,7 @@ class FlashMLABackend(ComposedFusedMixin, AttentionBackend):
         """See the module docstring; ``step_cache``: a dict living for one step (shared by its
         layers) where the schedule and the window index rows are kept."""
         _checks.check_decode(q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices,
-                             extra_lens, attn_sink, out)
+                             extra_lens, attn_sink, out, softmax_scale=softmax_scale)
         ops, why = load_flashmla()
         if ops is None:
             raise RuntimeError(f"FlashMLA is not available: {why}")
@@ -189,7 +189,7 @@ class FlashMLABackend(ComposedFusedMixin, AttentionBackend):
 
     def sparse_mla_prefill(self, q, kv, indices, lens=None, attn_sink=None, softmax_scale=None,
                            out=None) -> Tuple[torch.Tensor, torch.Tensor]:
-        _checks.check_prefill(q, kv, indices, lens, attn_sink, out)
+        _checks.check_prefill(q, kv, indices, lens, attn_sink, out, softmax_scale=softmax_scale)
         ops, scale, out, lse = _prepare(q, softmax_scale, out)
         T, H, D = q.shape
         if T == 0:

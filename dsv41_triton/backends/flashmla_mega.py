@@ -132,7 +132,7 @@ class FlashMLAMegaBackend(AttentionBackend):
         ops, T, H, hp, qk = self._prep(q, positions, cos_sin_cache, layout, q_norm_eps, data,
                                        scale, attn_sink)
         _checks.check_decode(q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices,
-                             extra_lens, attn_sink, None)
+                             extra_lens, attn_sink, None, softmax_scale=softmax_scale)
         sm = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
         norm = (q_norm_eps is not None, 0.0 if q_norm_eps is None else float(q_norm_eps))
         pos = positions.to(torch.int32).contiguous()
@@ -159,7 +159,7 @@ class FlashMLAMegaBackend(AttentionBackend):
                                  layout="standard", data=None, scale=None):
         ops, T, H, hp, qk = self._prep(q, positions, cos_sin_cache, layout, q_norm_eps, data,
                                        scale, attn_sink)
-        _checks.check_prefill(q, kv, indices, lens, attn_sink, None)
+        _checks.check_prefill(q, kv, indices, lens, attn_sink, None, softmax_scale=softmax_scale)
         sm = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
         norm = (q_norm_eps is not None, 0.0 if q_norm_eps is None else float(q_norm_eps))
         pos = positions.to(torch.int32).contiguous()

@@ -147,7 +147,8 @@ def select_backend(
     """Pick a backend for ``problems`` (a Problem, a sequence of them, or the keyword arguments
     of one Problem). See the module docstring for the policy. Raises ``RuntimeError`` with the
     probe's reason when an explicitly requested backend cannot serve the problems, ``ValueError``
-    for an unknown name."""
+    for an unknown name or a malformed problem (e.g. ``kind='bogus'``), ``TypeError`` for an
+    unknown Problem field."""
     if problems is None:
         if not problem_kwargs:
             raise TypeError("select_backend: pass problems=... or the fields of one Problem")
@@ -157,6 +158,10 @@ def select_backend(
     probs = _as_problems(problems)
     if not isinstance(name, str):
         raise TypeError(f"name: expected a str, got {type(name).__name__}")
+    for p in probs:  # a malformed problem is the caller's error, not every backend's
+        bad = check_problem(p)
+        if bad is not None:
+            raise ValueError(f"problem: {bad}")
 
     requested = name
     env = os.environ.get(ENV_VAR, "").strip()
@@ -215,3 +220,59 @@ def describe(problems: ProblemsLike) -> str:
 
 def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    """One backend on this machine: ``kinds`` maps each of ``KINDS`` to its probe;
+    ``available`` when it serves at least one kind; ``reason`` says what it runs on, or why not."""
+
+    name: str
+    available: bool
+    reason: str
+    auto: bool
+    kinds: Dict[str, Availability]
+
+
+def backend_status(num_heads: int = 64, device: Optional[Union[str, torch.device]] = None
+                   ) -> List[BackendStatus]:
+    """Every registered backend, probed for each kind of work on this machine's default device
+    (CUDA when there is one, else the CPU) with the V4.1-Flash shapes (``num_heads`` query
+    heads, 584-byte records). Never raises for an unavailable backend."""
+    from .base import KINDS
+
+    dev = default_device() if device is None else torch.device(device)
+    rows = []
+    for name in _FACTORIES:
+        kinds = {k: probe(name, Problem(kind=k, num_heads=num_heads, device=dev)) for k in KINDS}
+        ok = [a for a in kinds.values() if a.available]
+        groups: Dict[str, List[str]] = {}  # reason -> kinds, the backend's name stripped
+        for k, a in kinds.items():
+            why = a.reason
+            for prefix in (f"{name} ({k}): ", f"{name}: "):
+                if why.startswith(prefix):
+                    why = why[len(prefix):]
+                    break
+            groups.setdefault(why, []).append(k)
+        if len(groups) == 1:
+            reason = next(iter(groups))
+        else:
+            reason = " | ".join(f"{', '.join(ks)}: {why}" for why, ks in groups.items())
+        rows.append(BackendStatus(name, bool(ok), reason, bool(ok) and all(a.auto for a in ok),
+                                  kinds))
+    return rows
+
+
+def format_backend_status(rows: Optional[List[BackendStatus]] = None) -> str:
+    """The table ``python -m dsv41_triton.backends`` prints."""
+    from .base import KINDS
+
+    rows = backend_status() if rows is None else rows
+    head = ["backend", *KINDS, "auto", "reason"]
+    body = [[r.name, *("yes" if r.kinds[k].available else "no" for k in KINDS),
+             "yes" if r.auto else "no", r.reason] for r in rows]
+    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head) - 1)]
+    lines = []
+    for row in [head, *body]:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row[:-1], widths)) + "  " + row[-1])
+    return "\n".join(lines)

@@ -9,18 +9,15 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._utils import HEAD_DIM, check_tensor
 from . import _checks
 from ._compose import ComposedFusedMixin
 from .base import Availability, AttentionBackend, Problem, module_available
 
 
 def _write_out(res: torch.Tensor, q: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+    """``res`` (float64, checked shapes) as bf16, into ``out`` when given."""
     if out is None:
         return res.to(torch.bfloat16)
-    check_tensor("out", out, dtypes=(torch.bfloat16,), ndims=3, last_dim=HEAD_DIM)
-    if tuple(out.shape) != tuple(q.shape):
-        raise ValueError(f"out: expected shape {tuple(q.shape)}, got {tuple(out.shape)}")
     out.copy_(res.view(out.shape))
     return out
 
@@ -51,7 +48,8 @@ class TorchBackend(ComposedFusedMixin, AttentionBackend):
         from ..attention.ref import sparse_mla_decode_ref
 
         _checks.check_decode(q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices,
-                             extra_lens, attn_sink, out)
+                             extra_lens, attn_sink, out, index_dtypes=_checks.TORCH_INDEX_DTYPES,
+                             softmax_scale=softmax_scale)
         res, lse = sparse_mla_decode_ref(
             q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices, extra_lens,
             attn_sink=attn_sink, softmax_scale=softmax_scale,
@@ -62,7 +60,9 @@ class TorchBackend(ComposedFusedMixin, AttentionBackend):
                            out=None) -> Tuple[torch.Tensor, torch.Tensor]:
         from ..attention.ref import sparse_mla_prefill_ref
 
-        _checks.check_prefill(q, kv, indices, lens, attn_sink, out)
+        _checks.check_prefill(q, kv, indices, lens, attn_sink, out,
+                              index_dtypes=_checks.TORCH_INDEX_DTYPES,
+                              softmax_scale=softmax_scale)
         res, lse = sparse_mla_prefill_ref(q, kv, indices, lens, attn_sink=attn_sink,
                                           softmax_scale=softmax_scale)
         return _write_out(res, q, out), lse.float()

@@ -57,7 +57,9 @@ class TritonBackend(AttentionBackend):
             if interpreter_enabled():
                 return Availability(True, "Triton CPU interpreter (TRITON_INTERPRET=1; slow)",
                                     auto=False)
-            return Availability(False, "CPU tensors need TRITON_INTERPRET=1 (Triton interpreter)")
+            return Availability(False, "CPU tensors need TRITON_INTERPRET=1 set before import "
+                                       "(Triton's interpreter); without it the ops run the "
+                                       "PyTorch reference on CPU (backend 'torch')")
         return Availability(False, f"device type {dev.type!r} is not supported by Triton here")
 
     # ---------------------------------------------------------------------------------------

@@ -41,8 +41,11 @@ from typing import Callable, Dict, Mapping, Optional, Union
 import torch
 import torch.nn as nn
 
-from .._utils import HEAD_DIM, check_int, check_tensor
-from ..backends import AttentionBackend, Problem, Selection, select_backend
+from .._utils import HEAD_DIM, call_op, check_int, check_tensor
+from ..backends import (AttentionBackend, Problem, Selection, get_backend, list_backends,
+                        select_backend)
+from ..backends import _custom_ops  # noqa: F401  (registers torch.ops.dsv41.backend_*)
+from ..backends._custom_ops import step_cache_key
 from ..backends.base import WV_GROUP_SIZE
 from .compressed import build_compressed_block
 from .config import DeepseekV41AttentionConfig, build_cos_sin_cache
@@ -120,7 +123,14 @@ class _Ops:
     interpreter), the Triton kernels otherwise."""
 
     def __init__(self, reference: bool):
-        self.reference = reference
+        self._reference = reference
+
+    @property
+    def reference(self) -> bool:
+        # under torch.compile the public ops (torch.library custom ops; CPU tensors without the
+        # interpreter run these same references behind them): the references themselves have
+        # data-dependent shapes (boolean indexing), which would break the graph
+        return self._reference and not torch.compiler.is_compiling()
 
     def rope(self, x, positions, cos_sin_cache, inverse=False):
         if self.reference:
@@ -257,6 +267,10 @@ class DeepseekV41Attention(nn.Module):
         self._ops = _Ops(reference=self.backend.name == "torch")
         # backends that share per-step state (FlashMLA's schedule) across the step's layers
         self._step_cache_ok = bool(getattr(self.backend, "accepts_step_cache", False))
+        # a registered backend is called through its torch.library op (the dispatcher stays
+        # out of torch.compile's tracing); an unregistered instance directly
+        self._backend_op = (self.backend.name if self.backend.name in list_backends()
+                            and get_backend(self.backend.name) is self.backend else None)
 
         c = config
         D, Hl, Gl = self.head_dim, self.n_local_heads, self.n_local_groups
@@ -522,6 +536,24 @@ class DeepseekV41Attention(nn.Module):
                 if compressed_kv.shape[0] != T:
                     raise ValueError(f"compressed_kv: expected {T} rows, got {compressed_kv.shape[0]}")
 
+    def _check_positions(self, positions, T) -> None:
+        """Caller-given positions: ``[T]`` int and inside the RoPE table ``[0, max_model_len)``
+        (a position past it would silently not be rotated). The bound needs the values: one
+        device-to-host read, skipped while compiling or capturing a CUDA graph (there the
+        metadata's positions, checked on the host, are the ones to pass)."""
+        check_tensor("positions", positions, dtypes=(torch.int32, torch.int64), ndims=1,
+                     contiguous_last=False)
+        if positions.shape[0] != T:
+            raise ValueError(f"positions: expected {T} entries, got {positions.shape[0]}")
+        if (T == 0 or torch.compiler.is_compiling()
+                or (positions.is_cuda and torch.cuda.is_current_stream_capturing())):
+            return
+        lo, hi = (int(v) for v in torch.aminmax(positions))
+        if lo < 0 or hi >= self.max_model_len:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"positions: position {bad} is outside the RoPE table "
+                             f"[0, {self.max_model_len}) (max_model_len)")
+
     def forward(
         self,
         positions: Optional[torch.Tensor],
@@ -581,9 +613,10 @@ class DeepseekV41Attention(nn.Module):
         if not self._layouts_ready:
             raise RuntimeError("wq_b / wo_a were never permuted for the interleaved layout: "
                                "load weights (load_weights / finalize_loaded_weights) first")
-        positions = md.positions if positions is None else positions
-        if positions.shape[0] != T:
-            raise ValueError(f"positions: expected {T} entries, got {positions.shape[0]}")
+        if positions is None or positions is md.positions:
+            positions = md.positions  # bounded by md.max_position (checked in _check_step)
+        else:
+            self._check_positions(positions, T)
         attn_out = self._alloc_attn_out(T, hidden_states)
 
         qr_kv = self.fused_wqa_wkv(hidden_states)
@@ -653,18 +686,60 @@ class DeepseekV41Attention(nn.Module):
                 topk_indices[:Td], md.token_to_req[:Td], cm.block_table[:md.num_decodes],
                 cm.page_size, md.is_valid_token[:Td])
             extra = (self.compressed_cache, gidx, glens)
-        if self.fused:
+        self._attend_paged(q, positions, md.decode_swa_indices, md.decode_swa_lens, extra,
+                           output, 0, Td, md, step_cache=self._step_cache_ok)
+
+    def _attend_paged(self, q, positions, si, sl, extra, output: AttnOut, a: int, b: int,
+                      md: StepMetadata, step_cache: bool = False) -> None:
+        """Tokens ``a:b`` (``q`` already sliced) over the paged caches through the backend: its
+        torch.library op when it is registered (keeps the dispatcher out of torch.compile's
+        tracing), else the method."""
+        q_norm_eps = self.eps if self.config.q_head_norm else None
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        if self.fused and self._backend_op is not None:
+            call_op(_custom_ops.backend_sparse_mla_decode_fused,
+                self._backend_op, q, positions, self.cos_sin_cache, self.swa_cache, si, sl,
+                *extra, self._sink(), self.scale, q_norm_eps, self.layout, output.data[a:b],
+                output.scale[a:b], lse)
+        elif self.fused:
             res = self.backend.sparse_mla_decode_fused(
-                q, positions, self.cos_sin_cache, self.swa_cache, md.decode_swa_indices,
-                md.decode_swa_lens, *extra, attn_sink=self._sink(), softmax_scale=self.scale,
-                q_norm_eps=self.eps if self.config.q_head_norm else None, layout=self.layout,
-                data=output.data[:Td], scale=output.scale[:Td])
-            self._write(output, 0, Td, res)
+                q, positions, self.cos_sin_cache, self.swa_cache, si, sl, *extra,
+                attn_sink=self._sink(), softmax_scale=self.scale, q_norm_eps=q_norm_eps,
+                layout=self.layout, data=output.data[a:b], scale=output.scale[a:b])
+            self._write(output, a, b, res)
+        elif self._backend_op is not None:
+            key = step_cache_key(md.backend_cache) if step_cache else -1
+            call_op(_custom_ops.backend_sparse_mla_decode,
+                self._backend_op, q, self.swa_cache, si, sl, *extra, self._sink(), self.scale,
+                key, output[a:b], lse)
         else:
-            kw = {"step_cache": md.backend_cache} if self._step_cache_ok else {}
+            kw = {"step_cache": md.backend_cache} if step_cache else {}
             self.backend.sparse_mla_decode(
-                q, self.swa_cache, md.decode_swa_indices, md.decode_swa_lens, *extra,
-                attn_sink=self._sink(), softmax_scale=self.scale, out=output[:Td], **kw)
+                q, self.swa_cache, si, sl, *extra, attn_sink=self._sink(),
+                softmax_scale=self.scale, out=output[a:b], **kw)
+
+    def _attend_workspace(self, q, positions, kv, idx, lens, output: AttnOut, a: int,
+                          b: int) -> None:
+        """Tokens ``a:b`` (``q`` already sliced) over a bf16 workspace, as ``_attend_paged``."""
+        q_norm_eps = self.eps if self.config.q_head_norm else None
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        if self.fused and self._backend_op is not None:
+            call_op(_custom_ops.backend_sparse_mla_prefill_fused,
+                self._backend_op, q, positions, self.cos_sin_cache, kv, idx, lens,
+                self._sink(), self.scale, q_norm_eps, self.layout, output.data[a:b],
+                output.scale[a:b], lse)
+        elif self.fused:
+            res = self.backend.sparse_mla_prefill_fused(
+                q, positions, self.cos_sin_cache, kv, idx, lens, attn_sink=self._sink(),
+                softmax_scale=self.scale, q_norm_eps=q_norm_eps, layout=self.layout,
+                data=output.data[a:b], scale=output.scale[a:b])
+            self._write(output, a, b, res)
+        elif self._backend_op is not None:
+            call_op(_custom_ops.backend_sparse_mla_prefill,
+                self._backend_op, q, kv, idx, lens, self._sink(), self.scale, output[a:b], lse)
+        else:
+            self.backend.sparse_mla_prefill(q, kv, idx, lens, attn_sink=self._sink(),
+                                            softmax_scale=self.scale, out=output[a:b])
 
     def _forward_prefill_paged(self, q, positions, output: AttnOut, md: StepMetadata,
                                topk_indices):
@@ -680,17 +755,7 @@ class DeepseekV41Attention(nn.Module):
             md.swa_page_size, self.window_size, topk_indices[a:b] if r > 0 else None,
             cm.block_table if r > 0 else None, cm.page_size if r > 0 else 1, r)
         extra = (self.compressed_cache, ei, el) if r > 0 else (None, None, None)
-        if self.fused:
-            res = self.backend.sparse_mla_decode_fused(
-                q[a:b], positions[a:b], self.cos_sin_cache, self.swa_cache, si, sl, *extra,
-                attn_sink=self._sink(), softmax_scale=self.scale,
-                q_norm_eps=self.eps if self.config.q_head_norm else None, layout=self.layout,
-                data=output.data[a:b], scale=output.scale[a:b])
-            self._write(output, a, b, res)
-        else:
-            self.backend.sparse_mla_decode(q[a:b], self.swa_cache, si, sl, *extra,
-                                           attn_sink=self._sink(), softmax_scale=self.scale,
-                                           out=output[a:b])
+        self._attend_paged(q[a:b], positions[a:b], si, sl, extra, output, a, b, md)
 
     def _forward_prefill(self, q, positions, output: AttnOut, md: StepMetadata, topk_indices):
         if self.prefill_path == "paged":
@@ -723,16 +788,7 @@ class DeepseekV41Attention(nn.Module):
             qsl = qsl - qsl[0]
             idx, lens = self._ops.combine(tk, qsl, seq, glen, self.window_size, r, topk, ch.M, ch.N)
             kv = ws.view(-1, self.head_dim)
-            if self.fused:
-                res = self.backend.sparse_mla_prefill_fused(
-                    q[a:b], positions[a:b], self.cos_sin_cache, kv, idx, lens,
-                    attn_sink=self._sink(), softmax_scale=self.scale,
-                    q_norm_eps=self.eps if self.config.q_head_norm else None, layout=self.layout,
-                    data=output.data[a:b], scale=output.scale[a:b])
-                self._write(output, a, b, res)
-            else:
-                self.backend.sparse_mla_prefill(q[a:b], kv, idx, lens, attn_sink=self._sink(),
-                                                softmax_scale=self.scale, out=output[a:b])
+            self._attend_workspace(q[a:b], positions[a:b], kv, idx, lens, output, a, b)
 
     # ---- output projection ------------------------------------------------------------------
     def _group_proj(self, x: torch.Tensor) -> torch.Tensor:

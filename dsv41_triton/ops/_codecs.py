@@ -5,15 +5,29 @@ bit-exact in Triton's CPU interpreter: there (triton 3.9, numpy 2) fp32->e4m3 ca
 (subnormals, mantissa carries) and fp32->bf16 casts truncate instead of rounding to nearest
 even. Hosts pass ``SW=is_interpreter()``; on a GPU the hardware conversions are used, and the
 GPU tests check they are bit-equal to the same reference.
+
+Non-finite inputs follow one rule in every quantizer (and in ``records.py``): NaN and +-inf do
+not count in a group's amax; +-inf saturates (e4m3 +-448, e2m1 +-6); NaN is the e4m3 byte 0x7F
+(e2m1 code 0).
 """
+import os
+
 import triton
 import triton.language as tl
 
 
+#: the kernels of this process run in Triton's interpreter (fixed when they are defined)
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+
+
 @triton.jit
 def e4m3_bits_to_f32(b):
-    """uint8 e4m3 bits -> fp32 (exact)."""
-    return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    """uint8 e4m3 bits -> fp32 (exact; the NaN bytes 0x7F / 0xFF give NaN, which the
+    interpreter's numpy cast turns into +-480 unless corrected here)."""
+    v = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if _INTERPRETED:
+        v = tl.where((b & 0x7F) == 0x7F, float("nan"), v)
+    return v
 
 
 @triton.jit
@@ -25,9 +39,11 @@ def _rne_small_int(y):
 
 @triton.jit
 def f32_to_e4m3_bits(x, SW: tl.constexpr):
-    """fp32 (|x| <= 448, finite) -> uint8 e4m3 bits, round to nearest even."""
+    """fp32 -> uint8 e4m3 bits, round to nearest even, saturating: ``|x| > 448`` (inf
+    included) gives +-448 (0x7E / 0xFE). NaN gives 0x7F or 0xFF: callers that take NaN
+    inputs fix the byte with :func:`e4m3_nan_fixup`."""
     if SW:
-        a = tl.abs(x)
+        a = tl.minimum(tl.abs(x), 448.0)
         ab = a.to(tl.int32, bitcast=True)
         E = tl.maximum((ab >> 23) - 127, -6)
         scale = ((130 - E) << 23).to(tl.float32, bitcast=True)  # 2**(3 - E), exact
@@ -36,7 +52,22 @@ def f32_to_e4m3_bits(x, SW: tl.constexpr):
         sign = (x.to(tl.int32, bitcast=True) >> 31) & 1
         return (code | (sign << 7)).to(tl.uint8)
     else:
+        # the hardware conversion (cvt.rn.satfinite) saturates to +-448 itself
         return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def e4m3_nan_fixup(bits, x):
+    """The e4m3 byte of every NaN in ``x`` is the positive NaN 0x7F (the codec's rule for
+    non-finite inputs, ``records.quantize_ue8m0_groups``)."""
+    return tl.where(x != x, tl.full(bits.shape, 127, tl.uint8), bits)
+
+
+@triton.jit
+def finite_abs(x):
+    """``|x|`` with NaN and +-inf as 0: what a group's scale is computed from."""
+    a = tl.abs(x)
+    return tl.where(a < float("inf"), a, 0.0)
 
 
 @triton.jit
@@ -112,11 +143,11 @@ def ue8m0_quantize_groups(x, AMAX_FLOOR: tl.constexpr, SW: tl.constexpr):
     (nearest even) and the int32 exponents ``e [A, G]`` with
     ``e = ceil(log2(max(max|x|, AMAX_FLOOR) / 448))``; the scale byte is ``e + 127``.
     """
-    amax = tl.maximum(tl.max(tl.abs(x), axis=2), AMAX_FLOOR)
+    amax = tl.maximum(tl.max(finite_abs(x), axis=2), AMAX_FLOOR)
     e = ue8m0_exponent(amax)
     y = x * exp2_int(-e)[:, :, None]
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    return f32_to_e4m3_bits(y, SW), e
+    return e4m3_nan_fixup(f32_to_e4m3_bits(y, SW), x), e
 
 
 @triton.jit
@@ -127,7 +158,7 @@ def nvfp4_quantize_groups(x, SW: tl.constexpr):
     Returns ``(packed, s_bits)``: uint8 ``[A, G, S // 2]`` with the even element in the low
     nibble, and the e4m3 scale bits uint8 ``[A, G]``.
     """
-    amax = tl.max(tl.abs(x), axis=2)
+    amax = tl.max(finite_abs(x), axis=2)
     s = tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32))
     s = tl.minimum(tl.maximum(s, 0.001953125), 448.0)  # 2**-9 .. 448
     s_bits = f32_to_e4m3_bits(s, SW)

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .._utils import (
+    call_op,
     INT_DTYPES,
     check_int,
     check_same_device,
@@ -24,8 +25,10 @@ from .._utils import (
     check_tensor,
     is_interpreter,
     next_power_of_2,
+    use_reference,
 )
-from .indices_ref import COMBINED_ALIGN, combined_width
+from .indices_ref import (COMBINED_ALIGN, combine_topk_swa_indices_ref, combined_width,
+                          compute_global_topk_indices_and_lens_ref)
 
 COMBINE_ALIGN_C = COMBINED_ALIGN  # columns per step of the combine kernel
 
@@ -202,8 +205,27 @@ def combine_topk_swa_indices(
         check_tensor("out[1] (lens)", lens, dtypes=(torch.int32,), ndims=1, contiguous_last=False)
         check_shape("out[1] (lens)", lens, [T])
         check_same_device(topk_indices=topk_indices, out_indices=indices, out_lens=lens)
+    call_op(_combine_op, topk_indices, query_start_loc, seq_lens,
+                                             gather_lens, window_size, compress_ratio, topk, M,
+                                             N, indices, lens)
+    return indices, lens
+
+
+@torch.library.custom_op("dsv41::combine_topk_swa_indices", mutates_args=("indices", "lens"))
+def _combine_op(topk_indices: torch.Tensor, query_start_loc: torch.Tensor,
+                seq_lens: torch.Tensor, gather_lens: Optional[torch.Tensor], window_size: int,
+                compress_ratio: int, topk: int, M: int, N: int, indices: torch.Tensor,
+                lens: torch.Tensor) -> None:
+    if use_reference(topk_indices.device, _combine_topk_swa_kernel):
+        combine_topk_swa_indices_ref(topk_indices, query_start_loc, seq_lens, gather_lens,
+                                     window_size, compress_ratio, topk, M, N,
+                                     out=(indices, lens))
+        return
+    T = topk_indices.shape[0]
+    B = query_start_loc.shape[0] - 1
+    width = indices.shape[1]
     if T == 0:
-        return indices, lens
+        return
     block_t = 32 if is_interpreter() else COMBINE_BLOCK_T
     tk = topk if compress_ratio > 0 else 0
     nck = 0
@@ -224,7 +246,12 @@ def combine_topk_swa_indices(
         NCK=nck,
         num_warps=COMBINE_NUM_WARPS,
     )
-    return indices, lens
+
+
+@_combine_op.register_fake
+def _combine_fake(topk_indices, query_start_loc, seq_lens, gather_lens, window_size,
+                  compress_ratio, topk, M, N, indices, lens) -> None:
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -386,8 +413,27 @@ def compute_global_topk_indices_and_lens(
     )
     indices = torch.empty(T, K, dtype=torch.int32, device=dev)
     lens = torch.empty(T, dtype=torch.int32, device=dev)
+    call_op(_global_topk_op,
+        topk_indices, token_to_req_indices, block_table, block_size, is_valid_token, indices,
+        lens)
+    return indices, lens
+
+
+@torch.library.custom_op("dsv41::compute_global_topk_indices_and_lens",
+                         mutates_args=("indices", "lens"))
+def _global_topk_op(topk_indices: torch.Tensor, token_to_req_indices: torch.Tensor,
+                    block_table: torch.Tensor, block_size: int,
+                    is_valid_token: Optional[torch.Tensor], indices: torch.Tensor,
+                    lens: torch.Tensor) -> None:
+    if use_reference(topk_indices.device, _global_topk_kernel):
+        i, n = compute_global_topk_indices_and_lens_ref(
+            topk_indices, token_to_req_indices, block_table, block_size, is_valid_token)
+        indices.copy_(i)
+        lens.copy_(n)
+        return
+    T, K = topk_indices.shape
     if T == 0:
-        return indices, lens
+        return
     R, MB = block_table.shape
     nchunk = min(next_power_of_2(triton.cdiv(max(K, 1), 32)), GLOBAL_TOPK_MAX_COLS // 32)
     pack = min(nchunk, 4)
@@ -411,4 +457,9 @@ def compute_global_topk_indices_and_lens(
                    max(MB - 1, 0) * abs(block_table.stride(1))) >= 2**31,
         num_warps=GLOBAL_TOPK_NUM_WARPS,
     )
-    return indices, lens
+
+
+@_global_topk_op.register_fake
+def _global_topk_fake(topk_indices, token_to_req_indices, block_table, block_size,
+                      is_valid_token, indices, lens) -> None:
+    return None

@@ -20,12 +20,12 @@ nvfp4          [32, 16] -> [32, 8]  32 e4m3
 =============  ===================  ====================================================
 
 Exactness: the insert writes the same bytes as ``quantize_and_insert_k_cache_ref`` for every
-finite bf16 input (interpreter: through the software codecs of ``_codecs.py``; GPU: hardware
+bf16 input, NaN and +-inf included (the rule is in ``_codecs.py``) (interpreter: through the software codecs of ``_codecs.py``; GPU: hardware
 conversions). The NVFP4 encode needs no per-element division (see ``_nvfp4_quantize_groups``),
 so subnormal inputs keep their sign on the GPU too.
 The gather is bit-exact for every record byte pattern (UE8M0 bytes 0 and 255 included) wherever
 the reference is not NaN. Where it is NaN (e4m3 NaN bytes 0x7F/0xFF, or a UE8M0 byte 255 times
-zero) the GPU gives a NaN of another payload, and the CPU interpreter reads 0x7F as 480.
+zero) the kernels give a NaN too, possibly of another payload.
 
 Tuning knobs (constants below) are the tokens per insert program, the positions per gather
 program and the warps of each; the reasoning behind them (from the sm_90 code Triton 3.6
@@ -40,10 +40,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .._utils import cdiv, is_interpreter
+from .._utils import call_op, cdiv, is_interpreter, use_reference
 from . import _codecs as C
-from .kv_cache_ref import check_gather_args, check_insert_args
-from .records import FP8_DS_MLA, MXFP8, NVFP4
+from .kv_cache_ref import (check_gather_args, check_insert_args,
+                           dequantize_and_gather_k_cache_ref, quantize_and_insert_k_cache_ref)
+from .records import FP8_DS_MLA, MXFP8, NVFP4, RECORD_FORMATS
 
 __all__ = ["quantize_and_insert_k_cache", "dequantize_and_gather_k_cache"]
 
@@ -86,10 +87,11 @@ def _insert_rows(slot_ptr, stride_slot, T, num_slots, stride_blk, scale_base,
 def _ue8m0_quantize_groups(x, SW: tl.constexpr):
     """``C.ue8m0_quantize_groups`` without its clamp: with ``e = ceil(log2(amax / 448))``,
     ``|x| * 2**-e <= 448`` holds exactly (power-of-two scaling of finite values), so the clamp
-    to +-448 never changes a value; it cost two min/max per element."""
-    amax = tl.maximum(tl.max(tl.abs(x), axis=2), _AMAX_FLOOR)
+    to +-448 never changes a finite value (it cost two min/max per element); +-inf saturates in
+    the conversion itself."""
+    amax = tl.maximum(tl.max(C.finite_abs(x), axis=2), _AMAX_FLOOR)
     e = C.ue8m0_exponent(amax)
-    return C.f32_to_e4m3_bits(x * C.exp2_int(-e)[:, :, None], SW), e
+    return C.e4m3_nan_fixup(C.f32_to_e4m3_bits(x * C.exp2_int(-e)[:, :, None], SW), x), e
 
 
 @triton.jit
@@ -110,7 +112,7 @@ def _nvfp4_quantize_groups(x, SW: tl.constexpr):
     The scale needs no division either (see below).
     """
     a = tl.abs(x)
-    amax = tl.max(a, axis=2)
+    amax = tl.max(C.finite_abs(x), axis=2)  # NaN / inf do not set the scale
     # amax * fp32(1/6) can differ from amax / 6 in the last bit, but for every finite bf16
     # amax (all 32640 were checked) the clamped e4m3 scale is the same byte: no IEEE division
     s = amax * 0.16666666666666666
@@ -213,19 +215,39 @@ def quantize_and_insert_k_cache(
     the record format of ``k_cache`` (uint8 ``[num_blocks, page, bytes]`` or
     ``[num_blocks, page, 1, bytes]``, bytes = 584 / 528 / 288) and write the data row and scale
     row of token ``t`` at ``slot_mapping[t]`` (int32 or int64 ``[T]``). Slots ``< 0`` (and past
-    the cache) are skipped; no other byte of the cache is written. ``T = 0`` is a no-op."""
-    fmt, cache = check_insert_args(k, k_cache, slot_mapping)
+    the cache) are skipped; no other byte of the cache is written. ``T = 0`` is a no-op.
+    NaN / +-inf in ``k`` are encoded by the rule of ``records.quantize_ue8m0_groups``.
+
+    The ``torch.library`` op ``dsv41::quantize_and_insert_k_cache`` (mutates ``k_cache``);
+    CPU tensors run the reference when the kernels are not in the Triton interpreter."""
+    check_insert_args(k, k_cache, slot_mapping)
+    call_op(_insert_op, k, k_cache, slot_mapping)
+
+
+@torch.library.custom_op("dsv41::quantize_and_insert_k_cache", mutates_args=("k_cache",))
+def _insert_op(k: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    cache = k_cache.squeeze(2) if k_cache.dim() == 4 else k_cache
+    rb = cache.shape[-1]
+    kernel = _INSERT_KERNELS[rb]
+    if use_reference(k.device, kernel):
+        quantize_and_insert_k_cache_ref(k, k_cache, slot_mapping)
+        return
     T = k.shape[0]
     if T == 0:
         return
+    fmt = RECORD_FORMATS[rb]
     nb, page = cache.shape[0], cache.shape[1]
-    rb = fmt.record_bytes
     block_t = INSERT_BLOCK_T[rb]
-    _INSERT_KERNELS[rb][(cdiv(T, block_t),)](
+    kernel[(cdiv(T, block_t),)](
         k, k.stride(0), cache, cache.stride(0), page * fmt.data_bytes,
         slot_mapping, slot_mapping.stride(0), T, nb * page,
         PAGE=page, BLOCK_T=block_t, SW=is_interpreter(), num_warps=INSERT_NUM_WARPS[rb],
     )
+
+
+@_insert_op.register_fake
+def _insert_fake(k, k_cache, slot_mapping) -> None:
+    return None
 
 
 # ============================================================================================
@@ -391,19 +413,35 @@ def dequantize_and_gather_k_cache(
     ``out[b, offset : offset + g]``. Rows ``>= M`` are never written (masked in the kernel,
     no host sync); a negative block id, a block-table column past its end, or a negative
     position leave the row untouched; every other row of ``out`` is untouched.
+
+    The ``torch.library`` op ``dsv41::dequantize_and_gather_k_cache`` (mutates ``out``).
     """
-    fmt, cache, num_reqs, rows = check_gather_args(
-        out, k_cache, seq_lens, gather_lens, block_table, block_size, offset
-    )
+    check_gather_args(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset)
+    call_op(_gather_op, out, k_cache, seq_lens, gather_lens,
+                                                  block_table, block_size, offset)
+
+
+@torch.library.custom_op("dsv41::dequantize_and_gather_k_cache", mutates_args=("out",))
+def _gather_op(out: torch.Tensor, k_cache: torch.Tensor, seq_lens: torch.Tensor,
+               gather_lens: Optional[torch.Tensor], block_table: torch.Tensor, block_size: int,
+               offset: int) -> None:
+    cache = k_cache.squeeze(2) if k_cache.dim() == 4 else k_cache
+    rb = cache.shape[-1]
+    kernel = _GATHER_KERNELS[rb]
+    if use_reference(out.device, kernel):
+        dequantize_and_gather_k_cache_ref(out, k_cache, seq_lens, gather_lens, block_table,
+                                          block_size, offset)
+        return
+    fmt = RECORD_FORMATS[rb]
+    num_reqs, rows = out.shape[0], out.shape[1]
     n_rows = rows - offset
     if num_reqs == 0 or n_rows == 0:
         return
-    rb = fmt.record_bytes
     block_p = GATHER_BLOCK_P[rb]
     has_gl = gather_lens is not None
     gl = gather_lens if has_gl else seq_lens
     page = cache.shape[1]
-    _GATHER_KERNELS[rb][(cdiv(n_rows, block_p), num_reqs)](
+    kernel[(cdiv(n_rows, block_p), num_reqs)](
         out, out.stride(0), out.stride(1), cache, cache.stride(0), page * fmt.data_bytes,
         seq_lens, seq_lens.stride(0), gl, gl.stride(0),
         block_table, block_table.stride(0), block_table.stride(1), block_table.shape[1],
@@ -411,3 +449,8 @@ def dequantize_and_gather_k_cache(
         PAGE=page, HAS_GL=has_gl, BLOCK_P=block_p, SW=is_interpreter(),
         num_warps=GATHER_NUM_WARPS,
     )
+
+
+@_gather_op.register_fake
+def _gather_fake(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset) -> None:
+    return None

@@ -29,19 +29,11 @@ from typing import Optional
 
 import torch
 
+from .._contract import GROUP_WIDTH, LAYOUTS, WV_GROUP_SIZE, check_layout  # noqa: F401
 from .._utils import HEAD_DIM, check_int, check_tensor
 
-WV_GROUP_SIZE = 8  # heads per wo_a group (o_groups = H / 8)
-GROUP_WIDTH = WV_GROUP_SIZE * HEAD_DIM  # 4096
 Q_SLICE = 16  # dims per head slice in the interleaved Q
 O_CHUNK = 32  # dims per head chunk in the interleaved output
-LAYOUTS = ("standard", "interleaved")
-
-
-def check_layout(layout: object, name: str = "layout") -> str:
-    if layout not in LAYOUTS:
-        raise ValueError(f"{name}: expected 'standard' or 'interleaved', got {layout!r}")
-    return layout  # type: ignore[return-value]
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .._utils import (
+    call_op,
     HEAD_DIM,
     check_int,
     check_same_device,
@@ -34,10 +35,12 @@ from .._utils import (
     check_tensor,
     is_interpreter,
     round_up,
+    use_reference,
 )
-from ._codecs import exp2_int, f32_to_e4m3_bits, ue8m0_exponent
+from ._codecs import e4m3_nan_fixup, exp2_int, f32_to_e4m3_bits, finite_abs, ue8m0_exponent
 from .layouts import GROUP_WIDTH, WV_GROUP_SIZE, check_layout
-from .mxfp8_ref import SCALE_WORDS, mxfp8_dequantize_ref
+from .mxfp8_ref import (SCALE_WORDS, mxfp8_dequantize_ref, mxfp8_quantize_ref,
+                        rope_mxfp8_epilogue_ref)
 from .rope import check_rope_args, rope_elementwise
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -49,11 +52,11 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @triton.jit
 def mxfp8_chunk_quant(x, SW: tl.constexpr):
     """``x [N, 32]`` fp32 -> ``(e4m3 codes [N, 32] uint8, UE8M0 bytes [N] int32)``."""
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10)
+    amax = tl.maximum(tl.max(finite_abs(x), axis=1), 1e-10)
     e = ue8m0_exponent(amax)
     y = x * exp2_int(-e)[:, None]
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    return f32_to_e4m3_bits(y, SW), e + 127
+    return e4m3_nan_fixup(f32_to_e4m3_bits(y, SW), x), e + 127
 
 
 @triton.jit
@@ -213,8 +216,20 @@ def mxfp8_quantize(
     T, G, _ = x.shape
     data, scale = _outputs(data, scale, T, G, x.device)
     check_same_device(x=x, data=data, scale=scale)
+    call_op(_mxfp8_quantize_op, x, data, scale)
+    return data, scale
+
+
+@torch.library.custom_op("dsv41::mxfp8_quantize", mutates_args=("data", "scale"))
+def _mxfp8_quantize_op(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> None:
+    if use_reference(x.device, _mxfp8_quantize_kernel):
+        d, s = mxfp8_quantize_ref(x)
+        data.copy_(d)
+        scale.copy_(s)
+        return
+    T, G = x.shape[0], x.shape[1]
     if T == 0 or G == 0:
-        return data, scale
+        return
     _mxfp8_quantize_kernel[(T, G)](
         x, data.view(torch.uint8), scale,
         x.stride(0), x.stride(1), data.stride(0), data.stride(1),
@@ -222,7 +237,11 @@ def mxfp8_quantize(
         SW=is_interpreter(),
         num_warps=4,
     )
-    return data, scale
+
+
+@_mxfp8_quantize_op.register_fake
+def _mxfp8_quantize_fake(x, data, scale) -> None:
+    return None
 
 
 def mxfp8_dequantize(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -266,8 +285,22 @@ def rope_mxfp8_epilogue(
     G = H // WV_GROUP_SIZE
     data, scale = _outputs(data, scale, T, G, o.device)
     check_same_device(o=o, data=data, scale=scale)
+    call_op(_rope_mxfp8_epilogue_op, o, positions, cos_sin_cache, layout, data, scale)
+    return data, scale
+
+
+@torch.library.custom_op("dsv41::rope_mxfp8_epilogue", mutates_args=("data", "scale"))
+def _rope_mxfp8_epilogue_op(o: torch.Tensor, positions: torch.Tensor,
+                            cos_sin_cache: torch.Tensor, layout: str, data: torch.Tensor,
+                            scale: torch.Tensor) -> None:
+    if use_reference(o.device, _rope_mxfp8_epilogue_kernel):
+        d, s = rope_mxfp8_epilogue_ref(o, positions, cos_sin_cache, layout)
+        data.copy_(d)
+        scale.copy_(s)
+        return
+    T, G = o.shape[0], o.shape[1] // WV_GROUP_SIZE
     if T == 0:
-        return data, scale
+        return
     _rope_mxfp8_epilogue_kernel[(T, G)](
         o, positions, cos_sin_cache, data.view(torch.uint8), scale,
         cos_sin_cache.shape[0],
@@ -278,4 +311,8 @@ def rope_mxfp8_epilogue(
         SW=is_interpreter(),
         num_warps=4,
     )
-    return data, scale
+
+
+@_rope_mxfp8_epilogue_op.register_fake
+def _rope_mxfp8_epilogue_fake(o, positions, cos_sin_cache, layout, data, scale) -> None:
+    return None

@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._utils import INT_DTYPES, check_int, check_same_device, check_tensor, next_power_of_2
+from .._utils import (INT_DTYPES, call_op, check_int, check_same_device, check_tensor,
+                      next_power_of_2, use_reference)
 
 #: tokens per program (one warp each) and compressed columns per step
 SLOT_BLOCK_T = 4
@@ -148,8 +149,39 @@ def prefill_slot_indices(
         K = topk_indices.shape[1]
         ext = torch.empty(T, K, dtype=torch.int32, device=dev)
         ext_lens = torch.empty(T, dtype=torch.int32, device=dev)
+    call_op(_prefill_slot_op,
+        positions, token_to_req, seq_lens, swa_block_table, swa_page_size, window_size,
+        topk_indices if compress_ratio > 0 else None,
+        compressed_block_table if compress_ratio > 0 else None, compressed_page_size,
+        compress_ratio, swa, swa_lens, ext, ext_lens)
+    return swa, swa_lens, ext, ext_lens
+
+
+@torch.library.custom_op("dsv41::prefill_slot_indices",
+                         mutates_args=("swa", "swa_lens", "ext", "ext_lens"))
+def _prefill_slot_op(positions: torch.Tensor, token_to_req: torch.Tensor,
+                     seq_lens: torch.Tensor, swa_block_table: torch.Tensor, swa_page_size: int,
+                     window_size: int, topk_indices: Optional[torch.Tensor],
+                     compressed_block_table: Optional[torch.Tensor], compressed_page_size: int,
+                     compress_ratio: int, swa: torch.Tensor, swa_lens: torch.Tensor,
+                     ext: Optional[torch.Tensor], ext_lens: Optional[torch.Tensor]) -> None:
+    """The op behind :func:`prefill_slot_indices` (outputs allocated by the caller)."""
+    if use_reference(positions.device, _prefill_slot_kernel):
+        from .prefill_indices_ref import prefill_slot_indices_ref
+
+        res = prefill_slot_indices_ref(positions, token_to_req, seq_lens, swa_block_table,
+                                       swa_page_size, window_size, topk_indices,
+                                       compressed_block_table, compressed_page_size,
+                                       compress_ratio)
+        for dst, src in zip((swa, swa_lens, ext, ext_lens), res):
+            if dst is not None:
+                dst.copy_(src)
+        return
+    T = positions.shape[0]
+    W = window_size
+    K = ext.shape[1] if ext is not None else 0
     if T == 0:
-        return swa, swa_lens, ext, ext_lens
+        return
     cbt = compressed_block_table if compress_ratio > 0 else swa_block_table
     tk = topk_indices if compress_ratio > 0 else positions.view(-1, 1)
     _prefill_slot_kernel[(triton.cdiv(T, SLOT_BLOCK_T),)](
@@ -164,7 +196,13 @@ def prefill_slot_indices(
         RATIO=compress_ratio, BLOCK_T=SLOT_BLOCK_T, BLOCK_K=SLOT_BLOCK_K,
         num_warps=4,
     )
-    return swa, swa_lens, ext, ext_lens
+
+
+@_prefill_slot_op.register_fake
+def _prefill_slot_fake(positions, token_to_req, seq_lens, swa_block_table, swa_page_size,
+                       window_size, topk_indices, compressed_block_table, compressed_page_size,
+                       compress_ratio, swa, swa_lens, ext, ext_lens) -> None:
+    return None
 
 
 __all__ = ["prefill_slot_indices"]

@@ -20,58 +20,30 @@ Everything here is the bit-exact rule the Triton kernels are tested against.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
 import torch
 
-from .._utils import HEAD_DIM, NOPE_DIM, check_int, check_tensor, round_up
+from .._contract import (  # noqa: F401  (records and the cache check are part of the contract)
+    FP8_DS_MLA,
+    MXFP8,
+    NVFP4,
+    RECORD_FORMATS,
+    UE8M0_AMAX_FLOOR,
+    RecordFormat,
+    check_k_cache,
+    get_record_format,
+)
+from .._utils import HEAD_DIM, NOPE_DIM, check_int, check_tensor
 
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 UE8M0_BIAS = 127
-UE8M0_AMAX_FLOOR = 1e-4  # record scales (SPEC §4)
+E4M3_NAN = 0x7F  # the e4m3 byte every NaN input is encoded as
 #: e2m1 magnitudes by code 0..7
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
-
-@dataclass(frozen=True)
-class RecordFormat:
-    """One KV record layout. ``group`` is the number of dims sharing one scale."""
-
-    name: str
-    record_bytes: int
-    data_bytes: int
-    scale_bytes: int
-    block_align: int
-    group: int
-
-    def block_bytes(self, page_size: int) -> int:
-        """Default block stride in bytes: ``page * record_bytes`` rounded up to ``block_align``."""
-        return round_up(page_size * self.record_bytes, self.block_align)
-
-
-FP8_DS_MLA = RecordFormat("fp8_ds_mla", 584, 576, 8, 576, 64)
-MXFP8 = RecordFormat("mxfp8", 528, 512, 16, 512, 32)
-NVFP4 = RecordFormat("nvfp4", 288, 256, 32, 512, 16)
-RECORD_FORMATS = {f.record_bytes: f for f in (FP8_DS_MLA, MXFP8, NVFP4)}
-_BY_NAME = {f.name: f for f in RECORD_FORMATS.values()}
-
 RecordLike = Union[int, str, RecordFormat]
-
-
-def get_record_format(record: RecordLike, name: str = "record") -> RecordFormat:
-    """Look a record up by width (584/528/288), name, or pass a RecordFormat through."""
-    if isinstance(record, RecordFormat):
-        return record
-    if isinstance(record, str) and record in _BY_NAME:
-        return _BY_NAME[record]
-    if isinstance(record, int) and not isinstance(record, bool) and record in RECORD_FORMATS:
-        return RECORD_FORMATS[record]
-    raise ValueError(
-        f"{name}: expected a record width of 584, 528 or 288 bytes "
-        f"(or one of {sorted(_BY_NAME)}), got {record!r}"
-    )
 
 
 def allocate_k_cache(
@@ -95,32 +67,11 @@ def allocate_k_cache(
         flat = torch.randint(0, 256, (num_blocks * stride0,), dtype=torch.uint8, device=device)
     else:
         flat = torch.full((num_blocks * stride0,), fill, dtype=torch.uint8, device=device)
-    return flat.as_strided((num_blocks, page_size, fmt.record_bytes), (stride0, fmt.record_bytes, 1))
-
-
-def check_k_cache(name: str, cache: object) -> Tuple[RecordFormat, torch.Tensor]:
-    """Validate a paged cache and return ``(format, cache as [num_blocks, page, bytes])``.
-
-    Accepts ``[num_blocks, page, bytes]`` or ``[num_blocks, page, 1, bytes]`` uint8 with a
-    contiguous last dim, ``bytes`` in {584, 528, 288}, and ``stride(0) >= page * bytes``.
-    """
-    check_tensor(name, cache, dtypes=(torch.uint8,), ndims=(3, 4))
-    if cache.dim() == 4:
-        if cache.shape[2] != 1:
-            raise ValueError(
-                f"{name}: a 4-D cache must be [num_blocks, page, 1, bytes], got {tuple(cache.shape)}"
-            )
-        cache = cache.squeeze(2)
-    fmt = get_record_format(int(cache.shape[-1]), name=f"{name} record width (last dim)")
-    page = cache.shape[1]
-    if cache.shape[0] > 1 and cache.stride(0) < page * fmt.record_bytes:
-        raise ValueError(
-            f"{name}: block stride {cache.stride(0)} is smaller than page*bytes = "
-            f"{page * fmt.record_bytes}; blocks would overlap"
-        )
-    if cache.shape[0] > 1 and cache.stride(0) % 16 != 0:
-        raise ValueError(f"{name}: block stride {cache.stride(0)} must be a multiple of 16 bytes")
-    return fmt, cache
+    # a tensor of its own over the flat storage, not a view of it: then a slice of the cache
+    # (``cache[:, :8]``) is a view whose base is the cache, which ``check_k_cache`` rejects
+    cache = torch.empty(0, dtype=torch.uint8, device=flat.device)
+    return cache.set_(flat.untyped_storage(), 0, (num_blocks, page_size, fmt.record_bytes),
+                      (stride0, fmt.record_bytes, 1))
 
 
 def record_views(cache: torch.Tensor, fmt: RecordFormat) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -162,12 +113,29 @@ def quantize_ue8m0_groups(
     Returns ``(e4m3 [..., n] float8_e4m3fn, scale_bytes [..., n // group] uint8)`` with
     ``amax = max(max|x|, floor)``, ``e = ceil(log2(amax/448))``, byte ``e + 127``, stored
     ``clamp(x * 2**-e, -448, 448)`` rounded to nearest even.
+
+    Non-finite inputs (the kernels encode them the same way): NaN and +-inf do not count in
+    ``amax`` (the group's scale comes from its finite elements), +-inf is stored as +-448
+    (saturated, 0x7E / 0xFE) and NaN as the positive e4m3 NaN 0x7F, whatever its sign.
     """
     xf = x.float().unflatten(-1, (-1, group))
-    amax = xf.abs().amax(-1).clamp_min(amax_floor)
+    return _quantize_ue8m0_split(xf, amax_floor)
+
+
+def finite_amax(xf: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` over the last dim, NaN and +-inf counted as 0 (the rule for non-finite
+    inputs, see :func:`quantize_ue8m0_groups`)."""
+    a = xf.abs()
+    return torch.where(torch.isfinite(a), a, torch.zeros_like(a)).amax(-1)
+
+
+def _quantize_ue8m0_split(xf: torch.Tensor, amax_floor: float):
+    amax = finite_amax(xf).clamp_min(amax_floor)
     e = ue8m0_exponent(amax)
     q = (xf * exp2_int(-e).unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q.flatten(-2), (e + UE8M0_BIAS).to(torch.uint8)
+    bits = torch.where(torch.isnan(xf), torch.full_like(q.view(torch.uint8), E4M3_NAN),
+                       q.view(torch.uint8))
+    return bits.view(torch.float8_e4m3fn).flatten(-2), (e + UE8M0_BIAS).to(torch.uint8)
 
 
 def dequantize_ue8m0_groups(q: torch.Tensor, scale_bytes: torch.Tensor, group: int) -> torch.Tensor:
@@ -223,7 +191,7 @@ def encode_records_ref(k: torch.Tensor, record: RecordLike) -> Tuple[torch.Tenso
         data, scales = q.view(torch.uint8), sb
     else:  # NVFP4
         xf = k.float().unflatten(-1, (32, 16))
-        amax = xf.abs().amax(-1)
+        amax = finite_amax(xf)  # NaN -> code 0, +-inf -> +-6 (saturated), scale from the rest
         s = (amax / E2M1_MAX).clamp(2.0**-9, E4M3_MAX).to(torch.float8_e4m3fn)
         codes = round_to_e2m1_codes(xf / s.float().unsqueeze(-1)).flatten(1)
         data = codes[:, 0::2] | (codes[:, 1::2] << 4)

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .._utils import (
+    call_op,
     HEAD_DIM,
     INT_DTYPES,
     ROPE_DIM,
@@ -33,8 +34,10 @@ from .._utils import (
     check_tensor,
     is_interpreter,
     next_power_of_2,
+    use_reference,
 )
 from ._codecs import f32_to_bf16
+from .rope_ref import apply_rope_ref
 
 ROPE_HALF = ROPE_DIM // 2  # 32 pairs
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -161,9 +164,20 @@ def apply_rope(
         check_tensor("out", out, dtypes=(x.dtype,), ndims=3, last_dim=HEAD_DIM)
         check_shape("out", out, [T, H, HEAD_DIM])
         check_same_device(x=x, out=out)
+    call_op(_apply_rope_op, x, positions, cos_sin_cache, inverse, out)
+    return out
+
+
+@torch.library.custom_op("dsv41::apply_rope", mutates_args=("out",))
+def _apply_rope_op(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                   inverse: bool, out: torch.Tensor) -> None:
+    if use_reference(x.device, _apply_rope_kernel):
+        out.copy_(apply_rope_ref(x, positions, cos_sin_cache, inverse))
+        return
+    T, H, _ = x.shape
     in_place = out.data_ptr() == x.data_ptr() and out.stride() == x.stride()
     if T == 0 or H == 0:
-        return out
+        return
     block_h = min(next_power_of_2(H), 16)
     grid = (T, triton.cdiv(H, block_h))
     _apply_rope_kernel[grid](
@@ -177,4 +191,8 @@ def apply_rope(
         SW=is_interpreter(),
         num_warps=4,
     )
-    return out
+
+
+@_apply_rope_op.register_fake
+def _apply_rope_fake(x, positions, cos_sin_cache, inverse, out) -> None:
+    return None

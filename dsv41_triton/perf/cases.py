@@ -29,14 +29,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
-ATTENTION_FAMILIES = ("decode", "prefill", "decode_fused", "prefill_fused")
+from .._contract import KINDS as ATTENTION_FAMILIES
+from .._contract import LAYOUTS, WV_GROUP_SIZE
+
 OP_FAMILIES = ("insert", "gather", "combine_indices", "global_topk")
 #: run only when named in ``families`` (``--families index_logits,index_topk``)
 INDEXER_FAMILIES = ("index_logits", "index_topk")
 FAMILIES = ATTENTION_FAMILIES + OP_FAMILIES + INDEXER_FAMILIES
 #: index heads and key width of the indexer cases (V4-Flash / V4.1: 64 x 128)
 INDEX_HEADS, INDEX_DIM = 64, 128
-LAYOUTS = ("standard", "interleaved")
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,9 @@ class Case:
             raise ValueError(f"tokens: expected >= 1, got {self.tokens}")
         if self.family in ATTENTION_FAMILIES and self.heads < 1:
             raise ValueError(f"heads: expected >= 1 for {self.family}, got {self.heads}")
-        if self.family.endswith("_fused") and self.heads % 8:
-            raise ValueError(f"heads: the fused contract needs a multiple of 8, got {self.heads}")
+        if self.family.endswith("_fused") and self.heads % WV_GROUP_SIZE:
+            raise ValueError(f"heads: the fused contract needs a multiple of {WV_GROUP_SIZE}, "
+                             f"got {self.heads}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout: expected one of {LAYOUTS}, got {self.layout!r}")
 

@@ -223,7 +223,11 @@ def test_bad_inputs_raise_before_any_work():
     with pytest.raises(ValueError, match="lens"):
         be.sparse_mla_prefill(q, kv, idx, lens[:1])
     with pytest.raises(TypeError, match="indices"):
-        be.sparse_mla_prefill(q, kv, idx.long())
+        be.sparse_mla_prefill(q, kv, idx.float())
+    # int64 indices are accepted, as by the Triton kernels (FlashMLA's checks want int32)
+    o64, l64 = be.sparse_mla_prefill(q, kv, idx.long())
+    o32, l32 = be.sparse_mla_prefill(q, kv, idx)
+    assert torch.equal(o64, o32) and torch.equal(l64, l32)
 
 
 # --------------------------------------------------------------------------------------------

@@ -504,7 +504,7 @@ def _sparse_mla_decode_gluon_kernel(
     h = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, ACC))
     hmask = h < H
     h64 = h.to(gl.int64)
-    has = l_i > 0.0
+    has = l_i != 0.0  # no key <=> l == 0 exactly; a NaN l propagates (docs/semantics.md)
     l_safe = gl.where(has, l_i, 1.0)
     if SPLIT:
         inv = gl.where(has, 1.0 / l_safe, 0.0)
