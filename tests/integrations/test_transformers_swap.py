@@ -91,10 +91,11 @@ def with_fp8_index_keys(model):
 
 
 #: index scores this close (relative to the row's largest |score|) count as tied. Measured on
-#: these models (seeds 0-5): our index logits differ from transformers' (index keys through the
-#: same codec) by 1.3-1.6 % rel Frobenius, at most 4-7 % of the row's max |score| at the 99th
-#: percentile of tokens -- FP8 roundings of keys computed from bf16 vs fp32 inputs; the same
-#: gap as tests/layers/test_layer_vs_transformers.py
+#: the one-CSA-layer model (seeds 0-5): our index logits differ from transformers' (its index
+#: keys through the same codec) by 1.3-1.6 % rel Frobenius; the largest difference in a row is
+#: 4-7 % of its max |score| at the 99th percentile of tokens (seeds 2-5) -- e4m3 roundings of
+#: keys computed from bf16 vs fp32 inputs. The same gap as tests/layers/test_layer_vs_transformers.py;
+#: seed 0 then flips 12 of 230 tokens with a choice, and DeepSeek's indexer numerics fail it
 TIE_GAP = 0.1
 
 
@@ -336,12 +337,12 @@ def test_no_transformers_attention_compressor_or_indexer_runs(device, monkeypatc
     logits = torch.cat(steps, 1)
     assert logits.shape == (1, PROMPT + 3, 64) and bool(torch.isfinite(logits).all())
     assert g.shape == (1, PROMPT + 3)
-    for layer_id in (0, 3):  # both CSA layers chose with their own indexer
+    for layer_id in (0, 3):  # both CSA layers chose with their own indexer, by default with
+        # transformers' numerics; the last step (generate's, position PROMPT + 1) picks 4 of 33
+        blk = m.model.layers[layer_id].self_attn.layer.compressed_block
+        assert blk.indexer.spec.hadamard is False and blk.indexer.spec.fp4 is False
         sel = m.model.layers[layer_id].self_attn.layer.last_topk_indices
-        assert sel.shape == (1, 4) and int((sel >= 0).sum()) == 4
-    # the last decode step: position PROMPT + 2 sees (PROMPT + 3) // 4 = 33 entries
-    blk = m.model.layers[3].self_attn.layer.compressed_block
-    assert blk.indexer.spec.hadamard is False and blk.indexer.spec.fp4 is False
+        assert sel.shape == (1, 4) and int((sel >= 0).sum()) == 4 and int(sel.max()) < 33
 
 
 def test_indexer_numerics_and_the_kept_transformers_path(device):
