@@ -22,6 +22,7 @@ from dsv41_triton.integrations.transformers import (  # noqa: E402
     DeepseekV41TransformersAttention,
     replace_attention,
 )
+from dsv41_triton._utils import cdiv  # noqa: E402
 from dsv41_triton.ops.indexer_ref import encode_index_rows_ref  # noqa: E402
 from dsv41_triton.ops.records import quantize_dequantize_ref  # noqa: E402
 from dsv41_triton.testing import rel_err  # noqa: E402
@@ -295,6 +296,33 @@ def test_batch_rows_and_stateless_calls(device):
     for b in range(2):
         for s2, s1 in zip(g2.scores, g1[b].scores):
             assert rel_err(s2[b], s1[0]) <= 5e-3
+
+
+def test_small_pages_and_chunked_prefill_equal_one_shot(device):
+    """page_size 4: every cache (window, compressed, compressor state, index keys) grows many
+    times, keeping its contents; a prefill in two chunks carries the compressors' partial groups
+    across calls. Same selection and, to bf16 rounding, the same logits as one shot."""
+    base = tiny_model([CSA, HCA, SW], device)
+    one_m = replace_attention(copy.deepcopy(base))
+    m = replace_attention(copy.deepcopy(base), page_size=4)
+    ids = _ids(device)
+    with torch.no_grad():
+        one = one_m(ids).logits
+        want = one_m.model.layers[0].self_attn.layer.last_topk_indices.clone()
+        r = m(ids[:, :50], use_cache=True)
+        cache, steps = r.past_key_values, [r.logits]
+        r = m(ids[:, 50:PROMPT], past_key_values=cache, use_cache=True)
+        steps.append(r.logits)
+        sel = [m.model.layers[0].self_attn.layer.last_topk_indices.clone()]
+        for i in range(PROMPT, ids.shape[1]):
+            steps.append(m(ids[:, i:i + 1], past_key_values=cache, use_cache=True).logits)
+            sel.append(m.model.layers[0].self_attn.layer.last_topk_indices.clone())
+    st = cache._dsv41_paged_state
+    state, _, keys = st.block_caches[0]
+    assert state.shape[1] == 4 and state.shape[0] >= cdiv(ids.shape[1], 4)
+    assert keys.shape[1] == 4 and keys.shape[0] >= cdiv(ids.shape[1] // 4, 4)
+    assert torch.equal(torch.cat(sel), want[50:])
+    assert rel_err(torch.cat(steps, 1), one) <= 5e-3
 
 
 def test_unsupported_inputs_raise(device):
