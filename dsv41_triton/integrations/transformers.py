@@ -27,9 +27,10 @@ before RoPE) for index shapes our indexer does not take (``index_head_dim`` not 
 
 The paged caches (window, compressed, the compressor's state and the index keys) live on the
 transformers cache object (one :class:`PagedKVState` per generation); transformers' own window
-keys are not kept (a one-wide placeholder keeps its length bookkeeping). Every row of a batch must hold the same positions (no padding masks;
-``attention_mask`` is not read: causality and the window come from the positions); beam search
-reordering and cache cropping are not supported.
+keys are not kept (a one-wide placeholder keeps its length bookkeeping). Every row of a batch
+must hold the same positions (no padding masks; ``attention_mask`` is not read: causality and
+the window come from the positions); beam search reordering and cache cropping are not
+supported.
 """
 from __future__ import annotations
 
