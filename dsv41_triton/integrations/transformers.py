@@ -12,16 +12,25 @@
 compressed keys held as 584-byte FP8 records in paged caches and attention run by the selected
 backend (:class:`~dsv41_triton.layers.DeepseekV41Attention` underneath).
 
-Until this package has its own compressor and indexer, the replaced module's ``compressor``
-(and, on CSA layers, its ``indexer``) still runs, on transformers' cache layer, to produce the
-compressed entries (taken before their RoPE: the layer RoPEs and inserts them) and the indexer's
-top-k picks; HCA layers attend to every completed entry.
+The compressed entries and the CSA layers' top-k come from this package's compressor and
+lightning indexer (``layer.compressed_block``: :mod:`dsv41_triton.layers.compressed`), loaded
+from the replaced module's ``compressor.*`` / ``compressor.indexer.*`` weights; after the swap no
+transformers attention, compressor or indexer forward runs. HCA layers attend to every completed
+entry. ``indexer_numerics`` picks the index scores' numerics: ``"transformers"`` (the default:
+no Hadamard transform, no FP4 simulation, as transformers' ``DeepseekV4Indexer`` computes them,
+so the swapped model is the model it replaces up to the FP8 caches) or ``"deepseek"`` (DeepSeek's
+V4 reference: Hadamard-transformed, FP4-simulated queries and keys). Index keys are cached as FP8
+rows with a scale either way (docs/compressor_indexer.md §3). ``use_own_compressor=False`` keeps
+transformers' compressor and indexer modules running (on its cache layer; their entries taken
+before RoPE) for index shapes our indexer does not take (``index_head_dim`` not a power of two
+>= 64) or to compare against them.
 
-The paged caches live on the transformers cache object (one :class:`PagedKVState` per
-generation); transformers' own window keys are not kept (a one-wide placeholder keeps its
-length bookkeeping). Every row of a batch must hold the same positions (no padding masks;
-``attention_mask`` is not read: causality and the window come from the positions); beam search
-reordering and cache cropping are not supported.
+The paged caches (window, compressed, the compressor's state and the index keys) live on the
+transformers cache object (one :class:`PagedKVState` per generation); transformers' own window
+keys are not kept (a one-wide placeholder keeps its length bookkeeping). Every row of a batch
+must hold the same positions (no padding masks; ``attention_mask`` is not read: causality and
+the window come from the positions); beam search reordering and cache cropping are not
+supported.
 """
 from __future__ import annotations
 
@@ -39,6 +48,9 @@ from ..layers.metadata import RequestSpec, StepMetadata, build_step_metadata
 DEFAULT_PAGE_SIZE = 64
 #: attribute of a transformers cache object holding its :class:`PagedKVState`
 STATE_ATTR = "_dsv41_paged_state"
+#: ``indexer_numerics`` -> (Hadamard transform, FP4 simulation) of the index queries / keys:
+#: transformers' DeepseekV4Indexer applies neither, DeepSeek's V4 reference both
+INDEXER_NUMERICS = {"transformers": (False, False), "deepseek": (True, True)}
 
 
 class _UnrotatedRotary(nn.Module):
@@ -61,6 +73,8 @@ class PagedKVState:
         self.ratios = tuple(sorted({int(r) for r in ratios if r > 0}))
         self.tokens: Dict[int, int] = {}
         self.caches: Dict[int, Tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
+        #: per layer: its compressed block's (state, index state, index-key) caches
+        self.block_caches: Dict[int, Tuple[Optional[torch.Tensor], ...]] = {}
         self._md_key: Optional[tuple] = None
         self._md: Optional[StepMetadata] = None
 
@@ -103,6 +117,15 @@ class PagedKVState:
                               layer.compressed_record)
         self.caches[layer_idx] = (swa, comp)
         layer.bind_kv_caches(swa, comp)
+        blk = layer.compressed_block
+        if blk is not None and blk.loaded:
+            # this generation's compressor state / index-key caches, grown beside the window
+            # (state caches: window geometry) and compressed (index keys) caches
+            blk.state_cache, blk.index_state_cache, blk.index_cache = \
+                self.block_caches.get(layer_idx, (None, None, None))
+            blk.ensure_capacity(swa.shape[0], self.page, comp.shape[0], self.page)
+            self.block_caches[layer_idx] = (blk.state_cache, blk.index_state_cache,
+                                            blk.index_cache)
 
 
 class DeepseekV41TransformersAttention(nn.Module):
@@ -116,32 +139,53 @@ class DeepseekV41TransformersAttention(nn.Module):
     def __init__(self, hf_attention: nn.Module, config: DeepseekV41AttentionConfig, *,
                  backend: Union[str, AttentionBackend] = "auto", page_size: int = DEFAULT_PAGE_SIZE,
                  max_model_len: Optional[int] = None, ratios: Sequence[int] = (),
-                 check_positions: bool = True):
+                 check_positions: bool = True, use_own_compressor: bool = True,
+                 indexer_numerics: str = "transformers"):
         super().__init__()
+        if indexer_numerics not in INDEXER_NUMERICS:
+            raise ValueError(f"indexer_numerics: expected one of {tuple(INDEXER_NUMERICS)}, got "
+                             f"{indexer_numerics!r}")
         self.layer_idx = int(hf_attention.layer_idx)
         self.layer_type = getattr(hf_attention, "layer_type", None)
         dev = hf_attention.q_a_proj.weight.device
         self.layer = DeepseekV41Attention(config, self.layer_idx, backend=backend, device=dev,
                                           max_model_len=max_model_len)
-        # the compressor / indexer stay transformers' modules here: not copied into the layer
-        sd = {k: v for k, v in hf_attention.state_dict().items() if not k.startswith("compressor.")}
-        self.layer.load_weights(sd)
         r = self.layer.compress_ratio
-        self.compressor = getattr(hf_attention, "compressor", None)
-        if (self.compressor is None) != (r == 0):
+        hf_comp = getattr(hf_attention, "compressor", None)
+        if (hf_comp is None) != (r == 0):
             raise ValueError(f"layer {self.layer_idx}: transformers' module "
-                             f"{'has no' if self.compressor is None else 'has a'} compressor, the "
+                             f"{'has no' if hf_comp is None else 'has a'} compressor, the "
                              f"config gives ratio {r}")
-        if self.compressor is not None and int(self.compressor.compress_rate) != r:
+        if hf_comp is not None and int(hf_comp.compress_rate) != r:
             raise ValueError(f"layer {self.layer_idx}: compressor rate "
-                             f"{self.compressor.compress_rate}, the config gives ratio {r}")
-        # the indexer reads q_residual = q_a_norm(q_a_proj(x)) as transformers computes it
-        has_indexer = self.compressor is not None and hasattr(self.compressor, "indexer")
+                             f"{hf_comp.compress_rate}, the config gives ratio {r}")
+        has_indexer = hf_comp is not None and hasattr(hf_comp, "indexer")
         if has_indexer != self.layer.has_indexer:
             raise ValueError(f"layer {self.layer_idx}: indexer present={has_indexer}, the config "
                              f"says {self.layer.has_indexer} (hca_ratios {config.hca_ratios})")
-        self.q_a_proj = hf_attention.q_a_proj if has_indexer else None
-        self.q_a_norm = hf_attention.q_a_norm if has_indexer else None
+        self.use_own_compressor = bool(use_own_compressor) and r > 0
+        self.indexer_numerics = indexer_numerics
+        sd = hf_attention.state_dict()
+        if not self.use_own_compressor:  # transformers' modules keep running: not copied
+            sd = {k: v for k, v in sd.items() if not k.startswith("compressor.")}
+        self.layer.load_weights(sd)
+        blk = self.layer.compressed_block
+        if self.use_own_compressor:
+            if blk is None or not blk.loaded:
+                why = ("an index shape the indexer kernels do not take (index_head_dim "
+                       f"{config.index_head_dim}: a power of two >= 64)" if blk is None
+                       else "compressor / indexer weights missing from the module")
+                raise ValueError(f"layer {self.layer_idx}: this package's compressor cannot "
+                                 f"replace transformers' ({why}); pass "
+                                 "use_own_compressor=False to keep transformers' modules")
+            hadamard, fp4 = INDEXER_NUMERICS[indexer_numerics]
+            blk.set_indexer_numerics(hadamard, fp4)
+        # the old path: transformers' compressor / indexer modules, on its cache layer
+        self.compressor = None if self.use_own_compressor else hf_comp
+        # its indexer reads q_residual = q_a_norm(q_a_proj(x)) as transformers computes it
+        keep_q = has_indexer and not self.use_own_compressor
+        self.q_a_proj = hf_attention.q_a_proj if keep_q else None
+        self.q_a_norm = hf_attention.q_a_norm if keep_q else None
         self.page_size = page_size
         self.ratios = tuple(ratios) or ((r,) if r else ())
         self.check_positions = check_positions
@@ -230,7 +274,7 @@ class DeepseekV41TransformersAttention(nn.Module):
             ph = hidden_states.new_zeros((B, 1, S, 1))
             cache.update(ph, ph, self.layer_idx)
         ckv = topk = None
-        if self.compressor is not None:
+        if self.compressor is not None:  # use_own_compressor=False: transformers' modules
             ckv, topk = self._compress(hidden_states, position_ids, cache, prefix)
         md = st.metadata(prefix, S, self.layer.window_size)
         st.bind(self.layer, self.layer_idx, prefix + S)
@@ -240,7 +284,11 @@ class DeepseekV41TransformersAttention(nn.Module):
         return y.view(B, S, hid).to(hidden_states.dtype), None
 
     def extra_repr(self) -> str:
-        return f"layer_idx={self.layer_idx}, type={self.layer_type}, page_size={self.page_size}"
+        src = ("window only" if self.layer.compress_ratio == 0
+               else f"own compressor, {self.indexer_numerics} indexer numerics"
+               if self.use_own_compressor else "transformers' compressor")
+        return (f"layer_idx={self.layer_idx}, type={self.layer_type}, page_size={self.page_size}, "
+                f"{src}")
 
 
 def _is_hf_attention(module: nn.Module) -> bool:
@@ -253,7 +301,9 @@ def _is_hf_attention(module: nn.Module) -> bool:
 
 def replace_attention(model: nn.Module, backend: Union[str, AttentionBackend] = "auto", *,
                       page_size: int = DEFAULT_PAGE_SIZE, max_model_len: Optional[int] = None,
-                      config: Optional[DeepseekV41AttentionConfig] = None) -> nn.Module:
+                      config: Optional[DeepseekV41AttentionConfig] = None,
+                      use_own_compressor: bool = True,
+                      indexer_numerics: str = "transformers") -> nn.Module:
     """Swap every ``DeepseekV4Attention`` of ``model`` (a transformers DeepSeek-V4 model), in
     place, for :class:`DeepseekV41TransformersAttention`; returns ``model``.
 
@@ -262,6 +312,10 @@ def replace_attention(model: nn.Module, backend: Union[str, AttentionBackend] = 
     max_model_len: rows of the RoPE tables (default: the layer's, at most 131072).
     config: the attention config (default: ``DeepseekV41AttentionConfig.from_hf_config`` of
         ``model.config``).
+    use_own_compressor: compressed entries and top-k from this package's compressor and
+        indexer (default); ``False`` keeps transformers' compressor / indexer modules running.
+    indexer_numerics: ``"transformers"`` (default: plain scores, as transformers computes them)
+        or ``"deepseek"`` (Hadamard + FP4 simulation, as DeepSeek's V4 reference does).
     """
     if config is None:
         config = DeepseekV41AttentionConfig.from_hf_config(model.config)
@@ -273,11 +327,13 @@ def replace_attention(model: nn.Module, backend: Union[str, AttentionBackend] = 
     for name, m in targets:
         new = DeepseekV41TransformersAttention(
             m, config, backend=backend, page_size=page_size, max_model_len=max_model_len,
-            ratios=ratios, check_positions=int(m.layer_idx) == first)
+            ratios=ratios, check_positions=int(m.layer_idx) == first,
+            use_own_compressor=use_own_compressor, indexer_numerics=indexer_numerics)
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, new)
     return model
 
 
-__all__ = ["DeepseekV41TransformersAttention", "PagedKVState", "replace_attention"]
+__all__ = ["INDEXER_NUMERICS", "DeepseekV41TransformersAttention", "PagedKVState",
+           "replace_attention"]
