@@ -210,7 +210,9 @@ def test_gpu_compile_and_cuda_graph_capture():
         return torch.allclose(a, b, rtol=1e-3, atol=1e-2)
 
     frames = []
-    for T in (3, 17):
+    # token counts other than any cache dim: duck sizing would tie an equal pair (e.g. 3 extra
+    # blocks and T = 3) and recompile once when they part
+    for T in (5, 17):
         args = _inputs(T, device)
         assert close(compiled(*args), eager(*args))
         frames.append(cnt.frame_count)
