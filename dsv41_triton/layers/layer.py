@@ -708,7 +708,10 @@ class DeepseekV41Attention(nn.Module):
                 layout=self.layout, data=output.data[a:b], scale=output.scale[a:b])
             self._write(output, a, b, res)
         elif self._backend_op is not None:
-            key = step_cache_key(md.backend_cache) if step_cache else -1
+            # a compiled forward cannot register the step's dict (Dynamo skips backends/):
+            # there the backend keeps its schedule per shape instead of per step
+            key = (step_cache_key(md.backend_cache)
+                   if step_cache and not torch.compiler.is_compiling() else -1)
             call_op(_custom_ops.backend_sparse_mla_decode,
                 self._backend_op, q, self.swa_cache, si, sl, *extra, self._sink(), self.scale,
                 key, output[a:b], lse)
