@@ -263,8 +263,32 @@ def test_sink_values(impl, device):
     assert torch.equal(lse, base_l)  # the sink never enters lse
     assert torch.equal(o[:, 0], base_o[:, 0])  # -inf: no sink
     assert torch.equal(o[:2, 1], torch.zeros(2, 512, dtype=torch.float64))  # +inf: zero output
-    assert torch.isnan(o[:2, 2]).all()  # NaN: NaN output for tokens with keys
-    assert torch.equal(o[2], torch.zeros(3, 512, dtype=torch.float64))  # no keys: 0
+    assert torch.isnan(o[:, 2]).all()  # NaN: NaN output, for the token without keys too
+    assert torch.equal(o[2, :2], torch.zeros(2, 512, dtype=torch.float64))  # no keys: 0
+    assert (lse[2] == math.inf).all()
+
+
+@pytest.mark.parametrize("impl", ("torch", "triton"))
+def test_nan_sink_fused(impl, device):
+    """The fused contract: a NaN sink makes its head's MXFP8 data bytes 0x7F in every token,
+    the token without keys included; lse unaffected."""
+    be = _backend(impl, device)
+    q, swa, si, sl, extra, ei, el = _decode_case(device, T=2, H=8)
+    sl[1] = 0
+    el[1] = 0
+    sink = torch.full((8,), float("-inf"), device=device)
+    sink[3] = float("nan")
+    pos = torch.tensor([5, 9], dtype=torch.int32, device=device)
+    cs = make_cos_sin_cache(16).to(device)
+    _, _, base_l = be.sparse_mla_decode_fused(q, pos, cs, swa, si, sl, extra, ei, el)
+    data, scale, lse = be.sparse_mla_decode_fused(q, pos, cs, swa, si, sl, extra, ei, el,
+                                                  attn_sink=sink)
+    assert torch.equal(lse.cpu(), base_l.cpu())
+    assert (lse[1].cpu() == math.inf).all()
+    bytes_ = data.view(torch.uint8).cpu()
+    assert (bytes_[:, 0, 3 * 512:4 * 512] == 0x7F).all()
+    rest = torch.cat([bytes_[:, 0, :3 * 512], bytes_[:, 0, 4 * 512:]], -1)
+    assert (rest[0] != 0x7F).all() and ((rest[1] & 0x7F) == 0).all()  # no keys: +-0
 
 
 # ---- positions past the cos/sin table -------------------------------------------------------

@@ -14,7 +14,8 @@ def _merge_kernel(po_ptr, pl_ptr, sink_ptr, sink_st, out_ptr, stride_ot, stride_
                   SW: tl.constexpr):
     """Combine split partials: ``po [T, NS, H, 512]`` (each normalized by its own sum) and
     ``pl [T, NS, H]`` (log2-sum-exp, -inf = empty) -> out bf16, lse fp32 (natural log), with
-    the sink in the denominator. Empty rows: out 0, lse +inf; a NaN partial: NaN. Grid ``T * num_ht``."""
+    the sink in the denominator. Empty rows: out 0 (NaN under a NaN sink), lse +inf; a NaN
+    partial: NaN. Grid ``T * num_ht``."""
     pid = tl.program_id(0)
     ht = pid % num_ht
     t = (pid // num_ht).to(tl.int64)
@@ -36,7 +37,10 @@ def _merge_kernel(po_ptr, pl_ptr, sink_ptr, sink_st, out_ptr, stride_ot, stride_
     if HAS_SINK:
         sink = tl.load(sink_ptr + h64 * sink_st, mask=hmask, other=float("-inf"))
         den = den + tl.exp2(sink * 1.4426950408889634 - m_safe)
-    inv = tl.where(has, 1.0 / den, 0.0)
+        # a NaN sink: NaN rows without keys too (docs/semantics.md)
+        inv = tl.where(has, 1.0 / den, tl.where(sink != sink, float("nan"), 0.0))
+    else:
+        inv = tl.where(has, 1.0 / den, 0.0)
     d = tl.arange(0, 512)
     acc = tl.zeros([BH, 512], tl.float32)
     for s in range(num_splits):

@@ -186,7 +186,10 @@ def _shared_window_fwd_kernel(
                 ms = tl.where(ok, mm, 0.0)
                 sink = tl.load(sink_ptr + hh64 * sink_st, mask=hm, other=float("-inf"))
                 den = den + tl.exp2(sink * 1.4426950408889634 - ms)
-            iv = tl.where(ok, 1.0 / den, 0.0)
+                # a NaN sink: NaN rows without keys too (docs/semantics.md)
+                iv = tl.where(ok, 1.0 / den, tl.where(sink != sink, float("nan"), 0.0))
+            else:
+                iv = tl.where(ok, 1.0 / den, 0.0)
             orow = out_ptr + tt * stride_ot + hh64[:, None] * stride_oh
             _store_groups(orow, b0, b1, b2, b3, b4, b5, b6, b7, hm, iv, True, SW)
             lse = tl.where(ok, (mm + tl.log2(ls)) * 0.6931471805599453, float("inf"))

@@ -355,7 +355,10 @@ def _sparse_mla_fwd_grouped_kernel(
             m_safe = tl.where(has, m_i, 0.0)
             sink = tl.load(sink_ptr + h64 * sink_st, mask=hmask, other=float("-inf"))
             den = den + tl.exp2(sink * 1.4426950408889634 - m_safe)
-        inv = tl.where(has, 1.0 / den, 0.0)
+            # a NaN sink: NaN rows without keys too (docs/semantics.md)
+            inv = tl.where(has, 1.0 / den, tl.where(sink != sink, float("nan"), 0.0))
+        else:
+            inv = tl.where(has, 1.0 / den, 0.0)
         orow = out_ptr + t * stride_ot + h64[:, None] * stride_oh
         _store_groups(orow, a0, a1, a2, a3, a4, a5, a6, a7, hmask, inv, True, SW)
         lse = tl.where(has, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("inf"))

@@ -10,7 +10,8 @@ A token with no valid key gets ``out = 0`` and ``lse = +inf``. Skipped key colum
 ``< 0`` anywhere, columns at or past the row's ``len`` (lens are clamped to ``[0, width]``),
 and (so that nothing reads out of bounds) an index at or past the number of rows / slots.
 Duplicated indices count twice. NaN propagates: a NaN in ``q[t, h]`` or in a selected key
-gives NaN in ``out[t, h]`` and ``lse[t, h]`` (a NaN sink: NaN ``out``, ``lse`` unaffected);
+gives NaN in ``out[t, h]`` and ``lse[t, h]``; a NaN sink makes every ``out`` row of its head NaN
+(tokens with and without keys), ``lse`` unaffected;
 ``T = 0`` and index width 0 are fine (empty outputs; ``0`` / ``+inf``). The full table is
 ``docs/semantics.md``.
 
@@ -48,9 +49,12 @@ def _attend(
     k = torch.cat(keys, 1) if len(keys) > 1 else keys[0]
     valid = torch.cat(masks, 1) if len(masks) > 1 else masks[0]
     t, H = q.shape[0], q.shape[1]
+    # the output of a row without keys: 0, NaN in a head whose sink is NaN
+    empty = torch.zeros(t, H, HEAD_DIM, dtype=q.dtype, device=q.device)
+    if sink is not None:
+        empty = empty.masked_fill(torch.isnan(sink)[None, :, None], float("nan"))
     if k.shape[1] == 0:  # index width 0: no keys at all
-        return (torch.zeros(t, H, HEAD_DIM, dtype=q.dtype, device=q.device),
-                torch.full((t, H), float("inf"), dtype=q.dtype, device=q.device))
+        return empty, torch.full((t, H), float("inf"), dtype=q.dtype, device=q.device)
     z = torch.einsum("thd,tkd->thk", q, k) * scale
     z = z.masked_fill(~valid[:, None, :], float("-inf"))
     # the max over the finite logits (a NaN logit must not hide the others; it reaches l
@@ -64,10 +68,10 @@ def _attend(
     if sink is not None:
         den = l + torch.exp(sink.double()[None, :] - m_safe[..., 0])
     num = torch.einsum("thk,tkd->thd", p, k)
-    # "no key" means l == 0 exactly; a NaN l (NaN in q, a key or the sink) propagates
+    # "no key" means l == 0 exactly; a NaN l (NaN in q or a key) or a NaN sink propagates
     has = l != 0
     out = torch.where(has[..., None], num / torch.where(has, den, torch.ones_like(den))[..., None],
-                      torch.zeros_like(num))
+                      empty)
     lse = torch.where(has, torch.log(torch.where(has, l, torch.ones_like(l))) + m_safe[..., 0],
                       torch.full_like(l, float("inf")))
     return out, lse

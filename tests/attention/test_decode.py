@@ -114,6 +114,26 @@ def test_decode_split_k(device, splits):
     assert rel_err(os_, o1) < 5e-3
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_nan_sink_makes_the_whole_head_nan(device, splits):
+    """A NaN sink: every row of its head is NaN, a token without keys included; other heads
+    as the reference (0 / +inf for that token); lse unaffected (non-split epilogue and the
+    split merge)."""
+    args = _case(device, 3, 3, 584, 288, Ws=37, K=45)
+    args["attn_sink"] = torch.tensor([0.5, float("nan"), -1.0], device=device)
+    args["swa_lens"][1] = 0
+    args["extra_lens"][1] = 0
+    out = poison_(torch.empty(3, 3, 512, dtype=torch.bfloat16, device=device))
+    o, lse = sparse_mla_decode(**args, out=out, _config=KernelConfig(16, BN, splits))
+    ro, rl = sparse_mla_decode_ref(**args)
+    assert torch.isnan(o[:, 1]).all() and torch.isnan(ro[:, 1]).all()
+    keep = [0, 2]
+    assert rel_err(o[:, keep], ro[:, keep]) <= OUT_TOL
+    assert (o[1, keep] == 0).all()
+    assert max_abs_err(lse, rl) <= LSE_TOL
+    assert (lse[1] == float("inf")).all() and torch.isfinite(lse[[0, 2]]).all()
+
+
 def test_decode_seven_tokens_one_token(device):
     _check(_case(device, 7, 3, K=100, Ws=30))
     _check(_case(device, 1, 8, K=130, Ws=60), KernelConfig(16, 32, 2))

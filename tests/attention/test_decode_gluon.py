@@ -303,3 +303,28 @@ def test_gluon_launch_shapes_v41_gpu(device, monkeypatch, shape, T, H, swa_rec, 
     _need_gluon_gpu()
     monkeypatch.setenv("DSV41_GLUON_SHAPE", shape)
     _check(_v41(device, T, H, swa_rec, extra_rec))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 4])
+def test_gluon_nan_sink_gpu(device, monkeypatch, splits):
+    """A NaN sink: every row of its head is NaN, a token without keys included; the other
+    heads as the reference (0 / +inf for that token); lse unaffected (the kernel's own
+    epilogue and, with splits, the merge kernel)."""
+    _need_gluon_gpu()
+    from dsv41_triton.attention.gluon import launch as gl_launch
+    shape = gl_launch.default_shape
+    monkeypatch.setattr(gl_launch, "default_shape", lambda *a: (shape(*a)[0], splits))
+    args = _case(device, 3, 8, 584, 288)
+    args["attn_sink"][5] = float("nan")
+    args["swa_lens"][1] = 0
+    args["extra_lens"][1] = 0
+    out = poison_(torch.empty(3, 8, 512, dtype=torch.bfloat16, device=device))
+    o, lse = sparse_mla_decode(**args, out=out, _kernel="gluon")
+    assert gl_launch.LAST_LAUNCH["fwd"][1][1] == splits
+    ro, rl = sparse_mla_decode_ref(**args)
+    assert torch.isnan(o[:, 5]).all() and torch.isnan(ro[:, 5]).all()
+    keep = [0, 1, 2, 3, 4, 6, 7]
+    assert rel_err(o[:, keep], ro[:, keep]) <= OUT_TOL
+    assert (o[1, keep] == 0).all()
+    assert max_abs_err(lse, rl) <= LSE_TOL and (lse[1] == float("inf")).all()

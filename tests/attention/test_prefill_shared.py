@@ -116,6 +116,25 @@ def test_shared_window_empty_rows_and_hostile(device):
         assert torch.all(o[t] == 0) and torch.all(torch.isinf(lse[t]) & (lse[t] > 0))
 
 
+def test_shared_window_nan_sink_makes_the_whole_head_nan(device):
+    """A NaN sink: every row of its head is NaN, the tokens without keys included; the other
+    heads as the reference (0 / +inf for those tokens); lse unaffected."""
+    args = _case(device, H=3, seed=5)
+    T = args["q"].shape[0]
+    args["win_len"][0] = 0
+    args["topk_lens"][0] = 0
+    args["attn_sink"] = torch.tensor([0.5, float("nan"), -1.0], device=device)
+    out = poison_(torch.empty(T, 3, 512, dtype=torch.bfloat16, device=device))
+    o, lse = sparse_mla_prefill_shared_window(**args, out=out)
+    ro, rl = sparse_mla_prefill_shared_window_ref(**args)
+    assert torch.isnan(o[:, 1]).all() and torch.isnan(ro[:, 1]).all()
+    keep = [0, 2]
+    assert rel_err(o[:, keep], ro[:, keep]) <= OUT_TOL
+    assert (o[0, keep] == 0).all()  # no keys: 0
+    assert max_abs_err(lse, rl) <= LSE_TOL
+    assert (lse[0] == float("inf")).all() and torch.isfinite(lse[1]).all()
+
+
 def test_shared_window_equals_general_prefill_on_the_layer_workspace(device):
     """The layer's workspace (gather + combine) through both entry points."""
     from tests.attention.test_prefill_paged import _step

@@ -519,7 +519,10 @@ def _sparse_mla_decode_gluon_kernel(
             m_safe = gl.where(has, m_i, 0.0)
             sink = gl.load(sink_ptr + h64 * sink_st, mask=hmask, other=float("-inf"))
             den = den + gl.exp2(sink * LOG2E - m_safe)
-        inv = gl.where(has, 1.0 / den, 0.0)
+            # a NaN sink: NaN rows without keys too (docs/semantics.md)
+            inv = gl.where(has, 1.0 / den, gl.where(sink != sink, float("nan"), 0.0))
+        else:
+            inv = gl.where(has, 1.0 / den, 0.0)
         orow = out_ptr + t * stride_ot + h64 * stride_oh
         lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("inf"))
         gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
