@@ -135,7 +135,7 @@ def _shared_window_fwd_kernel(
             a0, a1, a2, a3, a4, a5, a6, a7, m_i, l_i = _window_step(
                 a0, a1, a2, a3, a4, a5, a6, a7, m_i, l_i, q0, q1, q2, q3, q4, q5, q6, q7,
                 kv_ptr, kstride, S, start, hi, ws_r, we_r, qk_scale, BN, DOT_F32)
-        has = l_i > 0.0
+        has = l_i != 0.0  # a NaN window state is stored as NaN and stays NaN
         l_safe = tl.where(has, l_i, 1.0)
         inv = tl.where(has, 1.0 / l_safe, 0.0)
         srow = scr_ptr + ((t * H + h64) * 512)[:, None]
@@ -169,7 +169,7 @@ def _shared_window_fwd_kernel(
             b6 = _load_state_group(sr, hm, 6)
             b7 = _load_state_group(sr, hm, 7)
             mm = tl.load(scl_ptr + tt * H + hh64, mask=hm, other=float("-inf"))
-            ll = tl.where(mm > float("-inf"), 1.0, 0.0)
+            ll = tl.where(mm == float("-inf"), 0.0, 1.0)  # a NaN state stays NaN below
             if HAS_LEN:
                 n = tl.load(len_ptr + tt * len_st).to(tl.int32)
                 n = tl.minimum(tl.maximum(n, 0), K)
@@ -179,7 +179,7 @@ def _shared_window_fwd_kernel(
                 b0, b1, b2, b3, b4, b5, b6, b7, mm, ll, p0, p1, p2, p3, p4, p5, p6, p7,
                 kv_ptr, idx_ptr + tt * idx_st, 0, n, kstride, 1, S, qk_scale,
                 0, 0, 0, -1, BN, DOT_F32, LAZY)
-            ok = ll > 0.0
+            ok = ll != 0.0  # no key <=> l == 0 exactly; NaN propagates
             ls = tl.where(ok, ll, 1.0)
             den = ls
             if HAS_SINK:

@@ -135,6 +135,23 @@ def test_shared_window_nan_sink_makes_the_whole_head_nan(device):
     assert (lse[0] == float("inf")).all() and torch.isfinite(lse[1]).all()
 
 
+def test_shared_window_nan_in_q_propagates(device):
+    """NaN in one query row: that row's out and lse are NaN (as the general kernels and the
+    reference: docs/semantics.md); the other tokens are untouched by it."""
+    args = _case(device, H=3, seed=6)
+    args["q"] = args["q"].clone()
+    args["q"][1, 2, 7] = float("nan")
+    T = args["q"].shape[0]
+    out = poison_(torch.empty(T, 3, 512, dtype=torch.bfloat16, device=device))
+    o, lse = sparse_mla_prefill_shared_window(**args, out=out)
+    ro, rl = sparse_mla_prefill_shared_window_ref(**args)
+    assert torch.isnan(o[1, 2]).all() and torch.isnan(lse[1, 2]) and torch.isnan(rl[1, 2])
+    ok = torch.ones(T, 3, dtype=torch.bool)
+    ok[1, 2] = False
+    assert rel_err(o[ok], ro[ok]) <= OUT_TOL
+    assert max_abs_err(lse[ok], rl[ok]) <= LSE_TOL
+
+
 def test_shared_window_equals_general_prefill_on_the_layer_workspace(device):
     """The layer's workspace (gather + combine) through both entry points."""
     from tests.attention.test_prefill_paged import _step
