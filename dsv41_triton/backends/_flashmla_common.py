@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Tuple
 
 import torch
 
-from .._utils import round_up
+from ..ops.index_mask import mask_index_rows
 from .base import Problem, device_capability, is_rocm, module_available
 
 PADDED_HEADS = (64, 128)
@@ -158,16 +158,9 @@ def pad_sink(sink: Optional[torch.Tensor], h: int, hp: int) -> Optional[torch.Te
 
 
 def pad_indices(idx: torch.Tensor, multiple: int) -> torch.Tensor:
-    """``idx [T, K]`` int32 with every negative entry -1, padded with -1 to a multiple of
-    ``multiple`` columns (at least one block)."""
-    idx = torch.where(idx < 0, torch.full_like(idx, -1), idx).to(torch.int32)
-    T, K = idx.shape
-    Kp = max(round_up(K, multiple), multiple)
-    if Kp == K:
-        return idx.contiguous()
-    out = idx.new_full((T, Kp), -1)
-    out[:, :K] = idx
-    return out
+    """``idx [T, K]`` int -> ``[T, Kp]`` int32 with every negative entry -1, padded with -1 to
+    a multiple of ``multiple`` columns (at least one block); one Triton launch."""
+    return mask_index_rows(idx, None, multiple)
 
 
 def as_cache4(cache: torch.Tensor) -> torch.Tensor:

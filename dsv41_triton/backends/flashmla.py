@@ -4,8 +4,10 @@ Decode is ``flash_mla_with_kvcache`` with ``indices`` (the window cache) plus th
 (compressed) cache, its indices and both ``topk_length``s; prefill is ``flash_mla_sparse_fwd``
 over the gathered bf16 workspace. FlashMLA takes 64 or 128 query heads only: fewer heads are
 zero-padded (the sink with ``-inf``) and the padding is sliced off the output; index rows are
-padded with ``-1`` to the block multiple its kernels assume. The fused contract runs FlashMLA's
-bf16 attention between the project's Triton RoPE and inverse-RoPE/MXFP8 epilogue kernels.
+masked and padded with ``-1`` to the block multiple its kernels assume, by one Triton launch
+(:func:`dsv41_triton.ops.index_mask.mask_index_rows`). FlashMLA allocates its own output, so a
+given ``out`` costs one copy. The fused contract runs FlashMLA's bf16 attention between the
+project's Triton RoPE and inverse-RoPE/MXFP8 epilogue kernels.
 
 Scheduler metadata: decode passes FlashMLA no ``topk_length`` (columns past a row's length are
 set to ``-1`` instead, which its kernel skips), so the split-KV schedule depends on the shapes
@@ -23,7 +25,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._utils import round_up
+from ..ops.index_mask import mask_index_rows
 from . import _checks
 from ._flashmla_common import (
     arch_reason,
@@ -54,20 +56,6 @@ def _prepare(q, softmax_scale, out):
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
     out = torch.empty_like(q) if out is None else out
     return ops, scale, out, torch.empty((T, H), dtype=torch.float32, device=q.device)
-
-
-def masked_indices(idx: torch.Tensor, lens: Optional[torch.Tensor], multiple: int) -> torch.Tensor:
-    """``idx [T, K]`` -> ``[T, Kp]`` int32, ``Kp`` a multiple of ``multiple`` (at least one
-    block): negative entries, and columns ``>= lens[t]`` when ``lens`` is given, become ``-1``
-    (what FlashMLA skips). One elementwise kernel, no host sync."""
-    T, K = idx.shape
-    Kp = max(round_up(K, multiple), multiple)
-    src = idx if Kp == K else torch.nn.functional.pad(idx, (0, Kp - K), value=-1)
-    keep = src >= 0
-    if lens is not None:
-        cols = torch.arange(Kp, device=idx.device, dtype=torch.int32)
-        keep = keep & (cols[None, :] < lens.to(torch.int32)[:, None])
-    return torch.where(keep, src, torch.full_like(src, -1)).to(torch.int32)
 
 
 class FlashMLABackend(ComposedFusedMixin, AttentionBackend):
@@ -138,13 +126,13 @@ class FlashMLABackend(ComposedFusedMixin, AttentionBackend):
                None if swa_lens is None else (swa_lens.data_ptr(), swa_lens._version))
         idx = None if step_cache is None else step_cache.get(key)
         if idx is None:
-            idx = masked_indices(swa_indices, swa_lens, _DECODE_TOPK_MULTIPLE).unsqueeze(1)
+            idx = mask_index_rows(swa_indices, swa_lens, _DECODE_TOPK_MULTIPLE).unsqueeze(1)
             if step_cache is not None:  # the step's window rows are the same for every layer
                 step_cache[key] = idx
         extra = None if extra_cache is None else as_cache4(extra_cache)
         eidx = None
         if extra is not None:
-            eidx = masked_indices(extra_indices, extra_lens, _DECODE_TOPK_MULTIPLE).unsqueeze(1)
+            eidx = mask_index_rows(extra_indices, extra_lens, _DECODE_TOPK_MULTIPLE).unsqueeze(1)
         o, l = ops.with_kvcache(
             qp, cache4, None, None, 512, self._sched_meta(ops, step_cache, qp, cache4, idx, extra,
                                                           eidx), None,

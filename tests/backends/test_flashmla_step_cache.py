@@ -9,7 +9,8 @@ from pathlib import Path
 
 from dsv41_triton.attention.ref import sparse_mla_decode_ref, sparse_mla_prefill_ref
 from dsv41_triton.backends import Availability, _flashmla_common
-from dsv41_triton.backends.flashmla import FlashMLABackend, masked_indices
+from dsv41_triton.backends.flashmla import FlashMLABackend
+from dsv41_triton.ops.index_mask import mask_index_rows
 from dsv41_triton.ops.kv_cache_ref import quantize_and_insert_k_cache_ref
 from dsv41_triton.ops.records import allocate_k_cache
 from dsv41_triton.testing import rel_err
@@ -97,13 +98,33 @@ def _ref(a):
                                  a.get("extra_lens"), attn_sink=a["attn_sink"])
 
 
-def test_masked_indices():
+def test_index_rows_given_to_flashmla():
     idx = torch.tensor([[5, -3, 7, 9], [1, 2, 3, 4]], dtype=torch.int32)
     lens = torch.tensor([3, 1], dtype=torch.int32)
-    m = masked_indices(idx, lens, 8)
+    m = mask_index_rows(idx, lens, 8)
     assert m.dtype == torch.int32 and m.shape == (2, 8)
     assert m.tolist() == [[5, -1, 7, -1, -1, -1, -1, -1], [1] + [-1] * 7]
-    assert masked_indices(idx, None, 4).tolist() == [[5, -1, 7, 9], [1, 2, 3, 4]]
+    p = _flashmla_common.pad_indices(idx.long(), 4)  # the prefill rows: lengths go separately
+    assert p.dtype == torch.int32 and p.tolist() == [[5, -1, 7, 9], [1, 2, 3, 4]]
+    assert _flashmla_common.pad_indices(idx[:, :3], 4).tolist() == [[5, -1, 7, -1], [1, 2, 3, -1]]
+
+
+@pytest.mark.parametrize("H", [3, 64])
+def test_prefill_on_the_stand_in(fake, H):
+    g = torch.Generator().manual_seed(2)
+    T, N, K = 6, 300, 150
+    q = torch.randn(T, H, 512, generator=g).bfloat16()
+    kv = torch.randn(N, 512, generator=g).bfloat16()
+    idx = torch.randint(0, N, (T, K), generator=g).int()
+    idx[torch.rand(T, K, generator=g) < 0.2] = -1
+    lens = torch.randint(0, K + 1, (T,), generator=g).int()
+    sink = torch.randn(H, generator=g)
+    out = torch.full((T, H, 512), float("nan")).bfloat16()
+    o, l = FlashMLABackend().sparse_mla_prefill(q, kv, idx, lens, attn_sink=sink, out=out)
+    ro, rl = sparse_mla_prefill_ref(q, kv, idx, lens, attn_sink=sink)
+    assert o is out and rel_err(o, ro) <= 1e-2
+    fin = torch.isfinite(rl)
+    assert torch.equal(fin, torch.isfinite(l)) and (l[fin] - rl[fin]).abs().max() <= 1e-3
 
 
 @pytest.mark.parametrize("H", [3, 64])
