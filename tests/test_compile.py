@@ -28,7 +28,12 @@ def _inputs(T, device, g=None):
     g = g or torch.Generator().manual_seed(T)
     q = torch.randn(T, 8, 512, generator=g).bfloat16().to(device)
     k = torch.randn(T, 512, generator=g).bfloat16().to(device)
-    idx = torch.randint(-1, 6 * PAGE, (T, 6), generator=g, dtype=torch.int32).to(device)
+    idx = torch.randint(-1, 6 * PAGE, (T, 6), generator=g, dtype=torch.int32)
+    # column 0 is the insert's slot_mapping: distinct slots (and one -1), or two tokens'
+    # writes to one slot race on a GPU and the caches cannot be compared
+    idx[:, 0] = torch.randperm(6 * PAGE, generator=g)[:T].to(torch.int32)
+    idx[0, 0] = -1
+    idx = idx.to(device)
     lens = torch.randint(0, 7, (T,), generator=g, dtype=torch.int32).to(device)
     pos = torch.randint(0, 30, (T,), generator=g, dtype=torch.int32).to(device)
     return q, k, idx, lens, pos
