@@ -46,8 +46,9 @@ TOPK_BLOCK = 1024
 TOPK_NUM_WARPS = 8
 #: :func:`select_topk` uses ``torch.topk`` for rows at least this wide when there are fewer
 #: rows than this (the radix kernel runs one program per row: few long rows leave most SMs
-#: idle). Predictions, not yet measured: ``python -m dsv41_triton.perf.indexer_bench``.
-TORCH_TOPK_MIN_WIDTH = 1 << 17
+#: idle). Width from the H200 crossover (perf/NOTES.md, "Indexer on the H200"); the row
+#: bound is not measured yet.
+TORCH_TOPK_MIN_WIDTH = 1 << 15
 TORCH_TOPK_MAX_ROWS = 264
 
 # globals read inside @triton.jit code must be constexprs
