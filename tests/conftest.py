@@ -48,6 +48,20 @@ SLOW_TESTS = {
     "test_decode_lazy_rescale_growing_max",
     "test_decode_seven_tokens_one_token",
     "test_token_range_slices_of_one_step_buffer",
+    "test_v41_layer_kernels_match_references",
+    "test_every_entry_point_compiles_to_one_graph_without_recompiles",
+    "test_paged_and_shared_window_prefill_compile",
+    "test_aot_eager_functionalizes_the_mutating_ops",
+    "test_wrong_backends_are_flagged_and_the_run_goes_on",
+    "test_module_run_sets_up_triton_itself",
+    "test_cpu_tensors_with_the_interpreter_set_before_import_run_the_kernels",
+    "test_prefill_paged_window_only",
+    "test_shared_window_equals_general_prefill_on_the_layer_workspace",
+    "test_indexer_families_opt_in_and_checked",
+    "test_attention_does_not_import_backends_or_layers",
+    "test_backends_do_not_import_layers",
+    "test_interpreter_set_after_the_kernels_were_defined_says_what_to_do",
+    "test_v4_indexer_matches_transformers",
 }
 #: parametrized tests whose first case stays in the quick subset; the other cases are slow
 SLOW_AFTER_FIRST_CASE = {
@@ -73,6 +87,14 @@ SLOW_AFTER_FIRST_CASE = {
     "test_mxfp8_quantize_matches_ref",
     "test_padded_block_stride_and_block_slices_are_accepted",
     "test_backend_status_cli",
+    "test_layer_forward_compiles_without_breaks_or_recompiles",
+    "test_v41_indexer_matches_float64_rules",
+    "test_prefill_paged_matches_ref_and_workspace",
+    "test_multistep_triton_backend_equals_oracle",
+    "test_prefill_paged_sinks",
+    "test_shared_window_tile_sizes",
+    "test_shared_window_matches_ref",
+    "test_shared_window_sinks",
 }
 
 
