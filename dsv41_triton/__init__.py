@@ -1,10 +1,10 @@
 """dsv41_triton: DeepSeek V4.1 sparse MLA attention in Triton, with a FlashMLA fast path.
 
 The contract is docs/SPEC.md (edge cases: docs/semantics.md). Subpackages: ``ops`` (records,
-cache and index ops, RoPE, MXFP8),
-``attention`` (sparse MLA kernels, the fused contract), ``backends`` (the dispatcher),
-``layers`` (the drop-in layer, its config and step metadata), ``integrations`` (transformers'
-DeepSeek-V4 on this package's layer), ``perf`` (the comparison harness, ``dsv41-bench``).
+cache and index ops, RoPE, MXFP8, indexer ops), ``attention`` (sparse MLA kernels, the fused
+contract), ``backends`` (the dispatcher), ``layers`` (the drop-in layer, its config, step
+metadata, compressor and indexer), ``integrations`` (transformers' DeepSeek-V4 on this
+package's layer), ``perf`` (the comparison harness, ``dsv41-bench``).
 Imports run one way: ops <- attention <- backends <- layers <- integrations, perf.
 
 The most used names are re-exported here::
