@@ -57,6 +57,31 @@ def launch(q: torch.Tensor, a: KeySet, b: Optional[KeySet], sink: Optional[torch
     n_ht = cdiv(H, bh)
     interp = is_interpreter()
     bb = b if b is not None else a
+    args, po, pl, sink_arg, sink_st = kernel_args(q, a, b, sink, out, lse, ns)
+    da, sa = SRC_BYTES[a.src]
+    db, sbb = SRC_BYTES[bb.src]
+    grid = (T * ns * n_ht,)
+    args = args + (H, float(softmax_scale) * LOG2E, ns, n_ht)
+    kw = dict(SRC_A=a.src, DATA_A=da, SCALE_A=sa, SRC_B=bb.src, DATA_B=db, SCALE_B=sbb,
+              HAS_B=b is not None, HAS_LEN_A=a.lens is not None,
+              HAS_LEN_B=bb.lens is not None, HAS_SINK=sink is not None,
+              SPLIT=ns > 1, BH=bh, BN=cfg.block_n, DOT_F32=interp, SW=interp,
+              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    k = _sparse_mla_fwd_grouped_kernel[grid](*args, PAGE_LOG2_A=_page_log2(a.page),
+                                             PAGE_LOG2_B=_page_log2(bb.page),
+                                             LAZY=cfg.lazy_rescale, **kw)
+    LAST_LAUNCH["fwd"] = (k, cfg)
+    if ns > 1:
+        merge_splits(po, pl, sink, sink_arg, sink_st, out, lse, ns, sw=interp)
+
+
+def kernel_args(q: torch.Tensor, a: KeySet, b: Optional[KeySet], sink: Optional[torch.Tensor],
+                out: torch.Tensor, lse: torch.Tensor, ns: int):
+    """The positional arguments the decode kernels share (q, both key sets, the sink, out/lse
+    and the split partials), the split buffers ``po [T, ns, H, 512]`` / ``pl [T, ns, H]`` fp32
+    (``lse`` stands in when ``ns == 1``) and the sink pointer/stride the merge takes too."""
+    T, H, _ = q.shape
+    bb = b if b is not None else a
     if ns > 1:
         po = torch.empty((T, ns, H, HEAD_DIM), dtype=torch.float32, device=q.device)
         pl = torch.empty((T, ns, H), dtype=torch.float32, device=q.device)
@@ -71,9 +96,6 @@ def launch(q: torch.Tensor, a: KeySet, b: Optional[KeySet], sink: Optional[torch
 
     a_len, a_len_st = _lens(a)
     b_len, b_len_st = _lens(bb)
-    da, sa = SRC_BYTES[a.src]
-    db, sbb = SRC_BYTES[bb.src]
-    grid = (T * ns * n_ht,)
     args = (
         q, q.stride(0), q.stride(1),
         a.k, a.indices, a.indices.stride(0), a_len, a_len_st, a.indices.shape[1], a.bstride,
@@ -83,26 +105,21 @@ def launch(q: torch.Tensor, a: KeySet, b: Optional[KeySet], sink: Optional[torch
         sink_arg, sink_st,
         out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1),
         po, pl,
-        H, float(softmax_scale) * LOG2E, ns, n_ht,
     )
-    kw = dict(SRC_A=a.src, DATA_A=da, SCALE_A=sa, SRC_B=bb.src, DATA_B=db, SCALE_B=sbb,
-              HAS_B=b is not None, HAS_LEN_A=a.lens is not None,
-              HAS_LEN_B=bb.lens is not None, HAS_SINK=sink is not None,
-              SPLIT=ns > 1, BH=bh, BN=cfg.block_n, DOT_F32=interp, SW=interp,
-              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    k = _sparse_mla_fwd_grouped_kernel[grid](*args, PAGE_LOG2_A=_page_log2(a.page),
-                                             PAGE_LOG2_B=_page_log2(bb.page),
-                                             LAZY=cfg.lazy_rescale, **kw)
-    LAST_LAUNCH["fwd"] = (k, cfg)
-    if ns > 1:
-        mbh = min(16, next_power_of_2(H))
-        m_ht = cdiv(H, mbh)
-        _merge_kernel[(T * m_ht,)](
-            po, pl, sink_arg, sink_st, out, out.stride(0), out.stride(1),
-            lse, lse.stride(0), lse.stride(1), H, ns, m_ht,
-            NSP=max(2, next_power_of_2(ns)), BH=mbh,
-            HAS_SINK=sink is not None, SW=interp, num_warps=4,
-        )
+    return args, po, pl, sink_arg, sink_st
+
+
+def merge_splits(po, pl, sink, sink_arg, sink_st, out, lse, ns: int, sw: bool) -> None:
+    """Merge ``ns`` split partials into ``out``/``lse`` and apply the sink (one launch)."""
+    T, H = out.shape[0], out.shape[1]
+    mbh = min(16, next_power_of_2(H))
+    m_ht = cdiv(H, mbh)
+    _merge_kernel[(T * m_ht,)](
+        po, pl, sink_arg, sink_st, out, out.stride(0), out.stride(1),
+        lse, lse.stride(0), lse.stride(1), H, ns, m_ht,
+        NSP=max(2, next_power_of_2(ns)), BH=mbh,
+        HAS_SINK=sink is not None, SW=sw, num_warps=4,
+    )
 
 
 __all__ = ["KeySet", "KernelConfig", "launch", "LAST_LAUNCH", "SRC_BF16"]

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from ..._utils import HEAD_DIM, cdiv, is_interpreter, next_power_of_2
+from ..._utils import cdiv, is_interpreter
 from . import AVAILABLE, REASON
 
 #: the pick table: (major, minor) -> {(heads bucket, swa record, extra record or 0, tokens
@@ -129,11 +129,8 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
     """Run the Gluon decode on validated arguments (``a``/``b``: ``KeySet``s of decode.py)."""
     if not AVAILABLE:
         raise RuntimeError(f"gluon decode unavailable: {REASON}")
+    from .._launch import kernel_args, merge_splits
     from .decode import _sparse_mla_decode_gluon_kernel
-    try:
-        from .._merge_kernel import _merge_kernel
-    except ImportError:
-        from .._kernels import _merge_kernel
 
     T, H, _ = q.shape
     if T == 0 or H == 0:
@@ -150,29 +147,9 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
     ns = num_splits or ns
     n_ht = cdiv(H, bh)
     bb = b if b is not None else a
-    if ns > 1:
-        po = torch.empty((T, ns, H, HEAD_DIM), dtype=torch.float32, device=q.device)
-        pl = torch.empty((T, ns, H), dtype=torch.float32, device=q.device)
-    else:
-        po = pl = lse
-    sink_arg = sink if sink is not None else lse
-    sink_st = sink.stride(0) if sink is not None else 0
-
-    def _lens(ks):
-        return (ks.lens if ks.lens is not None else ks.indices,
-                ks.lens.stride(0) if ks.lens is not None else 0)
-
-    a_len, a_len_st = _lens(a)
-    b_len, b_len_st = _lens(bb)
+    args, po, pl, sink_arg, sink_st = kernel_args(q, a, b, sink, out, lse, ns)
     k = _sparse_mla_decode_gluon_kernel[(T * ns * n_ht,)](
-        q, q.stride(0), q.stride(1),
-        a.k, a.indices, a.indices.stride(0), a_len, a_len_st, a.indices.shape[1], a.bstride,
-        a.page, a.rows,
-        bb.k, bb.indices, bb.indices.stride(0), b_len, b_len_st, bb.indices.shape[1],
-        bb.bstride, bb.page, bb.rows,
-        sink_arg, sink_st,
-        out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1),
-        po, pl,
+        *args,
         H, float(softmax_scale) * 1.4426950408889634, ns, n_ht,
         SRC_A=a.src, SRC_B=bb.src, HAS_B=b is not None, HAS_LEN_A=a.lens is not None,
         HAS_LEN_B=bb.lens is not None, HAS_SINK=sink is not None, SPLIT=ns > 1, BH=bh,
@@ -180,14 +157,7 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
     )
     LAST_LAUNCH["fwd"] = (k, (bh, ns, nw, stages))
     if ns > 1:
-        mbh = min(16, next_power_of_2(H))
-        m_ht = cdiv(H, mbh)
-        _merge_kernel[(T * m_ht,)](
-            po, pl, sink_arg, sink_st, out, out.stride(0), out.stride(1),
-            lse, lse.stride(0), lse.stride(1), H, ns, m_ht,
-            NSP=max(2, next_power_of_2(ns)), BH=mbh,
-            HAS_SINK=sink is not None, SW=False, num_warps=4,
-        )
+        merge_splits(po, pl, sink, sink_arg, sink_st, out, lse, ns, sw=False)
 
 
 __all__ = ["PICK", "ENV", "OVERRIDE", "usable", "pick", "launch", "default_shape",
