@@ -89,3 +89,26 @@ def random_k_cache(
     dv.copy_(data.view(num_blocks, page_size, fmt.data_bytes))
     sv.copy_(scales.view(num_blocks, page_size, fmt.scale_bytes))
     return cache
+
+
+def large_offset_decode_case(device, T: int = 4, H: int = 16, W: int = 96) -> dict:
+    """``sparse_mla_decode`` arguments over a 584-record cache of > 2 GiB whose slots all lie in
+    its last 48 blocks (byte offsets past ``2**31``); only those slots hold records."""
+    from .ops.records import allocate_k_cache, encode_records_ref, get_record_format, record_views
+
+    page, fmt = 64, get_record_format(584)
+    nb = (2 ** 31) // fmt.block_bytes(page) + 64
+    cache = allocate_k_cache(nb, page, fmt, device)
+    assert cache.shape[0] * cache.stride(0) > 2 ** 31
+    lo = (nb - 48) * page
+    slots = torch.randint(lo, nb * page, (T, W), dtype=torch.int32, device=device)
+    uniq = torch.unique(slots)
+    k = torch.randn(uniq.numel(), 512, device=device).to(torch.bfloat16)
+    data, scales = encode_records_ref(k, fmt)
+    dv, sv = record_views(cache, fmt)
+    dv[uniq // page, uniq % page] = data
+    sv[uniq // page, uniq % page] = scales
+    q = torch.randn(T, H, 512, device=device).to(torch.bfloat16)
+    lens = torch.full((T,), W, dtype=torch.int32, device=device)
+    return dict(q=q, swa_cache=cache, swa_indices=slots, swa_lens=lens,
+                attn_sink=torch.randn(H, device=device))

@@ -11,9 +11,9 @@ from dsv41_triton.attention._kernels import (GPU_CANDIDATES, MIN_BLOCK_N_GPU, Ke
                                              config_shape, default_config)
 from dsv41_triton.attention.decode import sparse_mla_decode
 from dsv41_triton.attention.ref import sparse_mla_decode_ref
-from dsv41_triton.ops.records import (allocate_k_cache, encode_records_ref, get_record_format,
-                                      record_views)
-from dsv41_triton.testing import max_abs_err, poison_, random_k_cache, rel_err
+from dsv41_triton.ops.records import (get_record_format)
+from dsv41_triton.testing import (large_offset_decode_case, max_abs_err, poison_, random_k_cache,
+                                  rel_err)
 
 OUT_TOL = 1e-2
 #: key block for explicit configs: small on the CPU (more blocks per split in small cases);
@@ -390,23 +390,7 @@ def test_decode_v41_records_gpu(device, extra_rec):
 @pytest.mark.gpu
 def test_decode_int64_offsets_gpu(device):
     """A cache of > 2 GiB: slots in its last blocks have byte offsets beyond 2**31."""
-    page, fmt = 64, get_record_format(584)
-    nb = (2 ** 31) // fmt.block_bytes(page) + 64
-    cache = allocate_k_cache(nb, page, fmt, device)
-    assert cache.shape[0] * cache.stride(0) > 2 ** 31
-    T, H, W = 4, 16, 96
-    lo = (nb - 48) * page
-    slots = torch.randint(lo, nb * page, (T, W), dtype=torch.int32, device=device)
-    uniq = torch.unique(slots)
-    k = torch.randn(uniq.numel(), 512, device=device).to(torch.bfloat16)
-    data, scales = encode_records_ref(k, fmt)
-    dv, sv = record_views(cache, fmt)
-    dv[uniq // page, uniq % page] = data
-    sv[uniq // page, uniq % page] = scales
-    q = torch.randn(T, H, 512, device=device).to(torch.bfloat16)
-    lens = torch.full((T,), W, dtype=torch.int32, device=device)
-    _check(dict(q=q, swa_cache=cache, swa_indices=slots, swa_lens=lens,
-                attn_sink=torch.randn(H, device=device)))
+    _check(large_offset_decode_case(device))
 
 
 @pytest.mark.gpu
