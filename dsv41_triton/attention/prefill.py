@@ -25,6 +25,7 @@ def sparse_mla_prefill(
     out: Optional[torch.Tensor] = None,
     *,
     _config: Optional[KernelConfig] = None,
+    _kernel: Optional[str] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA prefill with a sink.
 
@@ -43,20 +44,25 @@ def sparse_mla_prefill(
         give 0 and +inf; other edge cases as :func:`sparse_mla_decode`).
 
     The ``torch.library`` op ``dsv41::sparse_mla_prefill``; CPU tensors run the reference
-    when the kernels are not in the Triton interpreter.
+    when the kernels are not in the Triton interpreter. On sm_90 the Gluon kernel
+    (``attention/gluon/prefill.py``) runs the head counts where it measured faster;
+    ``_kernel='tl'`` / ``'gluon'`` pins one (tests and benchmarks).
     """
     args = check_prefill_args(q, kv, indices, lens, attn_sink, softmax_scale, out)
+    if _kernel not in (None, "tl", "gluon"):
+        raise ValueError(f"_kernel: expected None, 'tl' or 'gluon', got {_kernel!r}")
     out, lse = new_outputs(q, out)
-    if _config is not None:  # a launch shape pinned by a benchmark: no op boundary
-        _prefill_impl(q, kv, indices, lens, attn_sink, args.scale, out, lse, _config)
+    if _config is not None or _kernel is not None:  # pinned by a test/benchmark: no op boundary
+        _prefill_impl(q, kv, indices, lens, attn_sink, args.scale, out, lse, _config, _kernel)
     else:
         call_op(_prefill_op, q, kv, indices, lens, attn_sink, args.scale, out,
                                            lse)
     return out, lse
 
 
-def _prefill_impl(q, kv, indices, lens, attn_sink, scale, out, lse, config=None) -> None:
-    if use_reference(q.device, _sparse_mla_fwd_grouped_kernel):
+def _prefill_impl(q, kv, indices, lens, attn_sink, scale, out, lse, config=None,
+                  kernel=None) -> None:
+    if kernel != "gluon" and use_reference(q.device, _sparse_mla_fwd_grouped_kernel):
         from .ref import sparse_mla_prefill_ref
 
         o, l = sparse_mla_prefill_ref(q, kv, indices, lens, attn_sink, scale)
@@ -65,6 +71,16 @@ def _prefill_impl(q, kv, indices, lens, attn_sink, scale, out, lse, config=None)
         return
     kv2 = kv[:, 0, :] if kv.dim() == 3 else kv
     idx2 = indices[:, 0, :] if indices.dim() == 3 else indices
+    if config is None and kernel != "tl":
+        from .gluon import prefill_launch as gluon_launch
+
+        ok = gluon_launch.usable(q, kv2, idx2)
+        if kernel == "gluon" and not ok:
+            raise ValueError("_kernel: 'gluon' needs an sm_90 GPU, a Triton with Gluon and "
+                             "16-byte aligned q / workspace rows")
+        if ok and (kernel == "gluon" or gluon_launch.pick(q.shape[0], q.shape[1], q.device)):
+            gluon_launch.launch(q, kv2, idx2, lens, attn_sink, scale, out, lse)
+            return
     S = kv2.shape[0]
     row_stride = kv2.stride(0) if S > 1 else HEAD_DIM
     a = KeySet(src=SRC_BF16, k=kv2, indices=idx2, lens=lens, bstride=row_stride, page=1,

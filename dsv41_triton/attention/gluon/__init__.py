@@ -3,7 +3,8 @@
 Gluon's API changes with every Triton release, so everything here is behind a feature gate:
 ``AVAILABLE`` is True only when the installed Triton offers every Gluon name the kernels use
 (checked at import, never raising); otherwise ``REASON`` says what is missing and callers keep
-the portable ``tl`` kernels. Gluon does not run in the CPU interpreter.
+the portable ``tl`` kernels. Gluon does not run in the CPU interpreter. Kernels: ``decode.py`` (sparse MLA decode over the
+paged caches) and ``prefill.py`` (sparse MLA prefill over the bf16 workspace, many heads).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ _NEEDED = {
         "SwizzledSharedLayout", "allocate_shared_memory", "inline_asm_elementwise",
         "thread_barrier", "static_range", "convert_layout", "join", "reshape", "permute",
         "arange", "full", "load", "store", "where", "maximum", "max", "sum", "exp2", "log2",
-        "multiple_of"),
+        "multiple_of", "cdiv", "minimum", "program_id", "NVMMADistributedLayout"),
     "triton.experimental.gluon.language.nvidia.hopper": (
         "warpgroup_mma", "warpgroup_mma_wait", "fence_async_shared"),
     "triton.experimental.gluon.language.nvidia.ampere.async_copy": (
@@ -43,6 +44,7 @@ try:
     REASON = _check()
     if not REASON:
         from . import decode as _decode  # noqa: F401  (defines the kernels)
+        from . import prefill as _prefill  # noqa: F401
         AVAILABLE = True
 except Exception as e:  # noqa: BLE001 - a kernel that fails to define closes the gate
     REASON = f"gluon kernels failed to load: {type(e).__name__}: {e}"

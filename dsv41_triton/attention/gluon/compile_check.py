@@ -80,10 +80,62 @@ def summary(src_a: int, src_b: int, bh: int, split: bool, nw: int = 4) -> dict:
             "shared": int(k.metadata.shared), "regs": int(regs[0]) if regs else -1}
 
 
+_PREFILL_ARGS = (
+    ("q_ptr", "*bf16"), ("stride_qt", "i64"), ("stride_qh", "i64"),
+    ("kv_ptr", "*bf16"), ("kv_stride", "i64"), ("rows", "i64"),
+    ("idx_ptr", "*i32"), ("idx_st", "i64"), ("width", "i32"), ("len_ptr", "*i32"),
+    ("len_st", "i64"), ("sink_ptr", "*fp32"), ("sink_st", "i64"),
+    ("out_ptr", "*bf16"), ("stride_ot", "i64"), ("stride_oh", "i64"),
+    ("lse_ptr", "*fp32"), ("stride_lt", "i64"), ("stride_lh", "i64"),
+    ("H", "i32"), ("qk_scale", "fp32"), ("num_ht", "i32"),
+)
+
+
+def compile_prefill(lazy: bool = True, has_len: bool = True, has_sink: bool = True,
+                    arch: int = 90):
+    """The Gluon prefill kernel compiled for ``sm_<arch>`` (no GPU needed)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from .prefill import NUM_WARPS, _sparse_mla_prefill_gluon_kernel as kern
+
+    sig = dict(_PREFILL_ARGS)
+    aligned = [i for i, (n, ty) in enumerate(_PREFILL_ARGS)
+               if ty.startswith("*") or n in ("stride_qt", "stride_qh", "kv_stride")]
+    consts = dict(HAS_LEN=has_len, HAS_SINK=has_sink, LAZY=lazy)
+    for k in consts:
+        sig[k] = "constexpr"
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    src = GluonASTSource(kern, sig, constexprs={(list(sig).index(k),): v
+                                                for k, v in consts.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=NUM_WARPS))
+
+
+def summary_prefill(lazy: bool = True) -> dict:
+    """Facts of one prefill compile: wgmma / cp.async in the PTX, shared memory, registers,
+    spill stores, CTA barriers in the SASS."""
+    k = compile_prefill(lazy)
+    ptx = k.asm["ptx"]
+    usage = resource_usage(k)
+    regs = [ln.split("REG:")[1].split()[0] for ln in usage.splitlines() if "REG:" in ln]
+    stack = [ln.split("STACK:")[1].split()[0] for ln in usage.splitlines() if "STACK:" in ln]
+    sass = k.asm.get("sass", "") or ""
+    return {"wgmma": "wgmma.mma_async" in ptx, "cp_async": "cp.async" in ptx,
+            "shared": int(k.metadata.shared), "regs": int(regs[0]) if regs else -1,
+            "stack": int(stack[0]) if stack else -1,
+            "bar_sync": sass.count("BAR.SYNC"), "local_st": sass.count("STL")}
+
+
 if __name__ == "__main__":
     # python -m dsv41_triton.attention.gluon.compile_check SRC_A SRC_B BH SPLIT NW -> JSON line
     # (run with TRITON_INTERPRET unset: the interpreter replaces the functions Gluon calls)
     import json
+    if len(sys.argv) == 3 and sys.argv[1] == "prefill":
+        # python -m ...compile_check prefill LAZY -> JSON line
+        print(json.dumps(summary_prefill(bool(int(sys.argv[2])))))
+        sys.exit(0)
     if len(sys.argv) == 6:
         a, b, bh, sp, nw = (int(x) for x in sys.argv[1:])
         print(json.dumps(summary(a, b, bh, bool(sp), nw)))

@@ -1,0 +1,119 @@
+"""Host side of the Gluon prefill kernel: when it applies, the pick table, the launch.
+
+``usable(q, kv, indices)`` says whether the kernel can run these arguments (sm_90, Gluon
+present, 16-byte aligned q / workspace rows); ``pick(T, H, device)`` says whether the auto path
+should take it (``PICK``, measured on an H200; ``DSV41_PREFILL_KERNEL`` overrides);
+``launch`` runs it on arguments that ``prefill.py`` already validated. Importing this module
+never fails: without a usable Gluon every query answers False.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from ..._utils import cdiv, is_interpreter
+from . import AVAILABLE, REASON
+
+#: the pick table: (major, minor) -> {heads bucket: variant}. Heads buckets: 8 (H <= 8), 16,
+#: 64, 128 (larger); variants: "lazy" (rescale only when a max grows by > 2**8) or "eager".
+#: Only buckets where the Gluon kernel measured faster than the tl kernel on the H200
+#: (perf/NOTES.md, "Gluon sm_90 prefill (many heads)") are listed; a missing key means tl.
+PICK = {
+    (9, 0): {},
+}
+
+#: variants the GPU tests run (tests/attention/test_prefill_gluon.py); PICK uses only these
+VARIANTS = ("lazy", "eager")
+
+#: DSV41_PREFILL_KERNEL=tl|gluon|auto overrides the pick (benchmarks, tests)
+ENV = "DSV41_PREFILL_KERNEL"
+#: DSV41_PREFILL_GLUON_VARIANT=lazy|eager pins the variant (benchmarks)
+VARIANT_ENV = "DSV41_PREFILL_GLUON_VARIANT"
+#: heads per CTA (the kernel's wgmma M)
+BLOCK_H = 64
+
+
+def _cap(device: torch.device):
+    return torch.cuda.get_device_capability(device)
+
+
+def heads_bucket(H: int) -> int:
+    return 8 if H <= 8 else 16 if H <= 16 else 64 if H <= 64 else 128
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """16-byte aligned base and rows (every stride but the last a multiple of 8 elements)."""
+    return t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
+
+
+def usable(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor) -> bool:
+    """True when the Gluon kernel can run these (validated) arguments on this machine
+    (``kv [S, 512]`` and ``indices [T, K]`` already 2-D)."""
+    if not AVAILABLE or q.device.type != "cuda" or is_interpreter():
+        return False
+    if _cap(q.device) != (9, 0):
+        return False
+    if kv.shape[0] > 1 and not _aligned(kv):
+        return False
+    if kv.shape[0] <= 1 and kv.data_ptr() % 16:
+        return False
+    return _aligned(q)
+
+
+def table_variant(H: int, device: torch.device) -> Optional[str]:
+    """The ``PICK`` entry for this head count (a variant name) or None."""
+    return PICK.get(_cap(device), {}).get(heads_bucket(H))
+
+
+def pick(T: int, H: int, device: torch.device) -> bool:
+    """Whether the auto path should take the Gluon kernel."""
+    mode = os.environ.get(ENV, "auto")
+    if mode == "tl":
+        return False
+    if mode == "gluon":
+        return True
+    return table_variant(H, device) is not None
+
+
+#: the last launch's compiled kernel and variant (benchmarks read registers)
+LAST_LAUNCH = {}
+
+
+def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
+           lens: Optional[torch.Tensor], sink: Optional[torch.Tensor], softmax_scale: float,
+           out: torch.Tensor, lse: torch.Tensor, variant: Optional[str] = None) -> None:
+    """Run the Gluon prefill on validated arguments (``kv [S, 512]``, ``indices [T, K]``)."""
+    if not AVAILABLE:
+        raise RuntimeError(f"gluon prefill unavailable: {REASON}")
+    from .prefill import NUM_WARPS, _sparse_mla_prefill_gluon_kernel
+
+    T, H, _ = q.shape
+    if T == 0:
+        return
+    variant = (variant or os.environ.get(VARIANT_ENV) or table_variant(H, q.device)
+               or "lazy")
+    if variant not in VARIANTS:
+        raise ValueError(f"{VARIANT_ENV}: expected one of {VARIANTS}, got {variant!r}")
+    S = kv.shape[0]
+    kv_stride = kv.stride(0) if S > 1 else 512
+    n_ht = cdiv(H, BLOCK_H)
+    lens_arg = lens if lens is not None else indices
+    sink_arg = sink if sink is not None else lse
+    k = _sparse_mla_prefill_gluon_kernel[(T * n_ht,)](
+        q, q.stride(0), q.stride(1),
+        kv, kv_stride, S,
+        indices, indices.stride(0), indices.shape[1],
+        lens_arg, lens.stride(0) if lens is not None else 0,
+        sink_arg, sink.stride(0) if sink is not None else 0,
+        out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1),
+        H, float(softmax_scale) * 1.4426950408889634, n_ht,
+        HAS_LEN=lens is not None, HAS_SINK=sink is not None, LAZY=variant == "lazy",
+        num_warps=NUM_WARPS,
+    )
+    LAST_LAUNCH["fwd"] = (k, variant)
+
+
+__all__ = ["PICK", "ENV", "VARIANT_ENV", "VARIANTS", "usable", "pick", "launch",
+           "heads_bucket", "table_variant"]

@@ -1,0 +1,324 @@
+"""The Gluon Hopper prefill kernel (``attention/gluon/prefill.py``) against the float64 reference.
+
+CPU: a compile-only check for an sm_90 target, run when the installed Triton has the Gluon API
+the kernel needs (skipped otherwise, e.g. Triton 3.9); the pick table. GPU-marked: head counts
+1..128 (64-head tiles, padded), tokens 1..128, ragged lens, ``-1`` and out-of-range rows,
+empty rows, sinks (none, -inf, large, +inf, NaN), NaN propagation, layouts, int64 indices,
+a > 2 GiB workspace, CUDA graphs, hostile indices; skipped where the kernel cannot run.
+"""
+import pytest
+import torch
+
+from dsv41_triton.attention import gluon as gluon_pkg
+from dsv41_triton.attention.prefill import sparse_mla_prefill
+from dsv41_triton.attention.ref import sparse_mla_prefill_ref
+from dsv41_triton.testing import max_abs_err, poison_, rel_err
+
+OUT_TOL = 1e-2
+LSE_TOL = 1e-3
+VARIANTS = ("lazy", "eager")
+
+
+def _need_gluon_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if not gluon_pkg.AVAILABLE:
+        pytest.skip(f"gluon kernels unavailable: {gluon_pkg.REASON}")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon prefill kernel targets sm_90")
+
+
+# --------------------------------------------------------------------------------------------
+# CPU
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("lazy", [True, False])
+def test_gluon_prefill_compiles_for_sm90(lazy):
+    """The kernel compiles for sm_90 on this machine (in a subprocess without the interpreter);
+    wgmma and cp.async are in the PTX, shared memory fits, no register spills."""
+    if not gluon_pkg.AVAILABLE:
+        pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
+    import json
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "dsv41_triton.attention.gluon.compile_check",
+                        "prefill", str(int(lazy))], env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    facts = json.loads(r.stdout.strip().splitlines()[-1])
+    assert facts["wgmma"] and facts["cp_async"], facts
+    assert 0 < facts["shared"] <= 227 * 1024, facts
+    assert 0 < facts["regs"] <= 255, facts
+
+
+def test_gluon_prefill_pick_table():
+    """Every pick entry names a tested variant on a known heads bucket."""
+    from dsv41_triton.attention.gluon import prefill_launch as pl
+    for cap, table in pl.PICK.items():
+        assert isinstance(cap, tuple) and len(cap) == 2
+        for hb, variant in table.items():
+            assert hb in (8, 16, 64, 128)
+            assert variant in pl.VARIANTS
+    assert pl.heads_bucket(8) == 8 and pl.heads_bucket(9) == 16 and pl.heads_bucket(65) == 128
+
+
+def test_gluon_prefill_not_picked_without_gpu():
+    """Without an sm_90 GPU (or with the gate closed) the auto path runs tl / the reference,
+    and ``_kernel`` is validated."""
+    from dsv41_triton.attention.gluon import prefill_launch as pl
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    args = _case(dev, 2, 3, S=40, K=30)
+    o, lse = sparse_mla_prefill(**args)
+    ro, rl = sparse_mla_prefill_ref(**args)
+    assert rel_err(o, ro) <= OUT_TOL and max_abs_err(lse, rl) <= LSE_TOL
+    if dev == "cpu":
+        assert not pl.usable(args["q"], args["kv"], args["indices"])
+        with pytest.raises(ValueError, match="_kernel"):
+            sparse_mla_prefill(**args, _kernel="gluon")
+    with pytest.raises(ValueError, match="_kernel"):
+        sparse_mla_prefill(**args, _kernel="bogus")
+
+
+# --------------------------------------------------------------------------------------------
+# GPU
+# --------------------------------------------------------------------------------------------
+def _case(device, T, H, S=300, K=200, p_neg=0.1, p_oob=0.05, lens=True, sink="rand",
+          q_scale=1.0, idx_dtype=torch.int32):
+    kv = (torch.randn(S, 512) * torch.exp2(torch.randint(-2, 3, (S, 1)).float())).to(
+        torch.bfloat16).to(device)
+    idx = torch.randint(0, S, (T, K), dtype=torch.int64)
+    r = torch.rand(T, K)
+    idx[r < p_neg] = -1
+    idx[(r >= p_neg) & (r < p_neg + p_oob)] = S + 3  # past the workspace: skipped
+    q = (torch.randn(T, H, 512) * q_scale).to(torch.bfloat16).to(device)
+    ln = torch.randint(0, K + 1, (T,), dtype=torch.int32).to(device) if lens else None
+    s = {"rand": lambda: torch.randn(H), "none": lambda: None,
+         "-inf": lambda: torch.full((H,), float("-inf")),
+         "+inf": lambda: torch.full((H,), float("inf")),
+         "large": lambda: torch.full((H,), 60.0)}[sink]()
+    return dict(q=q, kv=kv, indices=idx.to(idx_dtype).to(device), lens=ln,
+                attn_sink=s.to(device) if s is not None else None)
+
+
+def _check(args, variant="lazy", out=None, scale=None, monkeypatch=None):
+    from dsv41_triton.attention.gluon import prefill_launch as pl
+    T, H = args["q"].shape[:2]
+    if out is None:
+        out = poison_(torch.empty(T, H, 512, dtype=torch.bfloat16, device=args["q"].device))
+    if monkeypatch is not None:
+        monkeypatch.setenv(pl.VARIANT_ENV, variant)
+    o, lse = sparse_mla_prefill(**args, softmax_scale=scale, out=out, _kernel="gluon")
+    torch.cuda.synchronize()
+    if monkeypatch is not None:
+        assert pl.LAST_LAUNCH["fwd"][1] == variant
+    assert o.data_ptr() == out.data_ptr() and lse.shape == (T, H)
+    ro, rl = sparse_mla_prefill_ref(**args, softmax_scale=scale)
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    e_o, e_l = rel_err(o, ro), max_abs_err(lse, rl)
+    assert e_o <= OUT_TOL, e_o
+    assert e_l <= LSE_TOL, e_l
+    return o, lse
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [1, 3, 8, 16, 32, 64, 100, 128])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gluon_prefill_heads_gpu(device, monkeypatch, H, variant):
+    _need_gluon_gpu()
+    _check(_case(device, 7, H), variant, monkeypatch=monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 2, 7, 128])
+@pytest.mark.parametrize("H", [8, 64, 128])
+@pytest.mark.parametrize("q_scale", [1.0, 8.0])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gluon_prefill_tokens_gpu(device, monkeypatch, T, H, q_scale, variant):
+    """Ragged lens over 1..5 key blocks; q_scale 8 makes the running max grow often (the
+    lazy rescale's branch)."""
+    _need_gluon_gpu()
+    _check(_case(device, T, H, S=2000, K=300, q_scale=q_scale), variant,
+           monkeypatch=monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [64, 128])
+def test_gluon_prefill_v41_gpu(device, H):
+    """The V4.1 pattern: 512 random entries + a contiguous 128-row window, 640 keys a row."""
+    _need_gluon_gpu()
+    T, S = 64, 8192
+    g = torch.Generator().manual_seed(1)
+    kv = torch.randn(S + T + 127, 512, generator=g).to(torch.bfloat16).to(device)
+    top = torch.randint(0, S, (T, 512), generator=g)
+    win = S + torch.arange(T)[:, None] + torch.arange(128)[None, :]
+    idx = torch.cat([top, win], 1).to(torch.int32).to(device)
+    q = torch.randn(T, H, 512, generator=g).to(torch.bfloat16).to(device)
+    _check(dict(q=q, kv=kv, indices=idx, lens=None, attn_sink=torch.randn(H).to(device)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sink", ["none", "-inf", "large", "+inf", "rand"])
+@pytest.mark.parametrize("H", [3, 64])
+def test_gluon_prefill_sinks_gpu(device, sink, H):
+    _need_gluon_gpu()
+    o, _ = _check(_case(device, 5, H, sink=sink))
+    if sink in ("large", "+inf"):
+        assert o.abs().max().item() < 1e-20
+
+
+@pytest.mark.gpu
+def test_gluon_prefill_nan_gpu(device):
+    """A NaN sink makes every row of its head NaN (rows without keys too), lse unaffected;
+    a NaN in q or in a selected key propagates to that row's out and lse."""
+    _need_gluon_gpu()
+    args = _case(device, 4, 8, K=70)
+    args["attn_sink"][5] = float("nan")
+    args["lens"][1] = 0
+    args["lens"][2] = 70
+    args["q"][3, 2, 7] = float("nan")
+    out = poison_(torch.empty(4, 8, 512, dtype=torch.bfloat16, device=device))
+    o, lse = sparse_mla_prefill(**args, out=out, _kernel="gluon")
+    ro, rl = sparse_mla_prefill_ref(**args)
+    assert torch.isnan(o[:, 5]).all() and torch.isnan(ro[:, 5]).all()
+    assert torch.isnan(o[3, 2]).all() and torch.isnan(lse[3, 2])
+    keep = [0, 1, 2, 3, 4, 6, 7]
+    ok_rows = torch.ones(4, 8, dtype=torch.bool, device=device)
+    ok_rows[:, 5] = False
+    ok_rows[3, 2] = False
+    assert rel_err(o[ok_rows], ro[ok_rows]) <= OUT_TOL
+    assert max_abs_err(lse[ok_rows], rl[ok_rows]) <= LSE_TOL
+    assert (o[1, keep] == 0).all() and (lse[1] == float("inf")).all()
+    # a NaN key read by token 2 (its lens cover every column; pick one valid column)
+    args2 = _case(device, 3, 8, K=70, lens=False, p_neg=0.0, p_oob=0.0)
+    row = int(args2["indices"][2, 11])
+    args2["kv"][row, 100] = float("nan")
+    hit = (args2["indices"] == row).any(1)
+    o2, l2 = sparse_mla_prefill(**args2, _kernel="gluon")
+    for t in range(3):
+        assert bool(torch.isnan(o2[t]).all()) == bool(hit[t])
+        assert bool(torch.isnan(l2[t]).all()) == bool(hit[t])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [8, 128])
+def test_gluon_prefill_empty_rows_gpu(device, H):
+    """Rows with len 0, rows of only -1, rows whose every index is past the workspace, and an
+    index width of 0."""
+    _need_gluon_gpu()
+    args = _case(device, 5, H, K=90)
+    args["lens"][0] = 0
+    args["indices"][1] = -1
+    args["indices"][2] = 10 ** 6
+    o, lse = _check(args)
+    assert (o[0:3] == 0).all() and torch.isinf(lse[0:3]).all() and (lse[0:3] > 0).all()
+    z = _case(device, 3, H, K=0, lens=False)
+    out = poison_(torch.empty(3, H, 512, dtype=torch.bfloat16, device=device))
+    o, lse = sparse_mla_prefill(**z, out=out, _kernel="gluon")
+    assert (o == 0).all() and (lse == float("inf")).all()
+
+
+@pytest.mark.gpu
+def test_gluon_prefill_layouts_gpu(device):
+    """Strided q / out, a [S, 1, 512] workspace with padded rows, int64 indices, a row
+    width not a multiple of 64; nothing outside the owned rows is written."""
+    _need_gluon_gpu()
+    T, H, S, K = 3, 70, 500, 133
+    big = torch.randn(S, 1, 512 + 64).to(torch.bfloat16).to(device)
+    kv = big[:, :, 64:]
+    idx = torch.randint(-5, S + 5, (T, K), dtype=torch.int64).to(device)
+    qbig = torch.randn(T, 2 * H, 1024).to(torch.bfloat16).to(device)
+    q = qbig[:, ::2, 256:768]
+    obig = poison_(torch.empty(T, H + 2, 600, dtype=torch.bfloat16, device=device))
+    out = obig[:, 1:H + 1, 48:560]
+    args = dict(q=q, kv=kv, indices=idx, lens=torch.tensor([133, 64, 1], device=device),
+                attn_sink=torch.randn(H, device=device))
+    _check(args, out=out)
+    _check(args, out=out, scale=0.01)
+    assert torch.isnan(obig[:, 0]).all() and torch.isnan(obig[:, H + 1]).all()
+    assert torch.isnan(obig[:, :, :48]).all() and torch.isnan(obig[:, :, 560:]).all()
+
+
+@pytest.mark.gpu
+def test_gluon_prefill_int64_offsets_gpu(device):
+    """A workspace of > 2 GiB: rows near its end have byte offsets beyond 2**31."""
+    _need_gluon_gpu()
+    S = (1 << 21) + 4096  # 2 GiB + 4 MiB of bf16 rows
+    try:
+        kv = torch.empty(S, 512, dtype=torch.bfloat16, device=device)
+    except torch.OutOfMemoryError:
+        pytest.skip("no room for a > 2 GiB workspace")
+    kv[:512].normal_()
+    kv[-2048:].normal_()
+    T, H, K = 4, 64, 160
+    idx = torch.cat([torch.randint(0, 512, (T, 32)),
+                     torch.randint(S - 2048, S, (T, K - 32))], 1).to(torch.int32).to(device)
+    q = torch.randn(T, H, 512, device=device).to(torch.bfloat16)
+    _check(dict(q=q, kv=kv, indices=idx, lens=None, attn_sink=torch.randn(H, device=device)))
+    del kv
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H", [(1, 8), (32, 64), (16, 128)])
+def test_gluon_prefill_cuda_graph_gpu(device, T, H):
+    _need_gluon_gpu()
+    static = _case(device, T, H, S=1000, K=300)
+    out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=device)
+    sparse_mla_prefill(**static, out=out, _kernel="gluon")
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        _, lse_g = sparse_mla_prefill(**static, out=out, _kernel="gluon")
+    fresh = _case(device, T, H, S=1000, K=300)
+    for name in ("q", "kv", "indices", "lens", "attn_sink"):
+        static[name].copy_(fresh[name])
+    poison_(out)
+    g.replay()
+    torch.cuda.synchronize()
+    o_e, l_e = sparse_mla_prefill(**static, _kernel="gluon")
+    assert torch.equal(out, o_e) and torch.equal(lse_g, l_e)
+    ro, rl = sparse_mla_prefill_ref(**static)
+    assert rel_err(out, ro) <= OUT_TOL and max_abs_err(lse_g, rl) <= LSE_TOL
+
+
+@pytest.mark.gpu
+def test_gluon_prefill_hostile_indices_gpu(device):
+    """Indices far past the workspace, INT32_MAX/MIN, lens past the width and negative:
+    nothing out of bounds is read (compute-sanitizer memcheck in the device run)."""
+    _need_gluon_gpu()
+    args = _case(device, 4, 64, S=100, K=150)
+    ix = args["indices"]
+    ix[:, ::3] = 2 ** 31 - 1
+    ix[:, 1::5] = -(2 ** 31)
+    ix[:, 2::7] = 100  # exactly one past the last row
+    args["lens"][:] = torch.tensor([150, 10 ** 6, -5, 33], dtype=torch.int32)
+    _check(args)
+
+
+@pytest.mark.gpu
+def test_gluon_prefill_auto_env_gpu(device, monkeypatch):
+    """``DSV41_PREFILL_KERNEL=gluon`` routes the public op (custom-op boundary) to the Gluon
+    kernel; ``=tl`` to the tl kernel; both agree with the reference."""
+    _need_gluon_gpu()
+    from dsv41_triton.attention.gluon import prefill_launch as pl
+    args = _case(device, 9, 64)
+    for mode in ("gluon", "tl"):
+        monkeypatch.setenv(pl.ENV, mode)
+        pl.LAST_LAUNCH.clear()
+        o, lse = sparse_mla_prefill(**args)
+        torch.cuda.synchronize()
+        assert ("fwd" in pl.LAST_LAUNCH) == (mode == "gluon")
+        ro, rl = sparse_mla_prefill_ref(**args)
+        assert rel_err(o, ro) <= OUT_TOL and max_abs_err(lse, rl) <= LSE_TOL
+
+
+@pytest.mark.gpu
+def test_gluon_prefill_forced_refused_off_sm90(device):
+    """``_kernel='gluon'`` where it cannot run raises (never silently falls back)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if gluon_pkg.AVAILABLE and torch.cuda.get_device_capability() == (9, 0):
+        pytest.skip("the kernel runs here")
+    with pytest.raises(ValueError, match="_kernel"):
+        sparse_mla_prefill(**_case(device, 2, 8), _kernel="gluon")
