@@ -1,13 +1,17 @@
 """Prefill paths on V4.1 shapes: workspace vs shared window vs paged, and a layer chunk.
 
-    python perf/bench_prefill.py [--warm 8] [--kernels-only | --layer-only]
+    python perf/bench_prefill.py [--warm 8] [--kernels-only | --layer-only] [--quick]
 
 Kernels: 4096 query tokens of one request x 640 keys each (the V4.1 pattern: the token's
 128-position window, contiguous, plus 512 random top-k compressed entries of 32768), sink on,
 8 / 64 / 128 heads:
 
 * ``workspace``: ``sparse_mla_prefill`` over a bf16 workspace (32768 compressed rows, then the
-  window rows) with the combined index rows (top-k first, then the window);
+  window rows) with the combined index rows (top-k first, then the window), the ``tl`` kernel;
+  ``gluon-lazy`` / ``gluon-eager``: the same call on the Gluon sm_90 kernel (its two rescale
+  variants; sm_90 only); ``flashmla``: FlashMLA's ``flash_mla_sparse_fwd`` on the same workspace
+  and index rows, called directly (heads zero-padded to 64 / 128 outside the timed call; when
+  ``flash_mla`` imports);
 * ``shared``: ``sparse_mla_prefill_shared_window`` on the same workspace (<= 16 heads), the
   window as a row range per token, tiles of ``block_t`` tokens;
 * ``paged``: ``sparse_mla_prefill_paged`` over 584-byte record caches (131072-position
@@ -24,6 +28,7 @@ request at 8K / 128K / 1M context; V4-flash ratio-4 layer, TP 8 = 8 local heads,
 during the call (above what was allocated before it) and eager time (median of 5, L2 flushed
 before each).
 
+``--quick`` times only ``workspace``, the Gluon variants and FlashMLA.
 ``--warm N`` compiles every kernel first in N processes (on the same shapes), then times;
 ``--paged-candidates`` adds other (GPU-tested decode) launch shapes on the paged prefill, each
 compared with the default paged output ("vs-family"; shared rows compare with workspace).
@@ -63,6 +68,7 @@ PAGED_SHAPES_FEW = (("group", 16, 64, 4, 2, True), ("group", 16, 32, 4, 3, True)
 PAGED_SHAPES_MANY = (("group", 32, 64, 8, 3, False), ("group", 32, 64, 8, 3, True),
                      ("group", 64, 32, 8, 2, False), ("group", 64, 64, 8, 2, True))
 PAGED_CANDIDATES = False
+QUICK = False
 CHUNK = 2048
 FLUSH_BYTES = 512 << 20
 
@@ -162,12 +168,69 @@ def build_kernel_inputs(H: int, device="cuda", seed=0) -> Dict[str, object]:
                 slots=slots, out=torch.empty(T, H, 512, dtype=torch.bfloat16, device=device))
 
 
+def _gluon_fn(inp, variant: str):
+    """The workspace prefill pinned to the Gluon kernel's ``variant`` (None off sm_90)."""
+    from dsv41_triton.attention.gluon import prefill_launch as pl
+    q = inp["q"]
+    if not pl.usable(q, inp["kv"], inp["idx"]):
+        return None
+
+    def fn():
+        old = os.environ.get(pl.VARIANT_ENV)
+        os.environ[pl.VARIANT_ENV] = variant
+        try:
+            return sparse_mla_prefill(q, inp["kv"], inp["idx"], None, inp["sink"], None,
+                                      inp["out"], _kernel="gluon")
+        finally:
+            if old is None:
+                del os.environ[pl.VARIANT_ENV]
+            else:
+                os.environ[pl.VARIANT_ENV] = old
+    return fn
+
+
+def _flashmla_fn(inp):
+    """FlashMLA's sparse prefill kernel on the same inputs (None when flash_mla is missing);
+    returns ``(out [T, H, 512], lse [T, H])`` like ours."""
+    try:
+        from dsv41_triton.backends._flashmla_common import (load_flashmla, pad_heads,
+                                                            pad_sink, padded_heads)
+    except Exception as e:  # noqa: BLE001
+        print(f"# FlashMLA helpers unavailable: {e}")
+        return None
+    ops, why = load_flashmla()
+    if ops is None or ops.sparse_fwd is None:
+        print(f"# FlashMLA unavailable: {why}")
+        return None
+    H, q = inp["H"], inp["q"]
+    hp = padded_heads(H)
+    qp = pad_heads(q, hp)
+    sink = pad_sink(inp["sink"], H, hp)
+    kv3 = inp["kv"].reshape(-1, 1, 512)
+    idx3 = inp["idx"].unsqueeze(1)
+    scale = 512 ** -0.5
+
+    def fn():
+        o, _, lse = ops.sparse_fwd(qp, kv3, idx3, scale, 512, sink, None)
+        return o[:, :H], lse[:, :H]
+    return fn
+
+
 def kernel_fns(inp) -> List[tuple]:
     """[(label, fn)] for one head count."""
     H, q, out = inp["H"], inp["q"], inp["out"]
     wl = torch.full((T,), W, dtype=torch.int32, device=q.device)
     fns = [("workspace", lambda: sparse_mla_prefill(q, inp["kv"], inp["idx"], None, inp["sink"],
-                                                    None, out))]
+                                                    None, out, _kernel="tl"))]
+    for variant in ("lazy", "eager"):
+        fn = _gluon_fn(inp, variant)
+        if fn is not None:
+            fns.append((f"gluon-{variant}", fn))
+    fm = _flashmla_fn(inp)
+    if fm is not None:
+        fns.append(("flashmla", fm))
+    if QUICK:
+        return fns
     if H <= 16:
         for bt, bn, warps in SHARED_SHAPES:
             lab = f"shared-bt{bt or 'def'}"
@@ -223,6 +286,10 @@ def run_kernels(lines: List[str]):
 
 def _kernel_info(lab: str) -> str:
     from dsv41_triton.attention._launch import LAST_LAUNCH
+    if lab == "flashmla":
+        return ""
+    if lab.startswith("gluon"):
+        from dsv41_triton.attention.gluon.prefill_launch import LAST_LAUNCH
     k = LAST_LAUNCH.get("shared" if lab.startswith("shared") else "fwd", (None, None))[0]
     try:
         return f"| regs {k.n_regs} spills {k.n_spills} smem {k.metadata.shared}"
@@ -333,11 +400,18 @@ def main(argv=None):
     ap.add_argument("--warm-only", action="store_true")
     ap.add_argument("--kernels-only", action="store_true")
     ap.add_argument("--layer-only", action="store_true")
+    ap.add_argument("--quick", action="store_true",
+                    help="kernels only: workspace (tl), Gluon, FlashMLA")
+    ap.add_argument("--heads", type=str, default="",
+                    help="comma-separated head counts (default 8,64,128)")
     ap.add_argument("--paged-candidates", action="store_true",
                     help="also time other launch shapes on the paged prefill")
     args = ap.parse_args(argv)
-    global PAGED_CANDIDATES
+    global PAGED_CANDIDATES, QUICK, HEADS
     PAGED_CANDIDATES = args.paged_candidates
+    QUICK = args.quick
+    if args.heads:
+        HEADS = tuple(int(h) for h in args.heads.split(","))
     if not torch.cuda.is_available():
         print("bench_prefill: no CUDA device; nothing to time")
         return 0
@@ -345,7 +419,7 @@ def main(argv=None):
     t0 = time.time()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
           f"triton {triton.__version__}", flush=True)
-    kernels, layer = not args.layer_only, not args.kernels_only
+    kernels, layer = not args.layer_only, not (args.kernels_only or args.quick)
     if args.warm:
         for line in warm(args.warm, kernels, layer):
             print(line, flush=True)

@@ -110,19 +110,18 @@ def _sparse_mla_prefill_gluon_kernel(
 
     for j in range(nblk):
         s = j % 2
-        # the next block's rows go into the other stage (its last reader, the P V product
-        # of block j - 1, has completed)
-        if j + 1 < nblk:
-            _issue_keys(kv_ptr, kv_stride, idx_row, (j + 1) * BN, n, rows, ring, 1 - s, LC)
-            cp.wait_group(1)
-        else:
-            cp.wait_group(0)
+        # block j has landed (every thread's copies) and every warp is past the P V product
+        # of block j - 1, the last reader of the other stage
+        cp.wait_group(0)
         fence_async_shared()
         gl.thread_barrier()
         kt = ring.index(s)
 
-        # S = Q K^T: each warpgroup its 32 keys over all 512 dims
+        # S = Q K^T: each warpgroup its 32 keys over all 512 dims; the next block's rows are
+        # gathered into the other stage meanwhile
         acc = warpgroup_mma(q_smem, kt.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if j + 1 < nblk:
+            _issue_keys(kv_ptr, kv_stride, idx_row, (j + 1) * BN, n, rows, ring, 1 - s, LC)
         # the validity of this block's columns, in the accumulator's column layout
         c = j * BN + cols
         cm = c < n
@@ -157,7 +156,6 @@ def _sparse_mla_prefill_gluon_kernel(
         # O += P V: each warpgroup its 256 value dims
         o = warpgroup_mma(p_smem, kt, o, is_async=True)
         o = warpgroup_mma_wait(0, deps=[o])
-        gl.thread_barrier()
     cp.wait_group(0)
     l_i = gl.sum(l_part, axis=1)
 
