@@ -222,7 +222,7 @@ def kernel_fns(inp) -> List[tuple]:
     wl = torch.full((T,), W, dtype=torch.int32, device=q.device)
     fns = [("workspace", lambda: sparse_mla_prefill(q, inp["kv"], inp["idx"], None, inp["sink"],
                                                     None, out, _kernel="tl"))]
-    for variant in ("lazy", "eager"):
+    for variant in ("eager", "lazy"):
         fn = _gluon_fn(inp, variant)
         if fn is not None:
             fns.append((f"gluon-{variant}", fn))

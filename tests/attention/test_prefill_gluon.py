@@ -16,7 +16,7 @@ from dsv41_triton.testing import max_abs_err, poison_, rel_err
 
 OUT_TOL = 1e-2
 LSE_TOL = 1e-3
-VARIANTS = ("lazy", "eager")
+VARIANTS = ("eager", "lazy")
 
 
 def _need_gluon_gpu():
@@ -163,8 +163,10 @@ def test_gluon_prefill_v41_gpu(device, H):
 def test_gluon_prefill_sinks_gpu(device, sink, H):
     _need_gluon_gpu()
     o, _ = _check(_case(device, 5, H, sink=sink))
-    if sink in ("large", "+inf"):
-        assert o.abs().max().item() < 1e-20
+    if sink == "large":  # exp(60) dominates the denominator
+        assert o.abs().max().item() < 1e-12
+    if sink == "+inf":
+        assert (o == 0).all()
 
 
 @pytest.mark.gpu

@@ -4,7 +4,7 @@ One CTA (two warpgroups, 8 warps) owns one query token and a tile of 64 heads (t
 fewer heads are zero rows, masked on store); it walks the token's index row in blocks of
 ``BN = 64`` keys through one online softmax. Per block ``j``:
 
-1. **gather** (issued one block ahead): the block's rows of the bf16 workspace are copied by
+1. **gather** (issued one block ahead, its index loads two blocks ahead): the block's rows of the bf16 workspace are copied by
    ``cp.async`` (16 bytes per copy, 1 KB per key) into stage ``j % 2`` of a ring of
    ``[64 keys, 512]`` NVMMA tiles; invalid columns (index ``< 0``, ``>= rows``, past ``len``)
    copy nothing (zero fill) and are ``-inf`` in S.
@@ -39,14 +39,22 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
-def _issue_keys(kv_ptr, kv_stride, idx_row, c0, hi, rows, ring, s, LC: gl.constexpr):
-    """cp.async the 64 rows of columns ``c0 .. c0 + 63`` of one index row into ``ring[s]``
-    (invalid columns copy nothing: zero fill) and commit them as one group."""
+def _row_offsets(idx_row, c0, hi, rows, kv_stride, LC: gl.constexpr):
+    """Element offsets of the workspace rows of columns ``c0 .. c0 + 63`` of one index row
+    (``[64]`` int64 in the copy layout's row slice), ``-1`` where a column is not read."""
     r = c0 + gl.arange(0, 64, layout=gl.SliceLayout(1, LC))
     cm = r < hi
     idx = gl.load(idx_row + r, mask=cm, other=-1).to(gl.int64)
     ok = cm & (idx >= 0) & (idx < rows)
-    row_off = gl.multiple_of(gl.where(ok, idx, 0) * kv_stride, 8)  # 16-byte rows (host check)
+    return gl.where(ok, idx * kv_stride, -1)
+
+
+@gluon.jit
+def _issue_keys(kv_ptr, off, ring, s, LC: gl.constexpr):
+    """cp.async the rows at element offsets ``off`` (``-1``: copy nothing, zero fill) into
+    ``ring[s]`` and commit them as one group."""
+    ok = off >= 0
+    row_off = gl.multiple_of(gl.where(ok, off, 0), 8)  # 16-byte rows (host check)
     d = gl.arange(0, 512, layout=gl.SliceLayout(0, LC))
     p = kv_ptr + row_off[:, None] + d[None, :]
     cp.async_copy_global_to_shared(ring.index(s), p, mask=ok[:, None])
@@ -100,7 +108,10 @@ def _sparse_mla_prefill_gluon_kernel(
     q_off = gl.multiple_of(t * stride_qt + hq.to(gl.int64) * stride_qh, 8)
     qp = q_ptr + q_off[:, None] + dq[None, :]
     cp.async_copy_global_to_shared(q_smem, qp, mask=(hq < H)[:, None])
-    _issue_keys(kv_ptr, kv_stride, idx_row, 0, n, rows, ring, 0, LC)
+    _issue_keys(kv_ptr, _row_offsets(idx_row, 0, n, rows, kv_stride, LC), ring, 0, LC)
+    # the row offsets of block 1, loaded a block ahead of their copies (the index loads'
+    # latency stays off the loop's critical path)
+    nxt = _row_offsets(idx_row, BN, n, rows, kv_stride, LC)
 
     m_i = gl.full([BH], float("-inf"), gl.float32, layout=ROW_S)
     l_part = gl.full([BH, BN], 0.0, gl.float32, layout=S_L)
@@ -121,7 +132,8 @@ def _sparse_mla_prefill_gluon_kernel(
         # gathered into the other stage meanwhile
         acc = warpgroup_mma(q_smem, kt.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         if j + 1 < nblk:
-            _issue_keys(kv_ptr, kv_stride, idx_row, (j + 1) * BN, n, rows, ring, 1 - s, LC)
+            _issue_keys(kv_ptr, nxt, ring, 1 - s, LC)
+        nxt = _row_offsets(idx_row, (j + 2) * BN, n, rows, kv_stride, LC)
         # the validity of this block's columns, in the accumulator's column layout
         c = j * BN + cols
         cm = c < n

@@ -25,7 +25,7 @@ PICK = {
 }
 
 #: variants the GPU tests run (tests/attention/test_prefill_gluon.py); PICK uses only these
-VARIANTS = ("lazy", "eager")
+VARIANTS = ("eager", "lazy")
 
 #: DSV41_PREFILL_KERNEL=tl|gluon|auto overrides the pick (benchmarks, tests)
 ENV = "DSV41_PREFILL_KERNEL"
@@ -93,7 +93,7 @@ def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     if T == 0:
         return
     variant = (variant or os.environ.get(VARIANT_ENV) or table_variant(H, q.device)
-               or "lazy")
+               or "eager")
     if variant not in VARIANTS:
         raise ValueError(f"{VARIANT_ENV}: expected one of {VARIANTS}, got {variant!r}")
     S = kv.shape[0]
