@@ -58,9 +58,10 @@ def test_gluon_prefill_pick_table():
     for cap, table in pl.PICK.items():
         assert isinstance(cap, tuple) and len(cap) == 2
         for hb, variant in table.items():
-            assert hb in (8, 16, 64, 128)
+            assert hb in (8, 16, 32, 64, 128, 1 << 30)
             assert variant in pl.VARIANTS
-    assert pl.heads_bucket(8) == 8 and pl.heads_bucket(9) == 16 and pl.heads_bucket(65) == 128
+    assert pl.heads_bucket(8) == 8 and pl.heads_bucket(9) == 16 and pl.heads_bucket(33) == 64
+    assert pl.heads_bucket(65) == 128 and pl.heads_bucket(129) == 1 << 30
 
 
 def test_gluon_prefill_not_picked_without_gpu():

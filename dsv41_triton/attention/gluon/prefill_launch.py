@@ -17,11 +17,16 @@ from ..._utils import cdiv, is_interpreter
 from . import AVAILABLE, REASON
 
 #: the pick table: (major, minor) -> {heads bucket: variant}. Heads buckets: 8 (H <= 8), 16,
-#: 64, 128 (larger); variants: "lazy" (rescale only when a max grows by > 2**8) or "eager".
-#: Only buckets where the Gluon kernel measured faster than the tl kernel on the H200
-#: (perf/NOTES.md, "Gluon sm_90 prefill (many heads)") are listed; a missing key means tl.
+#: 32, 64 (33..64), 128 (65..128), 1 << 30 (more); variants: "eager" (the O rescale every
+#: block) or "lazy" (only when a row's max grows by > 2**8). Only buckets where the Gluon kernel
+#: measured faster than the tl kernel on the H200 are listed (perf/NOTES.md, "Gluon sm_90
+#: prefill (many heads)"); a missing key means tl.
 PICK = {
-    (9, 0): {},
+    # H200, triton 3.6, 2026-12-01, 4096 tokens x 640 keys of a 32768-row workspace, sink on,
+    # CUDA graph, L2 flushed, one run (tl / gluon eager / FlashMLA): 64 heads 1466.5 / 1108.7 /
+    # 654.1 us, 128 heads 2897.0 / 2166.1 / 1281.8 us; 8 heads 551.5 / 950.1 (gluon pads to 64
+    # heads). tl tiles 33..64 heads as one 64-head tile and 65..128 as two, like this kernel.
+    (9, 0): {64: "eager", 128: "eager"},
 }
 
 #: variants the GPU tests run (tests/attention/test_prefill_gluon.py); PICK uses only these
@@ -40,7 +45,10 @@ def _cap(device: torch.device):
 
 
 def heads_bucket(H: int) -> int:
-    return 8 if H <= 8 else 16 if H <= 16 else 64 if H <= 64 else 128
+    for b in (8, 16, 32, 64, 128):
+        if H <= b:
+            return b
+    return 1 << 30
 
 
 def _aligned(t: torch.Tensor) -> bool:
