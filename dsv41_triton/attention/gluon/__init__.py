@@ -43,6 +43,7 @@ try:
     REASON = _check()
     if not REASON:
         from . import decode as _decode  # noqa: F401  (defines the kernels)
+        from . import decode_heads as _decode_heads  # noqa: F401
         AVAILABLE = True
 except Exception as e:  # noqa: BLE001 - a kernel that fails to define closes the gate
     REASON = f"gluon kernels failed to load: {type(e).__name__}: {e}"

@@ -31,8 +31,11 @@ PICK = {
     },
 }
 
-#: launch shapes the GPU tests run (tests/attention/test_decode_gluon.py); PICK uses only these
-TESTED_SHAPES = ("4:0:3", "4:16:2", "8:16:3", "8:16:2", "8:32:3")
+#: launch shapes the GPU tests run (tests/attention/test_decode_gluon.py,
+#: test_decode_gluon_heads.py); PICK uses only these. ``block_h`` 64 (``HEADS_SHAPE``) is the
+#: many-heads kernel of decode_heads.py (8 warps, heads on the wgmma M).
+HEADS_SHAPE = "8:64:2"
+TESTED_SHAPES = ("4:0:3", "4:16:2", "8:16:3", "8:16:2", "8:32:3", HEADS_SHAPE)
 
 #: DSV41_DECODE_KERNEL=tl|gluon|auto overrides the pick (benchmarks, tests)
 ENV = "DSV41_DECODE_KERNEL"
@@ -111,11 +114,16 @@ def default_shape(T: int, H: int, total_width: int, sms: int, num_warps: int = 4
     bh = 8 if H <= 8 else 16 if H <= 16 else 32
     if num_warps == 8:
         bh = max(bh, 16)
-    progs = T * cdiv(H, bh)
+    return bh, default_splits(T, cdiv(H, bh), total_width, sms)
+
+
+def default_splits(T: int, head_tiles: int, total_width: int, sms: int) -> int:
+    """Key splits that fill at most one wave of one CTA per SM (64-key blocks, at most 32)."""
+    progs = T * head_tiles
     splits = 1
     if progs < sms:
         splits = max(1, min(sms // progs, cdiv(max(total_width, 1), 64), 32))
-    return bh, splits
+    return splits
 
 
 #: the last launch's compiled kernel and (block_h, splits) (benchmarks read registers)
@@ -142,23 +150,33 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
     stages = stages or over.get("stages") or 3
     bh, ns = default_shape(T, H, width, _sms(q.device), nw)
     bh = block_h or over.get("block_h") or bh
-    if nw == 8:
-        bh = max(bh, 16)  # two warpgroups split the heads: at least 8 each
-    ns = num_splits or ns
-    n_ht = cdiv(H, bh)
     bb = b if b is not None else a
-    args, po, pl, sink_arg, sink_st = kernel_args(q, a, b, sink, out, lse, ns)
-    k = _sparse_mla_decode_gluon_kernel[(T * ns * n_ht,)](
-        *args,
-        H, float(softmax_scale) * 1.4426950408889634, ns, n_ht,
-        SRC_A=a.src, SRC_B=bb.src, HAS_B=b is not None, HAS_LEN_A=a.lens is not None,
-        HAS_LEN_B=bb.lens is not None, HAS_SINK=sink is not None, SPLIT=ns > 1, BH=bh,
-        NS=stages, NW=nw, num_warps=nw,
-    )
+    flags = dict(SRC_A=a.src, SRC_B=bb.src, HAS_B=b is not None, HAS_LEN_A=a.lens is not None,
+                 HAS_LEN_B=bb.lens is not None, HAS_SINK=sink is not None)
+    if bh == 64:
+        # the many-heads kernel: 64-head tiles, two warpgroups, two ring stages (shared memory)
+        from .decode_heads import _sparse_mla_decode_heads_kernel
+        nw, stages = 8, 2
+        n_ht = cdiv(H, 64)
+        ns = num_splits or default_splits(T, n_ht, width, _sms(q.device))
+        args, po, pl, sink_arg, sink_st = kernel_args(q, a, b, sink, out, lse, ns)
+        k = _sparse_mla_decode_heads_kernel[(T * ns * n_ht,)](
+            *args, H, float(softmax_scale) * 1.4426950408889634, ns, n_ht, **flags,
+            SPLIT=ns > 1, NS=stages, num_warps=nw)
+    else:
+        if nw == 8:
+            bh = max(bh, 16)  # two warpgroups split the heads: at least 8 each
+        ns = num_splits or ns
+        n_ht = cdiv(H, bh)
+        args, po, pl, sink_arg, sink_st = kernel_args(q, a, b, sink, out, lse, ns)
+        k = _sparse_mla_decode_gluon_kernel[(T * ns * n_ht,)](
+            *args, H, float(softmax_scale) * 1.4426950408889634, ns, n_ht, **flags,
+            SPLIT=ns > 1, BH=bh, NS=stages, NW=nw, num_warps=nw)
     LAST_LAUNCH["fwd"] = (k, (bh, ns, nw, stages))
     if ns > 1:
         merge_splits(po, pl, sink, sink_arg, sink_st, out, lse, ns, sw=False)
 
 
 __all__ = ["PICK", "ENV", "OVERRIDE", "usable", "pick", "launch", "default_shape",
+           "default_splits", "HEADS_SHAPE",
            "heads_bucket", "tokens_bucket", "table_shape", "parse_shape", "TESTED_SHAPES"]
