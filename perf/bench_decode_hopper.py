@@ -156,15 +156,16 @@ def time_gluon(case, ref, shape, reps):
 def _warm_one(spec):
     """Compile one (row, launch shape) in a fresh process (fills Triton's cache)."""
     import subprocess
-    env = dict(os.environ, DSV41_GLUON_SHAPE=spec[1])
-    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--_warm", spec[0]], env=env,
+    env = dict(os.environ, DSV41_GLUON_SHAPE="" if spec[1] == "tl" else spec[1])
+    row = spec[0] + (",tl" if spec[1] == "tl" else "")
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--_warm", row], env=env,
                        capture_output=True, text=True)
     return spec, r.returncode, r.stderr[-300:]
 
 
-def warm(rows, variants, jobs=8):
-    """Compile every (row, variant) in parallel processes before timing anything (the
-    many-heads shape only on rows of >= 16 heads)."""
+def warm(rows, variants, jobs=12):
+    """Compile every (row, variant) in parallel processes before timing anything (variant
+    ``"tl"``: the tl kernel; the many-heads shape only on rows of >= 16 heads)."""
     from concurrent.futures import ThreadPoolExecutor
     specs = [(f"{H},{T},{ra},{rb}", v) for H, T, ra, rb in rows for v in variants
              if H >= 16 or v != gluon_launch.HEADS_SHAPE]
@@ -190,15 +191,16 @@ def main(argv=None):
     ap.add_argument("--_warm", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args._warm:
-        H, T, ra, rb = (int(x) for x in args._warm.split(","))
-        sparse_mla_decode(**build_case(T, H, ra, rb), _kernel="gluon")
+        parts = args._warm.split(",")
+        H, T, ra, rb = (int(x) for x in parts[:4])
+        sparse_mla_decode(**build_case(T, H, ra, rb), _kernel="tl" if parts[4:] else "gluon")
         torch.cuda.synchronize()
         return
     rows = [] if args.no_table else QUICK if args.quick else HEADS if args.heads else TABLE
     variants = [v for v in args.sweep.split(",") if v]
     sweep_rows = ([tuple(int(x) for x in r.split(",")) for r in args.sweep_rows.split(";")]
                   if args.sweep_rows else QUICK)
-    warm(rows, ["4:0:3", gluon_launch.HEADS_SHAPE])
+    warm(rows, ["tl", "4:0:3", gluon_launch.HEADS_SHAPE])
     if variants:
         warm(sweep_rows, variants)
     print(f"# {torch.cuda.get_device_name()} | gluon available: {gluon_launch.AVAILABLE} "

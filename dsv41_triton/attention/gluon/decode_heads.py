@@ -166,6 +166,8 @@ def _sparse_mla_decode_heads_kernel(
         gl.thread_barrier()
         s = j % NS
         scale_s = scale_ring.index(s)
+        # read before the next block's ids overwrite the other stage (no extra barrier)
+        kidx = idx_ring.index(s).load(gl.SliceLayout(0, SACC))
         if HAS_B and SRC_A != SRC_B:
             if j < nblk_a:
                 _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, k7, scale_s, k0, k1, k2, k3, k4,
@@ -196,7 +198,6 @@ def _sparse_mla_decode_heads_kernel(
                          hi_b, b_rows, HAS_B, LI)
         sc = warpgroup_mma_wait(0, deps=[acc])
 
-        kidx = idx_ring.index(s).load(gl.SliceLayout(0, SACC))
         sc = gl.where((kidx >= 0)[None, :], sc * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(sc, axis=1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
