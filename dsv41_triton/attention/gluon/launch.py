@@ -35,6 +35,9 @@ PICK = {
 #: test_decode_gluon_heads.py); PICK uses only these. ``block_h`` 64 (``HEADS_SHAPE``) is the
 #: many-heads kernel of decode_heads.py (8 warps, heads on the wgmma M).
 HEADS_SHAPE = "8:64:2"
+#: the many-heads kernel's 64-dim groups per S wgmma step (1, 2, 4 or 8);
+#: DSV41_GLUON_HEADS_QK_STEP overrides it (benchmarks, tests)
+HEADS_QK_STEP = 2
 TESTED_SHAPES = ("4:0:3", "4:16:2", "8:16:3", "8:16:2", "8:32:3", HEADS_SHAPE)
 
 #: DSV41_DECODE_KERNEL=tl|gluon|auto overrides the pick (benchmarks, tests)
@@ -157,12 +160,16 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
         # the many-heads kernel: 64-head tiles, two warpgroups, two ring stages (shared memory)
         from .decode_heads import _sparse_mla_decode_heads_kernel
         nw, stages = 8, 2
+        qk_step = int(os.environ.get("DSV41_GLUON_HEADS_QK_STEP", HEADS_QK_STEP))
+        if qk_step not in (1, 2, 4, 8):
+            raise ValueError(f"DSV41_GLUON_HEADS_QK_STEP: expected 1, 2, 4 or 8, got {qk_step}")
         n_ht = cdiv(H, 64)
         ns = num_splits or default_splits(T, n_ht, width, _sms(q.device))
         args, po, pl, sink_arg, sink_st = kernel_args(q, a, b, sink, out, lse, ns)
         k = _sparse_mla_decode_heads_kernel[(T * ns * n_ht,)](
             *args, H, float(softmax_scale) * 1.4426950408889634, ns, n_ht, **flags,
-            SPLIT=ns > 1, NS=stages, num_warps=nw)
+            SPLIT=ns > 1, NS=stages, QK_STEP=qk_step, num_warps=nw)
+        stages = (stages, qk_step)
     else:
         if nw == 8:
             bh = max(bh, 16)  # two warpgroups split the heads: at least 8 each
@@ -178,5 +185,5 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
 
 
 __all__ = ["PICK", "ENV", "OVERRIDE", "usable", "pick", "launch", "default_shape",
-           "default_splits", "HEADS_SHAPE",
+           "default_splits", "HEADS_SHAPE", "HEADS_QK_STEP",
            "heads_bucket", "tokens_bucket", "table_shape", "parse_shape", "TESTED_SHAPES"]
