@@ -40,9 +40,10 @@ TABLE = [(8, 1, 584, 584), (8, 32, 584, 584), (8, 128, 584, 584), (8, 512, 584, 
          (16, 128, 584, 584), (64, 1, 584, 584), (64, 128, 584, 584), (64, 512, 584, 584),
          (128, 128, 584, 584), (128, 512, 584, 584), (8, 128, 528, 288), (64, 128, 528, 288)]
 #: the many-heads rows (issue 10's must-rows and their neighbours)
-HEADS = [(32, 128, 584, 584), (64, 1, 584, 584), (64, 32, 584, 584), (64, 128, 584, 584),
-         (64, 512, 584, 584), (128, 1, 584, 584), (128, 128, 584, 584), (128, 512, 584, 584),
-         (64, 1, 528, 288), (64, 128, 528, 288), (64, 512, 528, 288), (128, 128, 528, 288)]
+HEADS = [(32, 128, 584, 584), (64, 1, 584, 584), (64, 8, 584, 584), (64, 16, 584, 584),
+         (64, 32, 584, 584), (64, 128, 584, 584), (64, 512, 584, 584), (128, 1, 584, 584),
+         (128, 128, 584, 584), (128, 512, 584, 584), (64, 1, 528, 288), (64, 128, 528, 288),
+         (64, 512, 528, 288), (128, 128, 528, 288), (128, 512, 528, 288)]
 QUICK = [(8, 128, 584, 584), (8, 128, 528, 288), (64, 128, 584, 584), (64, 128, 528, 288)]
 W, K, PAGE = 128, 512, 64
 
@@ -135,11 +136,8 @@ class _Keys:
 
 
 
-def time_gluon(case, ref, shape, reps, qk_step=None):
-    """(µs, launch shape text, error text) of the Gluon decode at launch shape ``shape`` (and
-    the many-heads kernel's QK step ``qk_step``)."""
-    if qk_step:
-        os.environ["DSV41_GLUON_HEADS_QK_STEP"] = str(qk_step)
+def time_gluon(case, ref, shape, reps):
+    """(µs, launch shape text, error text) of the Gluon decode at launch shape ``shape``."""
     gluon_launch.OVERRIDE.clear()
     gluon_launch.OVERRIDE.update(gluon_launch.parse_shape(shape))
     try:
@@ -152,17 +150,14 @@ def time_gluon(case, ref, shape, reps, qk_step=None):
         t, text, err = float("nan"), "-", f"{type(e).__name__}: {str(e)[:80]}"
     finally:
         gluon_launch.OVERRIDE.clear()
-        os.environ.pop("DSV41_GLUON_HEADS_QK_STEP", None)
     return t, text, err
 
 
 def _warm_one(spec):
     """Compile one (row, launch shape) in a fresh process (fills Triton's cache)."""
     import subprocess
-    shape, _, qk = spec[1].partition("@")
+    shape = spec[1]
     env = dict(os.environ, DSV41_GLUON_SHAPE="" if shape == "tl" else shape)
-    if qk:
-        env["DSV41_GLUON_HEADS_QK_STEP"] = qk
     row = spec[0] + (",tl" if shape == "tl" else "")
     r = subprocess.run([sys.executable, os.path.abspath(__file__), "--_warm", row], env=env,
                        capture_output=True, text=True)
@@ -171,11 +166,10 @@ def _warm_one(spec):
 
 def warm(rows, variants, jobs=12):
     """Compile every (row, variant) in parallel processes before timing anything (variant
-    ``"tl"``: the tl kernel; ``"SHAPE@Q"``: QK step ``Q`` of the many-heads kernel, which is
-    compiled only for rows of >= 16 heads)."""
+    ``"tl"``: the tl kernel; the many-heads shape only on rows of >= 16 heads)."""
     from concurrent.futures import ThreadPoolExecutor
     specs = [(f"{H},{T},{ra},{rb}", v) for H, T, ra, rb in rows for v in variants
-             if H >= 16 or not v.startswith(gluon_launch.HEADS_SHAPE)]
+             if H >= 16 or v != gluon_launch.HEADS_SHAPE]
     with ThreadPoolExecutor(jobs) as ex:
         for spec, rc, err in ex.map(_warm_one, specs):
             if rc:
@@ -186,9 +180,6 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--heads", action="store_true", help="the many-heads rows only")
-    ap.add_argument("--qk-steps", default="",
-                    help="also time these QK steps of the many-heads kernel, e.g. '8,1' "
-                         "(the heads column is launch.HEADS_QK_STEP)")
     ap.add_argument("--csv", default=None)
     ap.add_argument("--no-flashmla", action="store_true")
     ap.add_argument("--reps", type=int, default=30)
@@ -210,9 +201,7 @@ def main(argv=None):
     variants = [v for v in args.sweep.split(",") if v]
     sweep_rows = ([tuple(int(x) for x in r.split(",")) for r in args.sweep_rows.split(";")]
                   if args.sweep_rows else QUICK)
-    qk_steps = [int(x) for x in args.qk_steps.split(",") if x]
-    warm(rows, ["tl", "4:0:3", gluon_launch.HEADS_SHAPE]
-         + [f"{gluon_launch.HEADS_SHAPE}@{q}" for q in qk_steps])
+    warm(rows, ["tl", "4:0:3", gluon_launch.HEADS_SHAPE])
     if variants:
         warm(sweep_rows, variants)
     print(f"# {torch.cuda.get_device_name()} | gluon available: {gluon_launch.AVAILABLE} "
@@ -235,9 +224,6 @@ def main(argv=None):
         t_hd, hshape, herr = float("nan"), "-", "-"
         if H >= 16:
             t_hd, hshape, herr = time_gluon(case, ref, gluon_launch.HEADS_SHAPE, args.reps)
-            for q in qk_steps:
-                t_q, _, e_q = time_gluon(case, ref, gluon_launch.HEADS_SHAPE, args.reps, q)
-                hshape += f" | qk{q}: {t_q:.1f} ({e_q})"
         t_fm = float("nan")
         if rb == 584 and ra == 584 and not args.no_flashmla:
             fn = flashmla_fn(case)

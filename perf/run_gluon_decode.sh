@@ -19,7 +19,7 @@ for s in $steps; do
     timeout ${HT_TIMEOUT:-300} $PY -m pytest tests/attention/test_decode_gluon_heads.py \
       ${HT_EXTRA:-} -q -p no:cacheprovider $XD -rf 2>&1 | tail -60 | tee "$OUT/heads-tests.log" ;;
   heads-bench)
-    timeout ${HB_TIMEOUT:-300} $PY perf/bench_decode_hopper.py --heads --qk-steps "${QK_STEPS:-8,1}" --csv "$OUT/heads-bench.csv" \
+    timeout ${HB_TIMEOUT:-300} $PY perf/bench_decode_hopper.py --heads --csv "$OUT/heads-bench.csv" \
       2>&1 | tee "$OUT/heads-bench.log" ;;
   quick)
     timeout 200 $PY perf/bench_decode_hopper.py --quick 2>&1 | tee "$OUT/quick.log" ;;

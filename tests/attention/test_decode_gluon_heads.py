@@ -226,17 +226,3 @@ def test_gluon_heads_nan_sink_gpu(device, heads_kernel, monkeypatch, splits):
     assert (o[1, keep] == 0).all()
     assert max_abs_err(lse, rl) <= LSE_TOL and (lse[1] == float("inf")).all()
 
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("qk_step", [1, 4, 8])
-@pytest.mark.parametrize("T,H", [(7, 65), (128, 64)])
-@pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, 288), (584, 528), (528, None)])
-def test_gluon_heads_qk_steps_gpu(device, heads_kernel, monkeypatch, qk_step, T, H, swa_rec,
-                                  extra_rec):
-    """The other dequant / S-wgmma interleavings (the default is launch.HEADS_QK_STEP)."""
-    _need_gluon_gpu()
-    monkeypatch.setenv("DSV41_GLUON_HEADS_QK_STEP", str(qk_step))
-    args = _v41(device, T, H, swa_rec, extra_rec or 584) if T == 128 else _case(
-        device, T, H, swa_rec, extra_rec)
-    _check(args)
-    assert _ran_heads(heads_kernel)[3] == (2, qk_step)

@@ -222,16 +222,15 @@ def _e4m3_bf16(b):
 
 @gluon.jit
 def _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3, k4, k5, k6,
-             SRC: gl.constexpr, NW: gl.constexpr, G0: gl.constexpr = 0, G1: gl.constexpr = 8):
+             SRC: gl.constexpr, NW: gl.constexpr):
     """Raw bytes of one stage -> bf16 key tiles: groups 0..6 into ``k0..k6``, group 7 into
-    ``rope_s`` (for 584 records cp.async already put the raw bf16 tail there); only the
-    64-dim groups ``G0 <= g < G1``."""
+    ``rope_s`` (for 584 records cp.async already put the raw bf16 tail there)."""
     L16: gl.constexpr = _copy_layout(16, NW)
     if SRC == 288:
         # a thread's 8 bytes are the 16 dims of one e4m3 scale: viewed as [64 keys, 4 scale
         # groups, 8 bytes] the scale broadcasts (no per-element selects)
         L8: gl.constexpr = _copy_layout(8, NW)
-        for g in gl.static_range(G0, G1):
+        for g in gl.static_range(8):
             tile = _pick(g // 2, r0, r1, r2, r3, r4, r5, r6, r7).index(s)
             raw = gl.reshape(tile.slice((g % 2) * 32, 32, dim=1).load(L8), [64, 4, 8])
             sb = scale_s.slice(4 * g, 4, dim=1).load(gl.SliceLayout(2, raw.type.layout))
@@ -243,7 +242,7 @@ def _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3,
             _put(x, g, k0, k1, k2, k3, k4, k5, k6, rope_s)
     else:
         NG: gl.constexpr = 7 if SRC == 584 else 8
-        for g in gl.static_range(G0, NG if G1 > NG else G1):
+        for g in gl.static_range(NG):
             raw = _pick(g, r0, r1, r2, r3, r4, r5, r6, r7).index(s).load(L16)
             if SRC == 584:
                 sc = _ue8m0_bf16(scale_s.slice(g, 1, dim=1).load(L16))

@@ -10,11 +10,10 @@ online softmax. Per block:
    ``cp.async`` copies the raw records into stage ``k % NS`` of a shared ring
    (``decode._issue`` / ``decode._copy_keys``).
 2. **dequant** by all 8 warps (``decode._dequant``, exact) into one bf16 key tile
-   ``[64 keys, 512]`` (NVMMA-swizzled), ``QK_STEP`` 64-dim groups at a time; for 584 records
-   the raw bf16 RoPE tail is copied from the ring into the tile's last 64 dims.
-3. ``S [64 heads, 64 keys] = Q [64, 512] · K^T``: after each dequant step its groups' async
-   wgmmas are issued (they run under the next step's dequant); the accumulator layout has
-   ``warps_per_cta = [4, 2]``: each warpgroup computes 32 of the keys over all 512 dims.
+   ``[64 keys, 512]`` (NVMMA-swizzled); for 584 records the raw bf16 RoPE tail is copied from
+   the ring into the tile's last 64 dims.
+3. ``S [64 heads, 64 keys] = Q [64, 512] · K^T`` in one async wgmma whose accumulator layout
+   has ``warps_per_cta = [4, 2]``: each warpgroup computes 32 of the keys over all 512 dims.
    Online exp2 softmax (the row max crosses the two warpgroups), P (bf16) stored to a
    ``[64, 64]`` shared tile.
 4. ``O [64 heads, 512] += P · K`` in one async wgmma with ``warps_per_cta = [4, 2]``: each
@@ -32,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .decode import LOG2E, _copy_layout, _dequant, _issue, _load_idx, _pick
+from .decode import LOG2E, _copy_layout, _dequant, _issue, _load_idx
 
 #: heads per CTA (the wgmma M)
 BH = gl.constexpr(64)
@@ -42,30 +41,29 @@ NW = gl.constexpr(8)
 
 @gluon.jit
 def _dequant_src(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k0, k1, k2, k3, k4, k5,
-                 k6, k7, SRC: gl.constexpr, G0: gl.constexpr, G1: gl.constexpr):
-    """Groups ``G0 <= g < G1`` of stage ``s`` (records ``SRC``) into the key tile slices
-    ``k0..k7`` (584: group 7 is the raw RoPE tail, copied from the ring)."""
-    _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, k7, scale_s, k0, k1, k2, k3, k4, k5, k6, SRC, NW,
-             G0, G1)
-    if SRC == 584 and G1 > 7:
+                 k6, k7, SRC: gl.constexpr):
+    """Stage ``s`` (records ``SRC``) into the key tile slices ``k0..k7`` (584: group 7 is the
+    raw RoPE tail, copied from the ring)."""
+    _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, k7, scale_s, k0, k1, k2, k3, k4, k5, k6, SRC, NW)
+    if SRC == 584:
         k7.store(rope_ring.index(s).load(gl.BlockedLayout([1, 8], [8, 4], [NW, 1], [1, 0])))
 
 
 @gluon.jit
 def _dequant_keys(j, s, nblk_a, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k0, k1, k2,
                   k3, k4, k5, k6, k7, SRC_A: gl.constexpr, SRC_B: gl.constexpr,
-                  HAS_B: gl.constexpr, G0: gl.constexpr, G1: gl.constexpr):
-    """Block ``j`` (window keys below ``nblk_a``, then extra keys): groups ``G0..G1-1``."""
+                  HAS_B: gl.constexpr):
+    """Block ``j`` (window keys below ``nblk_a``, then extra keys) into the key tile."""
     if HAS_B and SRC_A != SRC_B:
         if j < nblk_a:
             _dequant_src(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k0, k1, k2, k3,
-                         k4, k5, k6, k7, SRC_A, G0, G1)
+                         k4, k5, k6, k7, SRC_A)
         else:
             _dequant_src(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k0, k1, k2, k3,
-                         k4, k5, k6, k7, SRC_B, G0, G1)
+                         k4, k5, k6, k7, SRC_B)
     else:
         _dequant_src(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k0, k1, k2, k3, k4,
-                     k5, k6, k7, SRC_A, G0, G1)
+                     k5, k6, k7, SRC_A)
 
 
 @gluon.jit
@@ -79,12 +77,10 @@ def _sparse_mla_decode_heads_kernel(
     H, qk_scale, num_splits, num_ht,
     SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
     HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, HAS_SINK: gl.constexpr,
-    SPLIT: gl.constexpr, NS: gl.constexpr, QK_STEP: gl.constexpr,
+    SPLIT: gl.constexpr, NS: gl.constexpr,
 ):
     """Grid ``T * num_splits * num_ht`` (head tile of 64 fastest, then split, then token), 8
-    warps; ``QK_STEP`` (1, 2, 4, 8): 64-dim groups dequantized per S wgmma step (8: one wgmma
-    after the whole tile). Arguments as the ``tl`` decode kernel's
-    (``_sparse_mla_fwd_grouped_kernel``)."""
+    warps. Arguments as the ``tl`` decode kernel's (``_sparse_mla_fwd_grouped_kernel``)."""
     SACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                    instr_shape=[16, 32, 16])
     OACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -200,22 +196,14 @@ def _sparse_mla_decode_heads_kernel(
         scale_s = scale_ring.index(s)
         # read before the next block's ids overwrite the other stage (no extra barrier)
         kidx = idx_ring.index(s).load(gl.SliceLayout(0, SACC))
-        # dequant, QK_STEP 64-dim groups at a time, each step's S wgmma issued under the next
-        # step's dequant: S = Q K^T [64 heads, 64 keys]
-        acc = zero_s
-        for g0 in gl.static_range(0, 8, QK_STEP):
-            _dequant_keys(j, s, nblk_a, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s,
-                          k0, k1, k2, k3, k4, k5, k6, k7, SRC_A, SRC_B, HAS_B, g0, g0 + QK_STEP)
-            fence_async_shared()
-            gl.thread_barrier()
-            if QK_STEP == 8:
-                acc = warpgroup_mma(q_smem, k_smem.permute((1, 0)), acc, use_acc=False,
-                                    is_async=True)
-            else:
-                for g in gl.static_range(g0, g0 + QK_STEP):
-                    acc = warpgroup_mma(q_smem.slice(g * 64, 64, dim=1),
-                                        _pick(g, k0, k1, k2, k3, k4, k5, k6, k7).permute((1, 0)),
-                                        acc, use_acc=g > 0, is_async=True)
+        _dequant_keys(j, s, nblk_a, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s,
+                      k0, k1, k2, k3, k4, k5, k6, k7, SRC_A, SRC_B, HAS_B)
+        fence_async_shared()
+        gl.thread_barrier()
+
+        # S = Q K^T [64 heads, 64 keys]
+        acc = warpgroup_mma(q_smem, k_smem.permute((1, 0)), zero_s, use_acc=False,
+                            is_async=True)
         sc = warpgroup_mma_wait(0, deps=[acc])
 
         sc = gl.where((kidx >= 0)[None, :], sc * qk_scale, float("-inf"))

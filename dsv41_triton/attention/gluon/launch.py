@@ -16,29 +16,41 @@ import torch
 from ..._utils import cdiv, is_interpreter
 from . import AVAILABLE, REASON
 
-#: the pick table: (major, minor) -> {(heads bucket, swa record, extra record or 0, tokens
-#: bucket): launch shape "num_warps:block_h:stages" (0 = default)}. Heads buckets: 8 (H <= 8),
-#: 16, 64, 128 (larger); tokens buckets: 32 (T <= 32), 128, 1 << 30. Only shapes where the Gluon
-#: kernel measured faster than the tl kernel on the H200 are listed (perf/NOTES.md, "Gluon
-#: decode for Hopper"); a missing key means the tl kernel.
-PICK = {
-    # H200, triton 3.6, 2026-12-01 (CUDA graph, L2 flushed, median of 30; tl in the same run):
-    # 8 heads 584+584 T=1 / 32: 15.5 / 23.5 vs 15.9 / 25.4 us; T=128 41.9 vs 41.8 (tie: tl);
-    # 8 heads 528+288 T=128: 49.2 vs 68.7 us. Everything else measured slower or untimed.
-    (9, 0): {
-        (8, 584, 584, 32): "4:0:3",
-        (8, 528, 288, 128): "4:0:3",
-    },
-}
-
 #: launch shapes the GPU tests run (tests/attention/test_decode_gluon.py,
 #: test_decode_gluon_heads.py); PICK uses only these. ``block_h`` 64 (``HEADS_SHAPE``) is the
 #: many-heads kernel of decode_heads.py (8 warps, heads on the wgmma M).
 HEADS_SHAPE = "8:64:2"
-#: the many-heads kernel's 64-dim groups per S wgmma step (1, 2, 4 or 8);
-#: DSV41_GLUON_HEADS_QK_STEP overrides it (benchmarks, tests)
-HEADS_QK_STEP = 2
 TESTED_SHAPES = ("4:0:3", "4:16:2", "8:16:3", "8:16:2", "8:32:3", HEADS_SHAPE)
+
+#: the pick table: (major, minor) -> {(heads bucket, swa record, extra record or 0, tokens
+#: bucket): launch shape "num_warps:block_h:stages" (0 = default)}. Heads buckets: 8 (H <= 8),
+#: 16, 32, 64, 128 (larger); tokens buckets: 32 (T <= 32), 128, 1 << 30. Only shapes where a
+#: Gluon kernel measured faster than the tl kernel (and the other Gluon kernel) on the H200 are
+#: listed (perf/NOTES.md, "Gluon decode for Hopper", "Gluon decode, many heads"); a missing
+#: key means the tl kernel.
+PICK = {
+    # H200, triton 3.6, 2026-12-01 (CUDA graph, L2 flushed, median of 30; tl in the same run):
+    # 8 heads 584+584 T=1 / 32: 15.5 / 23.5 vs 15.9 / 25.4 us; T=128 41.9 vs 41.8 (tie: tl);
+    # 8 heads 528+288 T=128: 49.2 vs 68.7 us. Everything else measured slower or untimed.
+    # Many-heads kernel (decode_heads.py, "8:64:2"), same method, 2026-12-01, T = 128 / 512,
+    # heads vs tl vs old Gluon (4:0:3) vs FlashMLA, us: 64 h 584+584 65.8 / 223.9 vs 91.1 /
+    # 334.6 vs 128.6 / 487.2 vs 50.3 / 174.6; 128 h 584+584 116.9 / 429.8 vs 168.9 / 640.9 vs
+    # 243.0 / 945.5 vs 68.4 / 251.2; 64 h 528+288 65.5 / 228.8 vs 105.5 / 396.0; 128 h 528+288
+    # T=128 118.6 vs 198.6. Not picked: T <= 32 (T=1: 21.0 vs tl 18.8), 32 heads (60.9 vs 62.3).
+    (9, 0): {
+        (8, 584, 584, 32): "4:0:3",
+        (8, 528, 288, 128): "4:0:3",
+        (64, 584, 584, 128): HEADS_SHAPE,
+        (64, 584, 584, 1 << 30): HEADS_SHAPE,
+        (128, 584, 584, 128): HEADS_SHAPE,
+        (128, 584, 584, 1 << 30): HEADS_SHAPE,
+        (64, 528, 288, 128): HEADS_SHAPE,
+        (64, 528, 288, 1 << 30): HEADS_SHAPE,
+        (128, 528, 288, 128): HEADS_SHAPE,
+        (128, 528, 288, 1 << 30): HEADS_SHAPE,
+    },
+}
+
 
 #: DSV41_DECODE_KERNEL=tl|gluon|auto overrides the pick (benchmarks, tests)
 ENV = "DSV41_DECODE_KERNEL"
@@ -58,7 +70,7 @@ def _cap(device: torch.device):
 
 
 def heads_bucket(H: int) -> int:
-    return 8 if H <= 8 else 16 if H <= 16 else 64 if H <= 64 else 128
+    return 8 if H <= 8 else 16 if H <= 16 else 32 if H <= 32 else 64 if H <= 64 else 128
 
 
 def tokens_bucket(T: int) -> int:
@@ -160,16 +172,12 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
         # the many-heads kernel: 64-head tiles, two warpgroups, two ring stages (shared memory)
         from .decode_heads import _sparse_mla_decode_heads_kernel
         nw, stages = 8, 2
-        qk_step = int(os.environ.get("DSV41_GLUON_HEADS_QK_STEP", HEADS_QK_STEP))
-        if qk_step not in (1, 2, 4, 8):
-            raise ValueError(f"DSV41_GLUON_HEADS_QK_STEP: expected 1, 2, 4 or 8, got {qk_step}")
         n_ht = cdiv(H, 64)
         ns = num_splits or default_splits(T, n_ht, width, _sms(q.device))
         args, po, pl, sink_arg, sink_st = kernel_args(q, a, b, sink, out, lse, ns)
         k = _sparse_mla_decode_heads_kernel[(T * ns * n_ht,)](
             *args, H, float(softmax_scale) * 1.4426950408889634, ns, n_ht, **flags,
-            SPLIT=ns > 1, NS=stages, QK_STEP=qk_step, num_warps=nw)
-        stages = (stages, qk_step)
+            SPLIT=ns > 1, NS=stages, num_warps=nw)
     else:
         if nw == 8:
             bh = max(bh, 16)  # two warpgroups split the heads: at least 8 each
@@ -185,5 +193,5 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
 
 
 __all__ = ["PICK", "ENV", "OVERRIDE", "usable", "pick", "launch", "default_shape",
-           "default_splits", "HEADS_SHAPE", "HEADS_QK_STEP",
+           "default_splits", "HEADS_SHAPE",
            "heads_bucket", "tokens_bucket", "table_shape", "parse_shape", "TESTED_SHAPES"]
