@@ -1,4 +1,5 @@
-"""Host side of the Gluon decode kernel: when it applies, the pick table, the launch.
+"""Host side of the Gluon decode kernels (decode.py's head tiles of 8/16/32, decode_heads.py's
+64-head tiles): when they apply, the pick table, the launch.
 
 ``usable(q, a, b)`` says whether the kernel can run these arguments (sm_90, Gluon present,
 16-byte aligned caches and block strides); ``pick(T, H, a, b, device)`` says whether it should
@@ -32,11 +33,13 @@ PICK = {
     # H200, triton 3.6, 2026-12-01 (CUDA graph, L2 flushed, median of 30; tl in the same run):
     # 8 heads 584+584 T=1 / 32: 15.5 / 23.5 vs 15.9 / 25.4 us; T=128 41.9 vs 41.8 (tie: tl);
     # 8 heads 528+288 T=128: 49.2 vs 68.7 us. Everything else measured slower or untimed.
-    # Many-heads kernel (decode_heads.py, "8:64:2"), same method, 2026-12-01, T = 128 / 512,
-    # heads vs tl vs old Gluon (4:0:3) vs FlashMLA, us: 64 h 584+584 65.8 / 223.9 vs 91.1 /
-    # 334.6 vs 128.6 / 487.2 vs 50.3 / 174.6; 128 h 584+584 116.9 / 429.8 vs 168.9 / 640.9 vs
-    # 243.0 / 945.5 vs 68.4 / 251.2; 64 h 528+288 65.5 / 228.8 vs 105.5 / 396.0; 128 h 528+288
-    # T=128 118.6 vs 198.6. Not picked: T <= 32 (T=1: 21.0 vs tl 18.8), 32 heads (60.9 vs 62.3).
+    # Many-heads kernel (decode_heads.py, HEADS_SHAPE), same method, 2026-12-01 (perf/NOTES.md,
+    # "Gluon decode, many heads"), T = 128 / 512, us, heads vs tl vs old Gluon (4:0:3) vs
+    # FlashMLA: 64 h 584+584 66.2 / 224.5 vs 92.1 / 335.7 vs 127.4 / 479.3 vs 50.8 / 174.6;
+    # 128 h 584+584 117.2 / 428.3 vs 168.9 / 641.2 vs 239.0 / 927.8 vs 68.7 / 252.1; 64 h
+    # 528+288 65.7 / 228.9 vs 105.6 / 395.6 vs 146.3 / 558.2; 128 h 528+288 119.2 / 441.6 vs
+    # 198.2 / 769.8 vs 278.1 / 1089.1. Not picked: T <= 32 (T = 1: 21.3 vs tl 18.8; T = 8 / 16
+    # / 32: 24.7 / 27.3 / 32.1 vs 26.3 / 29.2 / 38.7), 17..32 heads (32 h T=128: 61.1 vs 62.4).
     (9, 0): {
         (8, 584, 584, 32): "4:0:3",
         (8, 528, 288, 128): "4:0:3",
