@@ -196,6 +196,10 @@ def _sparse_mla_decode_heads_kernel(
         scale_s = scale_ring.index(s)
         # read before the next block's ids overwrite the other stage (no extra barrier)
         kidx = idx_ring.index(s).load(gl.SliceLayout(0, SACC))
+        # the ids of block j + NS + 1, loaded a whole block before their checks are needed
+        kn = j + NS
+        nidx_next = _load_idx(kn + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row,
+                              lo_b, hi_b, b_rows, HAS_B, LI)
         _dequant_keys(j, s, nblk_a, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s,
                       k0, k1, k2, k3, k4, k5, k6, k7, SRC_A, SRC_B, HAS_B)
         fence_async_shared()
@@ -221,12 +225,10 @@ def _sparse_mla_decode_heads_kernel(
         alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, OACC))
         o = warpgroup_mma(p_smem, k_smem, o * alpha_o[:, None], is_async=True)
         # block j + NS's gathers go into this block's (consumed) stage, under the O wgmma
-        kn = j + NS
         _issue(kn, nidx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
                r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, SRC_A, SRC_B,
                HAS_B, NS, NW)
-        nidx = _load_idx(kn + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b,
-                         hi_b, b_rows, HAS_B, LI)
+        nidx = nidx_next
         o = warpgroup_mma_wait(0, deps=[o])
     cp.wait_group(0)
     l_i = gl.convert_layout(gl.sum(l_part, axis=1), gl.SliceLayout(1, OACC))
