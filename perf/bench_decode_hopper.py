@@ -10,7 +10,10 @@ its own random pages) + 512 random compressed slots, pages of 64, sink on, real 
 records. FlashMLA 9241ae3's kernel is called directly with heads zero-padded to 64/128 and its
 scheduler metadata built once (584 records only: its SM90 kernels cannot read 528/288).
 Also printed: the bytes floor (unique key records + q + out at 4.2 TB/s) and the launch
-shape / registers of the Gluon kernel.
+shape / registers of the Gluon kernels. Columns: ``tl``; ``gluon``: the head-tiled Gluon
+kernel of decode.py (the pick table's shape for the row, else its default ``4:0:3``);
+``heads``: the many-heads Gluon kernel of decode_heads.py (``launch.HEADS_SHAPE``; rows with
+16 or more heads); FlashMLA.
 """
 from __future__ import annotations
 
@@ -36,6 +39,11 @@ COPY_BW = 4.249e12
 TABLE = [(8, 1, 584, 584), (8, 32, 584, 584), (8, 128, 584, 584), (8, 512, 584, 584),
          (16, 128, 584, 584), (64, 1, 584, 584), (64, 128, 584, 584), (64, 512, 584, 584),
          (128, 128, 584, 584), (128, 512, 584, 584), (8, 128, 528, 288), (64, 128, 528, 288)]
+#: the many-heads rows (issue 10's must-rows and their neighbours)
+HEADS = [(32, 128, 584, 584), (64, 1, 584, 584), (64, 8, 584, 584), (64, 16, 584, 584),
+         (64, 32, 584, 584), (64, 128, 584, 584), (64, 512, 584, 584), (128, 1, 584, 584),
+         (128, 128, 584, 584), (128, 512, 584, 584), (64, 1, 528, 288), (64, 128, 528, 288),
+         (64, 512, 528, 288), (128, 128, 528, 288), (128, 512, 528, 288)]
 QUICK = [(8, 128, 584, 584), (8, 128, 528, 288), (64, 128, 584, 584), (64, 128, 528, 288)]
 W, K, PAGE = 128, 512, 64
 
@@ -119,19 +127,49 @@ def flashmla_fn(case):
     return fn
 
 
+class _Keys:
+    """The record widths of a case, as the pick table reads them (``.src``)."""
+
+    def __init__(self, src):
+        self.src = src
+
+
+
+
+def time_gluon(case, ref, shape, reps):
+    """(µs, launch shape text, error text) of the Gluon decode at launch shape ``shape``."""
+    gluon_launch.OVERRIDE.clear()
+    gluon_launch.OVERRIDE.update(gluon_launch.parse_shape(shape))
+    try:
+        o, lse = sparse_mla_decode(**case, _kernel="gluon")
+        err = f"{rel_err(o, ref[0]):.1e}/{max_abs_err(lse, ref[1]):.1e}"
+        t = time_graph(lambda: sparse_mla_decode(**case, _kernel="gluon"), reps)
+        k, sh = gluon_launch.LAST_LAUNCH["fwd"]
+        text = f"{sh} r{getattr(k, 'n_regs', '?')} sp{getattr(k, 'n_spills', '?')}"
+    except Exception as e:  # noqa: BLE001 - print and go on with the table
+        t, text, err = float("nan"), "-", f"{type(e).__name__}: {str(e)[:80]}"
+    finally:
+        gluon_launch.OVERRIDE.clear()
+    return t, text, err
+
+
 def _warm_one(spec):
     """Compile one (row, launch shape) in a fresh process (fills Triton's cache)."""
     import subprocess
-    env = dict(os.environ, DSV41_GLUON_SHAPE=spec[1])
-    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--_warm", spec[0]], env=env,
+    shape = spec[1]
+    env = dict(os.environ, DSV41_GLUON_SHAPE="" if shape == "tl" else shape)
+    row = spec[0] + (",tl" if shape == "tl" else "")
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--_warm", row], env=env,
                        capture_output=True, text=True)
     return spec, r.returncode, r.stderr[-300:]
 
 
-def warm(rows, variants, jobs=8):
-    """Compile every (row, variant) in parallel processes before timing anything."""
+def warm(rows, variants, jobs=12):
+    """Compile every (row, variant) in parallel processes before timing anything (variant
+    ``"tl"``: the tl kernel; the many-heads shape only on rows of >= 16 heads)."""
     from concurrent.futures import ThreadPoolExecutor
-    specs = [(f"{H},{T},{ra},{rb}", v) for H, T, ra, rb in rows for v in variants]
+    specs = [(f"{H},{T},{ra},{rb}", v) for H, T, ra, rb in rows for v in variants
+             if H >= 16 or v != gluon_launch.HEADS_SHAPE]
     with ThreadPoolExecutor(jobs) as ex:
         for spec, rc, err in ex.map(_warm_one, specs):
             if rc:
@@ -141,6 +179,7 @@ def warm(rows, variants, jobs=8):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--heads", action="store_true", help="the many-heads rows only")
     ap.add_argument("--csv", default=None)
     ap.add_argument("--no-flashmla", action="store_true")
     ap.add_argument("--reps", type=int, default=30)
@@ -153,45 +192,47 @@ def main(argv=None):
     ap.add_argument("--_warm", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args._warm:
-        H, T, ra, rb = (int(x) for x in args._warm.split(","))
-        sparse_mla_decode(**build_case(T, H, ra, rb), _kernel="gluon")
+        parts = args._warm.split(",")
+        H, T, ra, rb = (int(x) for x in parts[:4])
+        sparse_mla_decode(**build_case(T, H, ra, rb), _kernel="tl" if parts[4:] else "gluon")
         torch.cuda.synchronize()
         return
-    rows = [] if args.no_table else QUICK if args.quick else TABLE
+    rows = [] if args.no_table else QUICK if args.quick else HEADS if args.heads else TABLE
     variants = [v for v in args.sweep.split(",") if v]
     sweep_rows = ([tuple(int(x) for x in r.split(",")) for r in args.sweep_rows.split(";")]
                   if args.sweep_rows else QUICK)
-    warm(rows, [""])
+    warm(rows, ["tl", "4:0:3", gluon_launch.HEADS_SHAPE])
     if variants:
         warm(sweep_rows, variants)
     print(f"# {torch.cuda.get_device_name()} | gluon available: {gluon_launch.AVAILABLE} "
           f"{gluon_launch.REASON}")
-    print("| heads | tokens | records | tl (µs) | gluon (µs) | gluon shape (bh, splits) | "
-          "FlashMLA (µs) | bytes floor (µs) | gluon err |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| heads | tokens | records | tl (µs) | gluon (µs) | gluon shape (bh, splits, nw, ns) "
+          "| heads (µs) | heads shape | FlashMLA (µs) | bytes floor (µs) | gluon err | heads err "
+          "| auto (µs) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     out_rows = []
     for H, T, ra, rb in rows:
         case = build_case(T, H, ra, rb)
         floor = bytes_floor_us(case, ra, rb)
+        ref = sparse_mla_decode_ref(**case)
         t_tl = time_graph(lambda: sparse_mla_decode(**case, _kernel="tl"), args.reps)
-        t_gl, shape, err = float("nan"), "-", "-"
-        try:
-            o, lse = sparse_mla_decode(**case, _kernel="gluon")
-            ro, rl = sparse_mla_decode_ref(**case)
-            err = f"{rel_err(o, ro):.1e}/{max_abs_err(lse, rl):.1e}"
-            t_gl = time_graph(lambda: sparse_mla_decode(**case, _kernel="gluon"), args.reps)
-            k, shape = gluon_launch.LAST_LAUNCH["fwd"]
-            shape = f"{shape} r{getattr(k, 'n_regs', '?')} sp{getattr(k, 'n_spills', '?')}"
-        except Exception as e:  # noqa: BLE001 - print and go on with the table
-            err = f"{type(e).__name__}: {str(e)[:80]}"
+        t_auto = time_graph(lambda: sparse_mla_decode(**case), args.reps)
+        old = gluon_launch.table_shape(T, H, _Keys(ra), _Keys(rb), case["q"].device) or ""
+        if old == gluon_launch.HEADS_SHAPE:
+            old = "4:0:3"
+        t_gl, shape, err = time_gluon(case, ref, old or "4:0:3", args.reps)
+        t_hd, hshape, herr = float("nan"), "-", "-"
+        if H >= 16:
+            t_hd, hshape, herr = time_gluon(case, ref, gluon_launch.HEADS_SHAPE, args.reps)
         t_fm = float("nan")
         if rb == 584 and ra == 584 and not args.no_flashmla:
             fn = flashmla_fn(case)
             if fn is not None:
                 t_fm = time_graph(fn, args.reps)
-        print(f"| {H} | {T} | {ra}+{rb} | {t_tl:.1f} | {t_gl:.1f} | {shape} | {t_fm:.1f} | "
-              f"{floor:.1f} | {err} |", flush=True)
-        out_rows.append((H, T, ra, rb, t_tl, t_gl, t_fm, floor))
+        print(f"| {H} | {T} | {ra}+{rb} | {t_tl:.1f} | {t_gl:.1f} | {shape} | {t_hd:.1f} | "
+              f"{hshape} | {t_fm:.1f} | {floor:.1f} | {err} | {herr} | {t_auto:.1f} |",
+              flush=True)
+        out_rows.append((H, T, ra, rb, t_tl, t_gl, t_hd, t_fm, floor, t_auto))
         case = None
         torch.cuda.empty_cache()
     if args.sweep:
@@ -215,7 +256,8 @@ def main(argv=None):
             torch.cuda.empty_cache()
     if args.csv:
         with open(args.csv, "w") as f:
-            f.write("heads,tokens,swa,extra,tl_us,gluon_us,flashmla_us,floor_us\n")
+            f.write("heads,tokens,swa,extra,tl_us,gluon_us,heads_us,flashmla_us,floor_us,"
+                    "auto_us\n")
             for r in out_rows:
                 f.write(",".join(str(x) for x in r) + "\n")
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The Gluon Hopper decode on the H200, in one device call (logs under $OUT):
-#   perf/run_gluon_decode.sh [tests|bench|quick|ncu|sanitize ...]   (default: all five)
+#   perf/run_gluon_decode.sh [tests|bench|quick|ncu|sanitize|heads-tests|heads-bench ...]
+#   (default: the first five; heads-*: the many-heads kernel's tests and bench rows)
 # Run from the repo root (or a stage copy) with PYTHONPATH at it; FlashMLA joins the bench
 # when `import flash_mla` works (see third_party/FLASHMLA.txt).
 set -u
@@ -13,6 +14,13 @@ for s in $steps; do
     XD=""; $PY -c "import xdist" 2>/dev/null && XD="-n 8"
     timeout 300 $PY -m pytest tests/attention/test_decode_gluon.py -m gpu -q -p no:cacheprovider \
       $XD -rf 2>&1 | tail -60 | tee "$OUT/tests.log" ;;
+  heads-tests)
+    XD=""; $PY -c "import xdist" 2>/dev/null && XD="-n ${NPROC:-16}"
+    timeout ${HT_TIMEOUT:-300} $PY -m pytest tests/attention/test_decode_gluon_heads.py \
+      ${HT_EXTRA:-} -q -p no:cacheprovider $XD -rf 2>&1 | tail -60 | tee "$OUT/heads-tests.log" ;;
+  heads-bench)
+    timeout ${HB_TIMEOUT:-300} $PY perf/bench_decode_hopper.py --heads --csv "$OUT/heads-bench.csv" \
+      2>&1 | tee "$OUT/heads-bench.log" ;;
   quick)
     timeout 200 $PY perf/bench_decode_hopper.py --quick 2>&1 | tee "$OUT/quick.log" ;;
   sweep)
@@ -27,7 +35,7 @@ for s in $steps; do
     for case in "${cases[@]}"; do
       set -- $case
       echo "== ncu: heads $1 tokens $2 records $3+$4 shape $5" | tee -a "$OUT/ncu.log"
-      DSV41_GLUON_SHAPE=$5 timeout 120 ncu --clock-control none -k regex:gluon --launch-count 1 \
+      DSV41_GLUON_SHAPE=$5 timeout 120 ncu --clock-control none -k regex:"gluon|heads" --launch-count 1 \
         --section SpeedOfLight --section Occupancy --section LaunchStats \
         --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
         $PY -c "

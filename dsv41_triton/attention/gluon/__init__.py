@@ -45,6 +45,7 @@ try:
     if not REASON:
         from . import decode as _decode  # noqa: F401  (defines the kernels)
         from . import prefill as _prefill  # noqa: F401
+        from . import decode_heads as _decode_heads  # noqa: F401
         AVAILABLE = True
 except Exception as e:  # noqa: BLE001 - a kernel that fails to define closes the gate
     REASON = f"gluon kernels failed to load: {type(e).__name__}: {e}"

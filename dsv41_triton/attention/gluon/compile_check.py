@@ -1,6 +1,7 @@
-"""Compile the Gluon decode kernel for an sm_90 target without a GPU (``triton.compile``).
+"""Compile the Gluon decode kernels for an sm_90 target without a GPU (``triton.compile``).
 
-``compile_decode(SRC_A, SRC_B, BH, ...)`` returns the compiled kernel (``.asm['sass'|'ptx']``,
+``compile_decode(SRC_A, SRC_B, BH, ...)`` (``BH = 64``: the many-heads kernel of
+``decode_heads.py``, 8 warps) returns the compiled kernel (``.asm['sass'|'ptx']``,
 ``.n_regs`` is unset without a driver: read registers with ``cuobjdump`` from ``.asm['cubin']``).
 Used by the CPU compile-only test and by ``python -m dsv41_triton.attention.gluon.compile_check``.
 """
@@ -39,11 +40,17 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from .decode import _sparse_mla_decode_gluon_kernel as kern
-
     sig, ptr16 = _signature()
     consts = dict(SRC_A=src_a, SRC_B=src_b, HAS_B=has_b, HAS_LEN_A=True, HAS_LEN_B=True,
-                  HAS_SINK=True, SPLIT=split, BH=bh, NS=ns, NW=nw)
+                  HAS_SINK=True, SPLIT=split)
+    if bh == 64:
+        from .decode_heads import NW
+        nw = NW.value
+        from .decode_heads import _sparse_mla_decode_heads_kernel as kern
+        consts.update(NS=ns)
+    else:
+        from .decode import _sparse_mla_decode_gluon_kernel as kern
+        consts.update(BH=bh, NS=ns, NW=nw)
     for k, v in consts.items():
         sig[k] = "constexpr"
     attrs = {(i,): [["tt.divisibility", 16]] for i in ptr16}
@@ -53,8 +60,9 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
                           options=dict(num_warps=nw))
 
 
-def resource_usage(k) -> str:
-    """``cuobjdump --dump-resource-usage`` of a compiled kernel's cubin (registers, smem)."""
+def resource_usage(k, flag: str = "--dump-resource-usage") -> str:
+    """``cuobjdump --dump-resource-usage`` (or ``flag``, e.g. ``-sass``) of a compiled
+    kernel's cubin (registers, smem)."""
     import os
     import subprocess
     import tempfile
@@ -65,19 +73,25 @@ def resource_usage(k) -> str:
         f.write(k.asm["cubin"])
         path = f.name
     try:
-        return subprocess.run([tool, "--dump-resource-usage", path], capture_output=True,
+        return subprocess.run([tool, flag, path], capture_output=True,
                               text=True).stdout
     finally:
         os.unlink(path)
 
 
-def summary(src_a: int, src_b: int, bh: int, split: bool, nw: int = 4) -> dict:
-    """Facts of one compile: wgmma / cp.async present in the PTX, shared memory, registers."""
-    k = compile_decode(src_a, src_b, bh, split, nw=nw)
+def summary(src_a: int, src_b: int, bh: int, split: bool, nw: int = 4, ns: int = 3) -> dict:
+    """Facts of one compile: wgmma / cp.async present in the PTX, shared memory, registers,
+    stack bytes (spills) and CTA barriers in the SASS."""
+    k = compile_decode(src_a, src_b, bh, split, nw=nw, ns=ns)
     ptx = k.asm["ptx"]
-    regs = [ln.split("REG:")[1].split()[0] for ln in resource_usage(k).splitlines() if "REG:" in ln]
+    use = resource_usage(k)
+    regs = [ln.split("REG:")[1].split()[0] for ln in use.splitlines() if "REG:" in ln]
+    stack = [ln.split("STACK:")[1].split()[0] for ln in use.splitlines() if "STACK:" in ln]
+    sass = resource_usage(k, "-sass")
     return {"wgmma": "wgmma.mma_async" in ptx, "cp_async": "cp.async" in ptx,
-            "shared": int(k.metadata.shared), "regs": int(regs[0]) if regs else -1}
+            "shared": int(k.metadata.shared), "regs": int(regs[0]) if regs else -1,
+            "stack": int(stack[0]) if stack else -1, "bar_sync": sass.count("BAR.SYNC"),
+            "wgmma_ptx": ptx.count("wgmma.mma_async")}
 
 
 _PREFILL_ARGS = (
@@ -129,16 +143,18 @@ def summary_prefill(lazy: bool = True) -> dict:
 
 
 if __name__ == "__main__":
-    # python -m dsv41_triton.attention.gluon.compile_check SRC_A SRC_B BH SPLIT NW -> JSON line
-    # (run with TRITON_INTERPRET unset: the interpreter replaces the functions Gluon calls)
+    # python -m dsv41_triton.attention.gluon.compile_check SRC_A SRC_B BH SPLIT NW [NS] -> JSON
+    # line (BH 64: the many-heads kernel; run with TRITON_INTERPRET unset: the interpreter
+    # replaces the functions Gluon calls)
     import json
     if len(sys.argv) == 3 and sys.argv[1] == "prefill":
         # python -m ...compile_check prefill LAZY -> JSON line
         print(json.dumps(summary_prefill(bool(int(sys.argv[2])))))
         sys.exit(0)
-    if len(sys.argv) == 6:
-        a, b, bh, sp, nw = (int(x) for x in sys.argv[1:])
-        print(json.dumps(summary(a, b, bh, bool(sp), nw)))
+    if len(sys.argv) in (6, 7):
+        a, b, bh, sp, nw = (int(x) for x in sys.argv[1:6])
+        ns = int(sys.argv[6]) if len(sys.argv) == 7 else (2 if bh == 64 else 3)
+        print(json.dumps(summary(a, b, bh, bool(sp), nw, ns)))
         sys.exit(0)
     combos = [(584, 584), (528, 288), (584, 288), (528, 528), (584, 528), (528, 584)]
     for a, b in combos:

@@ -1,4 +1,5 @@
-"""Host side of the Gluon decode kernel: when it applies, the pick table, the launch.
+"""Host side of the Gluon decode kernels (decode.py's head tiles of 8/16/32, decode_heads.py's
+64-head tiles): when they apply, the pick table, the launch.
 
 ``usable(q, a, b)`` says whether the kernel can run these arguments (sm_90, Gluon present,
 16-byte aligned caches and block strides); ``pick(T, H, a, b, device)`` says whether it should
@@ -16,23 +17,43 @@ import torch
 from ..._utils import cdiv, is_interpreter
 from . import AVAILABLE, REASON
 
+#: launch shapes the GPU tests run (tests/attention/test_decode_gluon.py,
+#: test_decode_gluon_heads.py); PICK uses only these. ``block_h`` 64 (``HEADS_SHAPE``) is the
+#: many-heads kernel of decode_heads.py (8 warps, heads on the wgmma M).
+HEADS_SHAPE = "8:64:2"
+TESTED_SHAPES = ("4:0:3", "4:16:2", "8:16:3", "8:16:2", "8:32:3", HEADS_SHAPE)
+
 #: the pick table: (major, minor) -> {(heads bucket, swa record, extra record or 0, tokens
 #: bucket): launch shape "num_warps:block_h:stages" (0 = default)}. Heads buckets: 8 (H <= 8),
-#: 16, 64, 128 (larger); tokens buckets: 32 (T <= 32), 128, 1 << 30. Only shapes where the Gluon
-#: kernel measured faster than the tl kernel on the H200 are listed (perf/NOTES.md, "Gluon
-#: decode for Hopper"); a missing key means the tl kernel.
+#: 16, 32, 64, 128 (larger); tokens buckets: 32 (T <= 32), 128, 1 << 30. Only shapes where a
+#: Gluon kernel measured faster than the tl kernel (and the other Gluon kernel) on the H200 are
+#: listed (perf/NOTES.md, "Gluon decode for Hopper", "Gluon decode, many heads"); a missing
+#: key means the tl kernel.
 PICK = {
     # H200, triton 3.6, 2026-12-01 (CUDA graph, L2 flushed, median of 30; tl in the same run):
     # 8 heads 584+584 T=1 / 32: 15.5 / 23.5 vs 15.9 / 25.4 us; T=128 41.9 vs 41.8 (tie: tl);
     # 8 heads 528+288 T=128: 49.2 vs 68.7 us. Everything else measured slower or untimed.
+    # Many-heads kernel (decode_heads.py, HEADS_SHAPE), same method, 2026-12-01 (perf/NOTES.md,
+    # "Gluon decode, many heads"), T = 128 / 512, us, heads vs tl vs old Gluon (4:0:3) vs
+    # FlashMLA: 64 h 584+584 66.2 / 224.5 vs 92.1 / 335.7 vs 127.4 / 479.3 vs 50.8 / 174.6;
+    # 128 h 584+584 117.2 / 428.3 vs 168.9 / 641.2 vs 239.0 / 927.8 vs 68.7 / 252.1; 64 h
+    # 528+288 65.7 / 228.9 vs 105.6 / 395.6 vs 146.3 / 558.2; 128 h 528+288 119.2 / 441.6 vs
+    # 198.2 / 769.8 vs 278.1 / 1089.1. Not picked: T <= 32 (T = 1: 21.3 vs tl 18.8; T = 8 / 16
+    # / 32: 24.7 / 27.3 / 32.1 vs 26.3 / 29.2 / 38.7), 17..32 heads (32 h T=128: 61.1 vs 62.4).
     (9, 0): {
         (8, 584, 584, 32): "4:0:3",
         (8, 528, 288, 128): "4:0:3",
+        (64, 584, 584, 128): HEADS_SHAPE,
+        (64, 584, 584, 1 << 30): HEADS_SHAPE,
+        (128, 584, 584, 128): HEADS_SHAPE,
+        (128, 584, 584, 1 << 30): HEADS_SHAPE,
+        (64, 528, 288, 128): HEADS_SHAPE,
+        (64, 528, 288, 1 << 30): HEADS_SHAPE,
+        (128, 528, 288, 128): HEADS_SHAPE,
+        (128, 528, 288, 1 << 30): HEADS_SHAPE,
     },
 }
 
-#: launch shapes the GPU tests run (tests/attention/test_decode_gluon.py); PICK uses only these
-TESTED_SHAPES = ("4:0:3", "4:16:2", "8:16:3", "8:16:2", "8:32:3")
 
 #: DSV41_DECODE_KERNEL=tl|gluon|auto overrides the pick (benchmarks, tests)
 ENV = "DSV41_DECODE_KERNEL"
@@ -52,7 +73,7 @@ def _cap(device: torch.device):
 
 
 def heads_bucket(H: int) -> int:
-    return 8 if H <= 8 else 16 if H <= 16 else 64 if H <= 64 else 128
+    return 8 if H <= 8 else 16 if H <= 16 else 32 if H <= 32 else 64 if H <= 64 else 128
 
 
 def tokens_bucket(T: int) -> int:
@@ -111,11 +132,16 @@ def default_shape(T: int, H: int, total_width: int, sms: int, num_warps: int = 4
     bh = 8 if H <= 8 else 16 if H <= 16 else 32
     if num_warps == 8:
         bh = max(bh, 16)
-    progs = T * cdiv(H, bh)
+    return bh, default_splits(T, cdiv(H, bh), total_width, sms)
+
+
+def default_splits(T: int, head_tiles: int, total_width: int, sms: int) -> int:
+    """Key splits that fill at most one wave of one CTA per SM (64-key blocks, at most 32)."""
+    progs = T * head_tiles
     splits = 1
     if progs < sms:
         splits = max(1, min(sms // progs, cdiv(max(total_width, 1), 64), 32))
-    return bh, splits
+    return splits
 
 
 #: the last launch's compiled kernel and (block_h, splits) (benchmarks read registers)
@@ -142,23 +168,33 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
     stages = stages or over.get("stages") or 3
     bh, ns = default_shape(T, H, width, _sms(q.device), nw)
     bh = block_h or over.get("block_h") or bh
-    if nw == 8:
-        bh = max(bh, 16)  # two warpgroups split the heads: at least 8 each
-    ns = num_splits or ns
-    n_ht = cdiv(H, bh)
     bb = b if b is not None else a
-    args, po, pl, sink_arg, sink_st = kernel_args(q, a, b, sink, out, lse, ns)
-    k = _sparse_mla_decode_gluon_kernel[(T * ns * n_ht,)](
-        *args,
-        H, float(softmax_scale) * 1.4426950408889634, ns, n_ht,
-        SRC_A=a.src, SRC_B=bb.src, HAS_B=b is not None, HAS_LEN_A=a.lens is not None,
-        HAS_LEN_B=bb.lens is not None, HAS_SINK=sink is not None, SPLIT=ns > 1, BH=bh,
-        NS=stages, NW=nw, num_warps=nw,
-    )
+    flags = dict(SRC_A=a.src, SRC_B=bb.src, HAS_B=b is not None, HAS_LEN_A=a.lens is not None,
+                 HAS_LEN_B=bb.lens is not None, HAS_SINK=sink is not None)
+    if bh == 64:
+        # the many-heads kernel: 64-head tiles, two warpgroups, two ring stages (shared memory)
+        from .decode_heads import _sparse_mla_decode_heads_kernel
+        nw, stages = 8, 2
+        n_ht = cdiv(H, 64)
+        ns = num_splits or default_splits(T, n_ht, width, _sms(q.device))
+        args, po, pl, sink_arg, sink_st = kernel_args(q, a, b, sink, out, lse, ns)
+        k = _sparse_mla_decode_heads_kernel[(T * ns * n_ht,)](
+            *args, H, float(softmax_scale) * 1.4426950408889634, ns, n_ht, **flags,
+            SPLIT=ns > 1, NS=stages, num_warps=nw)
+    else:
+        if nw == 8:
+            bh = max(bh, 16)  # two warpgroups split the heads: at least 8 each
+        ns = num_splits or ns
+        n_ht = cdiv(H, bh)
+        args, po, pl, sink_arg, sink_st = kernel_args(q, a, b, sink, out, lse, ns)
+        k = _sparse_mla_decode_gluon_kernel[(T * ns * n_ht,)](
+            *args, H, float(softmax_scale) * 1.4426950408889634, ns, n_ht, **flags,
+            SPLIT=ns > 1, BH=bh, NS=stages, NW=nw, num_warps=nw)
     LAST_LAUNCH["fwd"] = (k, (bh, ns, nw, stages))
     if ns > 1:
         merge_splits(po, pl, sink, sink_arg, sink_st, out, lse, ns, sw=False)
 
 
 __all__ = ["PICK", "ENV", "OVERRIDE", "usable", "pick", "launch", "default_shape",
+           "default_splits", "HEADS_SHAPE",
            "heads_bucket", "tokens_bucket", "table_shape", "parse_shape", "TESTED_SHAPES"]

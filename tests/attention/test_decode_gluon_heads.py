@@ -1,0 +1,241 @@
+"""The many-heads Gluon decode kernel (``attention/gluon/decode_heads.py``, launch shape
+``8:64:2``: 64-head tiles on the wgmma M, two warpgroups) against the float64 reference.
+
+CPU: compile-only for an sm_90 target where the installed Triton has the Gluon API (skipped
+otherwise). GPU-marked: heads 16..128 (one padded tile, two tiles, 65 = one head in the second
+tile), tokens 1..128 (1/2/7 split the keys), every record pair, ragged lens, ``-1`` and empty
+rows, sinks, a > 2 GiB cache, strided layouts, CUDA graphs, hostile indices; outputs poisoned.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dsv41_triton.attention import gluon as gluon_pkg
+from dsv41_triton.attention.decode import sparse_mla_decode
+from dsv41_triton.attention.ref import sparse_mla_decode_ref
+from dsv41_triton.ops.records import get_record_format
+from dsv41_triton.testing import (large_offset_decode_case, max_abs_err, poison_, random_k_cache,
+                                  rel_err)
+from test_decode_gluon import (LSE_TOL, OUT_TOL, PAIRS, _case, _check, _need_gluon_gpu, _slots,
+                               _v41)
+
+SHAPE = "8:64:2"
+
+
+@pytest.fixture
+def heads_kernel(monkeypatch):
+    """Route ``_kernel='gluon'`` to the many-heads kernel."""
+    from dsv41_triton.attention.gluon import launch as gl_launch
+    assert gl_launch.HEADS_SHAPE == SHAPE
+    monkeypatch.setenv("DSV41_GLUON_SHAPE", SHAPE)
+    yield gl_launch
+
+
+def _ran_heads(gl_launch):
+    k, shape = gl_launch.LAST_LAUNCH["fwd"]
+    assert shape[0] == 64 and shape[2] == 8, shape
+    return shape
+
+
+# --------------------------------------------------------------------------------------------
+# CPU: compile-only
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("src_a,src_b,split", [(584, 584, False), (528, 288, True),
+                                               (528, 584, False)])
+def test_gluon_heads_compiles_for_sm90(src_a, src_b, split):
+    """Compiles for sm_90 (subprocess without the interpreter): wgmma (32 for S, 4 for O),
+    cp.async, shared memory within the 227 KB of one CTA, registers within 255 for 256
+    threads, no large spills."""
+    if not gluon_pkg.AVAILABLE:
+        pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "dsv41_triton.attention.gluon.compile_check",
+                        str(src_a), str(src_b), "64", str(int(split)), "8", "2"],
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    facts = json.loads(r.stdout.strip().splitlines()[-1])
+    assert facts["wgmma"] and facts["cp_async"], facts
+    assert facts["wgmma_ptx"] == 36, facts
+    assert 0 < facts["shared"] <= 227 * 1024, facts
+    assert 0 < facts["regs"] <= 255 and 0 <= facts["stack"] <= 64, facts
+
+
+def test_gluon_heads_shape_in_pick_vocabulary():
+    """The many-heads launch shape is one the GPU tests run; the split count fills one wave."""
+    from dsv41_triton.attention.gluon import launch as gl_launch
+    assert SHAPE in gl_launch.TESTED_SHAPES
+    assert gl_launch.parse_shape(SHAPE) == {"num_warps": 8, "block_h": 64, "stages": 2}
+    assert gl_launch.default_splits(128, 1, 640, 132) == 1
+    assert gl_launch.default_splits(1, 1, 640, 132) == 10
+    assert gl_launch.default_splits(32, 2, 640, 132) == 2
+    assert gl_launch.default_splits(1, 2, 64 * 100, 132) == 32
+
+
+def test_gluon_heads_pick_entries():
+    """The pick table sends only 33+ heads with more than 32 tokens to the many-heads kernel
+    (it measured slower than tl at T = 1 and tied at 32 heads); 17..32 heads have their own
+    bucket."""
+    from dsv41_triton.attention.gluon import launch as gl_launch
+    assert gl_launch.heads_bucket(32) == 32 and gl_launch.heads_bucket(33) == 64
+    assert gl_launch.heads_bucket(65) == 128 and gl_launch.heads_bucket(16) == 16
+    entries = [k for t in gl_launch.PICK.values() for k, v in t.items() if v == SHAPE]
+    assert entries
+    for hb, sa, sb, tb in entries:
+        assert hb in (64, 128) and tb != 32, (hb, sa, sb, tb)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU
+# --------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [16, 32, 64, 65, 128])
+@pytest.mark.parametrize("swa_rec,extra_rec", PAIRS)
+def test_gluon_heads_records_gpu(device, heads_kernel, H, swa_rec, extra_rec):
+    _need_gluon_gpu()
+    _check(_case(device, 7, H, swa_rec, extra_rec))
+    _ran_heads(heads_kernel)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 2, 7, 128])
+@pytest.mark.parametrize("H", [64, 128])
+@pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, 288), (584, 288)])
+def test_gluon_heads_v41_shapes_gpu(device, heads_kernel, T, H, swa_rec, extra_rec):
+    _need_gluon_gpu()
+    _check(_v41(device, T, H, swa_rec, extra_rec))
+    shape = _ran_heads(heads_kernel)
+    if T == 1:
+        assert shape[1] > 1, shape  # one token: the keys are split
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sink", ["none", "-inf", "large", "rand"])
+@pytest.mark.parametrize("T", [1, 7])
+@pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, 288)])
+def test_gluon_heads_sinks_gpu(device, heads_kernel, sink, T, swa_rec, extra_rec):
+    _need_gluon_gpu()
+    _check(_case(device, T, 64, swa_rec, extra_rec, sink=sink))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_gluon_heads_empty_rows_gpu(device, heads_kernel, monkeypatch, T, splits):
+    """Rows with len 0, rows of only -1, rows whose every slot is past the cache; with and
+    without key splits."""
+    _need_gluon_gpu()
+    monkeypatch.setattr(heads_kernel, "default_splits", lambda *a: splits)
+    args = _case(device, T, 64, 584, 528)
+    args["swa_lens"][0] = 0
+    args["extra_lens"][0] = 0
+    if T > 1:
+        args["swa_indices"][1] = -1
+        args["extra_indices"][1] = -1
+        args["swa_indices"][2] = 10 ** 6
+        args["extra_indices"][2] = 10 ** 7
+    o, lse = _check(args)
+    assert _ran_heads(heads_kernel)[1] == splits
+    assert (o[0] == 0).all() and torch.isinf(lse[0]).all() and (lse[0] > 0).all()
+    if T > 1:
+        assert (o[1:3] == 0).all() and torch.isinf(lse[1:3]).all()
+
+
+@pytest.mark.gpu
+def test_gluon_heads_layouts_gpu(device, heads_kernel):
+    """Padded block stride, 4-D cache view, odd page size, strided q/out, int64 indices, 65
+    heads; nothing outside the owned rows is written."""
+    _need_gluon_gpu()
+    T, H, page = 3, 65, 5
+    fmt = get_record_format(584)
+    ca = random_k_cache(7, page, 584, device, block_stride=fmt.block_bytes(page) + 576 * 2)
+    cb = random_k_cache(11, page, 288, device)
+    ia = _slots(T, 19, 7 * page, device).long()
+    ib = _slots(T, 133, 11 * page, device)
+    la = torch.tensor([19, 3, 11], dtype=torch.int32, device=device)
+    qbig = torch.randn(T, 2 * H, 1024).to(torch.bfloat16).to(device)
+    q = qbig[:, ::2, 256:768]
+    obig = poison_(torch.empty(T, H + 2, 600, dtype=torch.bfloat16, device=device))
+    out = obig[:, 1:H + 1, 50:562]
+    args = dict(q=q, swa_cache=ca.unsqueeze(2), swa_indices=ia, swa_lens=la, extra_cache=cb,
+                extra_indices=ib, extra_lens=None, attn_sink=torch.randn(H, device=device))
+    _check(args, out=out)
+    _check(args, out=out, scale=0.01)
+    _ran_heads(heads_kernel)
+    assert torch.isnan(obig[:, 0]).all() and torch.isnan(obig[:, H + 1]).all()
+    assert torch.isnan(obig[:, :, :50]).all() and torch.isnan(obig[:, :, 562:]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 4])
+def test_gluon_heads_int64_offsets_gpu(device, heads_kernel, T):
+    """A cache of > 2 GiB: slots in its last blocks have byte offsets beyond 2**31."""
+    _need_gluon_gpu()
+    _check(large_offset_decode_case(device, T=T, H=64))
+    _ran_heads(heads_kernel)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H,swa_rec,extra_rec", [(1, 64, 584, 584), (128, 128, 528, 288),
+                                                   (32, 64, 584, 584), (7, 65, 528, 584)])
+def test_gluon_heads_cuda_graph_gpu(device, heads_kernel, T, H, swa_rec, extra_rec):
+    _need_gluon_gpu()
+    static = _v41(device, T, H, swa_rec, extra_rec)
+    out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=device)
+    sparse_mla_decode(**static, out=out, _kernel="gluon")
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        _, lse_g = sparse_mla_decode(**static, out=out, _kernel="gluon")
+    _ran_heads(heads_kernel)
+    fresh = _v41(device, T, H, swa_rec, extra_rec)
+    for name in ("q", "swa_indices", "swa_lens", "extra_indices", "extra_lens", "attn_sink"):
+        static[name].copy_(fresh[name])
+    poison_(out)
+    g.replay()
+    torch.cuda.synchronize()
+    o_e, l_e = sparse_mla_decode(**static, _kernel="gluon")
+    assert torch.equal(out, o_e) and torch.equal(lse_g, l_e)
+    ro, rl = sparse_mla_decode_ref(**static)
+    assert rel_err(out, ro) <= OUT_TOL and max_abs_err(lse_g, rl) <= LSE_TOL
+
+
+@pytest.mark.gpu
+def test_gluon_heads_hostile_indices_gpu(device, heads_kernel):
+    """Slot ids far past the cache, INT32_MAX/MIN, lens past the width and negative."""
+    _need_gluon_gpu()
+    args = _case(device, 4, 64, 528, 288, Ws=70, K=90, page=64, nb_a=2, nb_b=2)
+    ia, ib = args["swa_indices"], args["extra_indices"]
+    ia[:, ::3] = 2 ** 31 - 1
+    ia[:, 1::5] = -(2 ** 31)
+    ib[:, ::4] = 2 * 64  # exactly one past the last slot
+    ib[:, 2::7] = 10 ** 9
+    args["swa_lens"][:] = torch.tensor([70, 10 ** 6, -5, 33], dtype=torch.int32)
+    _check(args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 4])
+def test_gluon_heads_nan_sink_gpu(device, heads_kernel, monkeypatch, splits):
+    """A NaN sink: every row of its head is NaN, a token without keys included; the other
+    heads as the reference (0 / +inf for that token); lse unaffected."""
+    _need_gluon_gpu()
+    monkeypatch.setattr(heads_kernel, "default_splits", lambda *a: splits)
+    H = 64
+    args = _case(device, 3, H, 584, 288)
+    args["attn_sink"][37] = float("nan")
+    args["swa_lens"][1] = 0
+    args["extra_lens"][1] = 0
+    out = poison_(torch.empty(3, H, 512, dtype=torch.bfloat16, device=device))
+    o, lse = sparse_mla_decode(**args, out=out, _kernel="gluon")
+    assert _ran_heads(heads_kernel)[1] == splits
+    ro, rl = sparse_mla_decode_ref(**args)
+    assert torch.isnan(o[:, 37]).all() and torch.isnan(ro[:, 37]).all()
+    keep = [h for h in range(H) if h != 37]
+    assert rel_err(o[:, keep], ro[:, keep]) <= OUT_TOL
+    assert (o[1, keep] == 0).all()
+    assert max_abs_err(lse, rl) <= LSE_TOL and (lse[1] == float("inf")).all()
+
