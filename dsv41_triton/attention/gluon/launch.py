@@ -25,7 +25,7 @@ TESTED_SHAPES = ("4:0:3", "4:16:2", "8:16:3", "8:16:2", "8:32:3", HEADS_SHAPE)
 
 #: the pick table: (major, minor) -> {(heads bucket, swa record, extra record or 0, tokens
 #: bucket): launch shape "num_warps:block_h:stages" (0 = default)}. Heads buckets: 8 (H <= 8),
-#: 16, 32, 64, 128 (larger); tokens buckets: 32 (T <= 32), 128, 1 << 30. Only shapes where a
+#: 16, 32, 64, 128 (larger); tokens buckets: 7 (T <= 7), 32 (8..32), 128, 1 << 30. Only shapes where a
 #: Gluon kernel measured faster than the tl kernel (and the other Gluon kernel) on the H200 are
 #: listed (perf/NOTES.md, "Gluon decode for Hopper", "Gluon decode, many heads"); a missing
 #: key means the tl kernel.
@@ -38,10 +38,14 @@ PICK = {
     # FlashMLA: 64 h 584+584 66.2 / 224.5 vs 92.1 / 335.7 vs 127.4 / 479.3 vs 50.8 / 174.6;
     # 128 h 584+584 117.2 / 428.3 vs 168.9 / 641.2 vs 239.0 / 927.8 vs 68.7 / 252.1; 64 h
     # 528+288 65.7 / 228.9 vs 105.6 / 395.6 vs 146.3 / 558.2; 128 h 528+288 119.2 / 441.6 vs
-    # 198.2 / 769.8 vs 278.1 / 1089.1. Not picked: T <= 32 (T = 1: 21.3 vs tl 18.8; T = 8 / 16
-    # / 32: 24.7 / 27.3 / 32.1 vs 26.3 / 29.2 / 38.7), 17..32 heads (32 h T=128: 61.1 vs 62.4).
+    # 198.2 / 769.8 vs 278.1 / 1089.1; 64 h 584+584 T = 8 / 16 / 32: 24.7 / 27.3 / 32.1 vs tl
+    # 26.3 / 29.2 / 38.7 (picked for 8..32 tokens). Not picked: T <= 7 (T = 1: 21.3 vs tl
+    # 18.8), 17..32 heads (32 h T=128: 61.1 vs 62.4), T <= 32 at 128 heads and at 528+288
+    # (untimed).
     (9, 0): {
+        (8, 584, 584, 7): "4:0:3",
         (8, 584, 584, 32): "4:0:3",
+        (64, 584, 584, 32): HEADS_SHAPE,
         (8, 528, 288, 128): "4:0:3",
         (64, 584, 584, 128): HEADS_SHAPE,
         (64, 584, 584, 1 << 30): HEADS_SHAPE,
@@ -77,7 +81,7 @@ def heads_bucket(H: int) -> int:
 
 
 def tokens_bucket(T: int) -> int:
-    return 32 if T <= 32 else 128 if T <= 128 else 1 << 30
+    return 7 if T <= 7 else 32 if T <= 32 else 128 if T <= 128 else 1 << 30
 
 
 def usable(q: torch.Tensor, a, b) -> bool:
