@@ -53,7 +53,7 @@ def _producer(q_ptr, stride_qt, stride_qh, kv_ptr, kv_stride, rows, idx_ptr, idx
     for h in gl.static_range(2):
         cp.async_copy_global_to_shared(q_smem.index(0).slice(256 * h, 256, dim=1),
                                        q_ptr + q_off[:, None] + (256 * h + d)[None, :],
-                                       mask=(hq < H)[:, None])
+                                       mask=(hq < H)[:, None], eviction_policy="evict_first")
     cp.mbarrier_arrive(q_bar, increment_count=False)
     npair = gl.cdiv(n, 2 * BN)
     r = gl.arange(0, BN, layout=gl.SliceLayout(1, LC))
@@ -83,7 +83,7 @@ def _fill(kv_ptr, off, ok, d, ring, ready, free, S: gl.constexpr, HF: gl.constex
     mbarrier.wait(free.index(2 * S + HF), ph)
     cp.async_copy_global_to_shared(ring.index(S).slice(256 * HF, 256, dim=1),
                                    kv_ptr + off[:, None] + (256 * HF + d)[None, :],
-                                   mask=ok[:, None])
+                                   mask=ok[:, None], eviction_policy="evict_last")
     cp.mbarrier_arrive(ready.index(2 * S + HF), increment_count=False)
 
 
@@ -225,7 +225,7 @@ def _consumer(C: gl.constexpr, idx_ptr, idx_st, n, rows, t, ht, H, qk_scale,
     do = 256 * C + gl.arange(0, 256, layout=gl.SliceLayout(0, O_L))
     v = (o * gl.convert_layout(inv, ROW_O)[:, None]).to(gl.bfloat16)
     op = out_ptr + t * stride_ot + ho.to(gl.int64)[:, None] * stride_oh + do[None, :]
-    gl.store(op, v, mask=(ho < H)[:, None])
+    gl.store(op, v, mask=(ho < H)[:, None], cache_modifier=".cs")
 
 
 @gluon.jit
