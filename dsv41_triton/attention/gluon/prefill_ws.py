@@ -4,12 +4,13 @@ Same contract, grid and results as ``prefill.py`` (one CTA = one query token x a
 tile, 64-key blocks, exp2 online softmax, the sink in the epilogue); the work is split over
 three warpgroups by ``gl.warp_specialize`` and synchronized by ``mbarrier``s only:
 
-* **producer** (4 warps, few registers): cp.async of Q, then per block ``j`` the 64 key rows
-  (1 KB each, 16-byte copies, invalid columns zero-filled) into ring stage ``j % 2`` once both
-  consumers freed it; each thread's ``cp.async.mbarrier.arrive.noinc`` completes the stage's
-  ``ready`` barrier when its copies landed. Index rows are loaded a block pair ahead.
-* **consumer 0** (the default partition) owns the even blocks and value dims ``0..255``,
-  **consumer 1** the odd blocks and value dims ``256..511``; each computes the full
+* **producer** (the default partition, 4 warps, 72 registers): cp.async of Q, then per block
+  pair the four value-dim halves (``[64 keys, 256]``, 1 KB rows as 16-byte copies, invalid
+  columns zero-filled) of ring stages 0 (even block) and 1 (odd block), each once its readers
+  freed it; each thread's ``cp.async.mbarrier.arrive.noinc`` completes the half's ``ready``
+  barrier when its copies landed.
+* **consumer 0** (worker, 4 warps, 216 registers) owns the even blocks and value dims
+  ``0..255``, **consumer 1** the odd blocks and value dims ``256..511``; each computes the full
   ``S [64 heads, 64 keys]`` of its block (``HGMMA.64x64x16``, Q resident). Per block pair the
   running max is handed 0 -> 1 -> 0 through shared memory (consumer 1 starts from consumer 0's
   new max, consumer 0 rescales its P and O to consumer 1's); each consumer accumulates
@@ -29,11 +30,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 BN = gl.constexpr(64)
 BH = gl.constexpr(64)
-#: warps of the default partition (consumer 0); consumer 1 and the producer add 4 each
+#: warps of the default partition (the producer); each consumer warpgroup adds 4
 NUM_WARPS = 4
-#: registers per thread of consumer 1 and of the producer (setmaxnreg)
+#: registers per thread of each consumer (setmaxnreg; the producer keeps the rest: 72)
 CONSUMER_REGS = gl.constexpr(216)
-PRODUCER_REGS = gl.constexpr(72)
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
