@@ -3,7 +3,9 @@
 #   perf/run_gluon_prefill.sh [tests|bench|ncu|sanitize ...]   (default: tests bench ncu)
 # Run from the repo root (or a stage copy) with PYTHONPATH at it; FlashMLA joins the bench
 # when `import flash_mla` works (see third_party/FLASHMLA.txt). T_TESTS / T_BENCH / T_NCU:
-# per-step time limits in seconds.
+# per-step time limits in seconds. TESTS_K: a pytest -k filter for the tests step (e.g. the
+# warp-specialized kernel alone: "ws and not table and not eager and not lazy");
+# BENCH_GLUON_VARIANTS (e.g. eager,ws) for the bench; NCU_VARIANT (e.g. ws) for ncu.
 set -u
 OUT=${OUT:-/tmp/gluon-prefill-out}; mkdir -p "$OUT"
 PY=${PY:-python3}
@@ -13,14 +15,14 @@ for s in $steps; do
   tests)
     XD=""; $PY -c "import xdist" 2>/dev/null && XD="-n 8"
     timeout "${T_TESTS:-240}" $PY -m pytest tests/attention/test_prefill_gluon.py -m gpu -q \
-      -p no:cacheprovider $XD -rf 2>&1 | tail -60 | tee "$OUT/tests.log" ;;
+      -p no:cacheprovider $XD -rf ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -60 | tee -a "$OUT/tests.log" ;;
   bench)
     timeout "${T_BENCH:-240}" $PY perf/bench_prefill.py --quick --heads "${HEADS:-8,64,128}" \
       2>&1 | tee "$OUT/bench.log" ;;
   ncu)
     for H in ${NCU_HEADS:-64}; do
-      echo "== ncu: gluon prefill, heads $H, 4096 x 640" | tee -a "$OUT/ncu.log"
-      timeout "${T_NCU:-120}" ncu --clock-control none -k regex:gluon --launch-count 1 \
+      echo "== ncu: gluon prefill ${NCU_VARIANT:-table}, heads $H, 4096 x 640" | tee -a "$OUT/ncu.log"
+      DSV41_PREFILL_GLUON_VARIANT=${NCU_VARIANT:-} timeout "${T_NCU:-120}" ncu --clock-control none -k regex:gluon --launch-count 1 \
         --section SpeedOfLight --section Occupancy --section WarpStateStats \
         --section SchedulerStats --section MemoryWorkloadAnalysis \
         $PY -c "

@@ -6,6 +6,8 @@ the kernel needs (skipped otherwise, e.g. Triton 3.9); the pick table. GPU-marke
 empty rows, sinks (none, -inf, large, +inf, NaN), NaN propagation, layouts, int64 indices,
 a > 2 GiB workspace, CUDA graphs, hostile indices; skipped where the kernel cannot run.
 """
+import os
+
 import pytest
 import torch
 
@@ -16,7 +18,19 @@ from dsv41_triton.testing import max_abs_err, poison_, rel_err
 
 OUT_TOL = 1e-2
 LSE_TOL = 1e-3
-VARIANTS = ("eager", "lazy")
+VARIANTS = ("eager", "lazy", "ws")
+#: the kernel the contract tests pin: "table" (the pick table's variant) or "ws" (the
+#: warp-specialized kernel, gluon/prefill_ws.py)
+PINS = ("table", "ws")
+
+
+@pytest.fixture(params=PINS)
+def pin(request, monkeypatch):
+    """Pins the Gluon variant of every ``_kernel='gluon'`` call in the test."""
+    from dsv41_triton.attention.gluon import prefill_launch as pl
+    if request.param != "table":
+        monkeypatch.setenv(pl.VARIANT_ENV, request.param)
+    return request.param
 
 
 def _need_gluon_gpu():
@@ -31,10 +45,11 @@ def _need_gluon_gpu():
 # --------------------------------------------------------------------------------------------
 # CPU
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("lazy", [True, False])
-def test_gluon_prefill_compiles_for_sm90(lazy):
+@pytest.mark.parametrize("lazy,ws", [(True, False), (False, False), (False, True)])
+def test_gluon_prefill_compiles_for_sm90(lazy, ws):
     """The kernel compiles for sm_90 on this machine (in a subprocess without the interpreter);
-    wgmma and cp.async are in the PTX, shared memory fits, no register spills."""
+    wgmma and cp.async are in the PTX, shared memory fits; the warp-specialized one sets its
+    partitions' register budgets (setmaxnreg)."""
     if not gluon_pkg.AVAILABLE:
         pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
     import json
@@ -43,13 +58,15 @@ def test_gluon_prefill_compiles_for_sm90(lazy):
     import sys
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-m", "dsv41_triton.attention.gluon.compile_check",
-                        "prefill", str(int(lazy))], env=env, capture_output=True, text=True,
-                       timeout=900)
+                        "prefill", str(int(lazy)), str(int(ws))], env=env, capture_output=True,
+                       text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     facts = json.loads(r.stdout.strip().splitlines()[-1])
     assert facts["wgmma"] and facts["cp_async"], facts
     assert 0 < facts["shared"] <= 227 * 1024, facts
     assert 0 < facts["regs"] <= 255, facts
+    if ws:
+        assert facts["setmaxnreg"], facts
 
 
 def test_gluon_prefill_pick_table():
@@ -113,6 +130,9 @@ def _check(args, variant="lazy", out=None, scale=None, monkeypatch=None):
     torch.cuda.synchronize()
     if monkeypatch is not None:
         assert pl.LAST_LAUNCH["fwd"][1] == variant
+    pinned = os.environ.get(pl.VARIANT_ENV)
+    if pinned:
+        assert pl.LAST_LAUNCH["fwd"][1] == pinned
     assert o.data_ptr() == out.data_ptr() and lse.shape == (T, H)
     ro, rl = sparse_mla_prefill_ref(**args, softmax_scale=scale)
     assert not torch.isnan(o).any() and not torch.isnan(lse).any()
@@ -145,7 +165,7 @@ def test_gluon_prefill_tokens_gpu(device, monkeypatch, T, H, q_scale, variant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("H", [64, 128])
-def test_gluon_prefill_v41_gpu(device, H):
+def test_gluon_prefill_v41_gpu(device, H, pin):
     """The V4.1 pattern: 512 random entries + a contiguous 128-row window, 640 keys a row."""
     _need_gluon_gpu()
     T, S = 64, 8192
@@ -161,7 +181,7 @@ def test_gluon_prefill_v41_gpu(device, H):
 @pytest.mark.gpu
 @pytest.mark.parametrize("sink", ["none", "-inf", "large", "+inf", "rand"])
 @pytest.mark.parametrize("H", [3, 64])
-def test_gluon_prefill_sinks_gpu(device, sink, H):
+def test_gluon_prefill_sinks_gpu(device, sink, H, pin):
     _need_gluon_gpu()
     o, _ = _check(_case(device, 5, H, sink=sink))
     if sink == "large":  # exp(60) dominates the denominator
@@ -171,7 +191,7 @@ def test_gluon_prefill_sinks_gpu(device, sink, H):
 
 
 @pytest.mark.gpu
-def test_gluon_prefill_nan_gpu(device):
+def test_gluon_prefill_nan_gpu(device, pin):
     """A NaN sink makes every row of its head NaN (rows without keys too), lse unaffected;
     a NaN in q or in a selected key propagates to that row's out and lse."""
     _need_gluon_gpu()
@@ -205,7 +225,7 @@ def test_gluon_prefill_nan_gpu(device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("H", [8, 128])
-def test_gluon_prefill_empty_rows_gpu(device, H):
+def test_gluon_prefill_empty_rows_gpu(device, H, pin):
     """Rows with len 0, rows of only -1, rows whose every index is past the workspace, and an
     index width of 0."""
     _need_gluon_gpu()
@@ -222,7 +242,7 @@ def test_gluon_prefill_empty_rows_gpu(device, H):
 
 
 @pytest.mark.gpu
-def test_gluon_prefill_layouts_gpu(device):
+def test_gluon_prefill_layouts_gpu(device, pin):
     """Strided q / out, a [S, 1, 512] workspace with padded rows, int64 indices, a row
     width not a multiple of 64; nothing outside the owned rows is written."""
     _need_gluon_gpu()
@@ -243,7 +263,7 @@ def test_gluon_prefill_layouts_gpu(device):
 
 
 @pytest.mark.gpu
-def test_gluon_prefill_int64_offsets_gpu(device):
+def test_gluon_prefill_int64_offsets_gpu(device, pin):
     """A workspace of > 2 GiB: rows near its end have byte offsets beyond 2**31."""
     _need_gluon_gpu()
     S = (1 << 21) + 4096  # 2 GiB + 4 MiB of bf16 rows
@@ -264,7 +284,7 @@ def test_gluon_prefill_int64_offsets_gpu(device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,H", [(1, 8), (32, 64), (16, 128)])
-def test_gluon_prefill_cuda_graph_gpu(device, T, H):
+def test_gluon_prefill_cuda_graph_gpu(device, T, H, pin):
     _need_gluon_gpu()
     static = _case(device, T, H, S=1000, K=300)
     out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=device)
@@ -286,7 +306,7 @@ def test_gluon_prefill_cuda_graph_gpu(device, T, H):
 
 
 @pytest.mark.gpu
-def test_gluon_prefill_hostile_indices_gpu(device):
+def test_gluon_prefill_hostile_indices_gpu(device, pin):
     """Indices far past the workspace, INT32_MAX/MIN, lens past the width and negative:
     nothing out of bounds is read (compute-sanitizer memcheck in the device run)."""
     _need_gluon_gpu()
@@ -300,7 +320,7 @@ def test_gluon_prefill_hostile_indices_gpu(device):
 
 
 @pytest.mark.gpu
-def test_gluon_prefill_auto_env_gpu(device, monkeypatch):
+def test_gluon_prefill_auto_env_gpu(device, monkeypatch, pin):
     """``DSV41_PREFILL_KERNEL=gluon`` routes the public op (custom-op boundary) to the Gluon
     kernel; ``=tl`` to the tl kernel; both agree with the reference."""
     _need_gluon_gpu()

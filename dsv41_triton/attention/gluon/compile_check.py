@@ -106,13 +106,17 @@ _PREFILL_ARGS = (
 
 
 def compile_prefill(lazy: bool = True, has_len: bool = True, has_sink: bool = True,
-                    arch: int = 90):
-    """The Gluon prefill kernel compiled for ``sm_<arch>`` (no GPU needed)."""
+                    arch: int = 90, ws: bool = False):
+    """The Gluon prefill kernel (``ws``: the warp-specialized one) compiled for ``sm_<arch>``
+    (no GPU needed)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from .prefill import NUM_WARPS, _sparse_mla_prefill_gluon_kernel as kern
+    if ws:
+        from .prefill_ws import NUM_WARPS, _sparse_mla_prefill_gluon_ws_kernel as kern
+    else:
+        from .prefill import NUM_WARPS, _sparse_mla_prefill_gluon_kernel as kern
 
     sig = dict(_PREFILL_ARGS)
     aligned = [i for i, (n, ty) in enumerate(_PREFILL_ARGS)
@@ -127,10 +131,11 @@ def compile_prefill(lazy: bool = True, has_len: bool = True, has_sink: bool = Tr
                           options=dict(num_warps=NUM_WARPS))
 
 
-def summary_prefill(lazy: bool = True) -> dict:
+def summary_prefill(lazy: bool = True, ws: bool = False) -> dict:
     """Facts of one prefill compile: wgmma / cp.async in the PTX, shared memory, registers,
-    spill stores, CTA barriers in the SASS."""
-    k = compile_prefill(lazy)
+    spill stores, CTA barriers in the SASS (``setmaxnreg``: the partitions' register budgets
+    of the warp-specialized kernel)."""
+    k = compile_prefill(lazy, ws=ws)
     ptx = k.asm["ptx"]
     usage = resource_usage(k)
     regs = [ln.split("REG:")[1].split()[0] for ln in usage.splitlines() if "REG:" in ln]
@@ -139,7 +144,9 @@ def summary_prefill(lazy: bool = True) -> dict:
     return {"wgmma": "wgmma.mma_async" in ptx, "cp_async": "cp.async" in ptx,
             "shared": int(k.metadata.shared), "regs": int(regs[0]) if regs else -1,
             "stack": int(stack[0]) if stack else -1,
-            "bar_sync": sass.count("BAR.SYNC"), "local_st": sass.count("STL")}
+            "bar_sync": sass.count("BAR.SYNC"), "local_st": sass.count("STL"),
+            "setmaxnreg": sorted(set(ln.split("setmaxnreg")[1].strip().rstrip(";")
+                                     for ln in ptx.splitlines() if "setmaxnreg" in ln))}
 
 
 if __name__ == "__main__":
@@ -147,9 +154,10 @@ if __name__ == "__main__":
     # line (BH 64: the many-heads kernel; run with TRITON_INTERPRET unset: the interpreter
     # replaces the functions Gluon calls)
     import json
-    if len(sys.argv) == 3 and sys.argv[1] == "prefill":
-        # python -m ...compile_check prefill LAZY -> JSON line
-        print(json.dumps(summary_prefill(bool(int(sys.argv[2])))))
+    if len(sys.argv) in (3, 4) and sys.argv[1] == "prefill":
+        # python -m ...compile_check prefill LAZY [WS] -> JSON line
+        ws = len(sys.argv) == 4 and bool(int(sys.argv[3]))
+        print(json.dumps(summary_prefill(bool(int(sys.argv[2])), ws=ws)))
         sys.exit(0)
     if len(sys.argv) in (6, 7):
         a, b, bh, sp, nw = (int(x) for x in sys.argv[1:6])

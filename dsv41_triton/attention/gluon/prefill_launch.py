@@ -29,12 +29,14 @@ PICK = {
     (9, 0): {64: "eager", 128: "eager"},
 }
 
-#: variants the GPU tests run (tests/attention/test_prefill_gluon.py); PICK uses only these
-VARIANTS = ("eager", "lazy")
+#: variants the GPU tests run (tests/attention/test_prefill_gluon.py); PICK uses only these.
+#: "ws": the warp-specialized kernel (``prefill_ws.py``: a producer warpgroup and two consumer
+#: warpgroups ping-ponging on alternate key blocks, eager rescale)
+VARIANTS = ("eager", "lazy", "ws")
 
 #: DSV41_PREFILL_KERNEL=tl|gluon|auto overrides the pick (benchmarks, tests)
 ENV = "DSV41_PREFILL_KERNEL"
-#: DSV41_PREFILL_GLUON_VARIANT=lazy|eager pins the variant (benchmarks)
+#: DSV41_PREFILL_GLUON_VARIANT=lazy|eager|ws pins the variant (benchmarks, tests)
 VARIANT_ENV = "DSV41_PREFILL_GLUON_VARIANT"
 #: heads per CTA (the kernel's wgmma M)
 BLOCK_H = 64
@@ -95,7 +97,6 @@ def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     """Run the Gluon prefill on validated arguments (``kv [S, 512]``, ``indices [T, K]``)."""
     if not AVAILABLE:
         raise RuntimeError(f"gluon prefill unavailable: {REASON}")
-    from .prefill import NUM_WARPS, _sparse_mla_prefill_gluon_kernel
 
     T, H, _ = q.shape
     if T == 0:
@@ -104,12 +105,16 @@ def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                or "eager")
     if variant not in VARIANTS:
         raise ValueError(f"{VARIANT_ENV}: expected one of {VARIANTS}, got {variant!r}")
+    if variant == "ws":
+        from .prefill_ws import NUM_WARPS, _sparse_mla_prefill_gluon_ws_kernel as kernel
+    else:
+        from .prefill import NUM_WARPS, _sparse_mla_prefill_gluon_kernel as kernel
     S = kv.shape[0]
     kv_stride = kv.stride(0) if S > 1 else 512
     n_ht = cdiv(H, BLOCK_H)
     lens_arg = lens if lens is not None else indices
     sink_arg = sink if sink is not None else lse
-    k = _sparse_mla_prefill_gluon_kernel[(T * n_ht,)](
+    k = kernel[(T * n_ht,)](
         q, q.stride(0), q.stride(1),
         kv, kv_stride, S,
         indices, indices.stride(0), indices.shape[1],

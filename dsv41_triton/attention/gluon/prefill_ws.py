@@ -1,0 +1,309 @@
+"""Warp-specialized sparse MLA prefill for Hopper in Gluon: ``sparse_mla_prefill``'s contract.
+
+Same contract, grid and results as ``prefill.py`` (one CTA = one query token x a 64-head
+tile, 64-key blocks, exp2 online softmax, the sink in the epilogue); the work is split over
+three warpgroups by ``gl.warp_specialize`` and synchronized by ``mbarrier``s only:
+
+* **producer** (the default partition, 4 warps, 72 registers): cp.async of Q, then per block
+  pair the four value-dim halves (``[64 keys, 256]``, 1 KB rows as 16-byte copies, invalid
+  columns zero-filled) of ring stages 0 (even block) and 1 (odd block), each once its readers
+  freed it; each thread's ``cp.async.mbarrier.arrive.noinc`` completes the half's ``ready``
+  barrier when its copies landed.
+* **consumer 0** (worker, 4 warps, 216 registers) owns the even blocks and value dims
+  ``0..255``, **consumer 1** the odd blocks and value dims ``256..511``; each computes the full
+  ``S [64 heads, 64 keys]`` of its block (``HGMMA.64x64x16``, Q resident). Per block pair the
+  running max is handed 0 -> 1 -> 0 through shared memory (consumer 1 starts from consumer 0's
+  new max, consumer 0 rescales its P and O to consumer 1's); each consumer accumulates
+  ``O[:, its dims] += P_own V_own`` (P from registers) ``+ P_other V_other`` (P from the other
+  consumer's shared tile). Row sums are per consumer and added in the epilogue.
+
+QK of one consumer runs while the other does its softmax / PV (ping-pong), the producer's
+copies of the next pair while both compute. No CTA-wide barrier in the loop.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+
+BN = gl.constexpr(64)
+BH = gl.constexpr(64)
+#: warps of the default partition (the producer); each consumer warpgroup adds 4
+NUM_WARPS = 4
+#: registers per thread of each consumer (setmaxnreg; the producer keeps the rest: 72)
+CONSUMER_REGS = gl.constexpr(216)
+
+LOG2E = gl.constexpr(1.4426950408889634)
+LN2 = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _producer(q_ptr, stride_qt, stride_qh, kv_ptr, kv_stride, rows, idx_ptr, idx_st, n, t, ht,
+              H, q_smem, ring, q_bar, ready, free):
+    """4 warps: Q, then every block's rows into the ring (stage ``j % 2``) in value-dim halves
+    (``ready`` / ``free`` index ``2 * stage + half``), each half as soon as its readers freed
+    it: per block pair the halves go (0, 0), (1, 1), (0, 1), (1, 0), the order they free up."""
+    LC: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    idx_row = idx_ptr + t * idx_st
+    hq = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, LC))
+    d = gl.arange(0, 256, layout=gl.SliceLayout(0, LC))
+    q_off = gl.multiple_of(t * stride_qt + hq.to(gl.int64) * stride_qh, 8)
+    for h in gl.static_range(2):
+        cp.async_copy_global_to_shared(q_smem.index(0).slice(256 * h, 256, dim=1),
+                                       q_ptr + q_off[:, None] + (256 * h + d)[None, :],
+                                       mask=(hq < H)[:, None], eviction_policy="evict_first")
+    cp.mbarrier_arrive(q_bar, increment_count=False)
+    npair = gl.cdiv(n, 2 * BN)
+    r = gl.arange(0, BN, layout=gl.SliceLayout(1, LC))
+    for i in range(npair):
+        ph = (i & 1) ^ 1
+        c0 = (2 * i) * BN + r
+        ok0 = c0 < n
+        ix0 = gl.load(idx_row + c0, mask=ok0, other=-1).to(gl.int64)
+        ok0 = ok0 & (ix0 >= 0) & (ix0 < rows)
+        off0 = gl.multiple_of(gl.where(ok0, ix0 * kv_stride, 0), 8)
+        c1 = (2 * i + 1) * BN + r
+        ok1 = c1 < n
+        ix1 = gl.load(idx_row + c1, mask=ok1, other=-1).to(gl.int64)
+        ok1 = ok1 & (ix1 >= 0) & (ix1 < rows)
+        off1 = gl.multiple_of(gl.where(ok1, ix1 * kv_stride, 0), 8)
+        _fill(kv_ptr, off0, ok0, d, ring, ready, free, 0, 0, ph)
+        _fill(kv_ptr, off1, ok1, d, ring, ready, free, 1, 1, ph)
+        _fill(kv_ptr, off0, ok0, d, ring, ready, free, 0, 1, ph)
+        _fill(kv_ptr, off1, ok1, d, ring, ready, free, 1, 0, ph)
+
+
+@gluon.jit
+def _fill(kv_ptr, off, ok, d, ring, ready, free, S: gl.constexpr, HF: gl.constexpr, ph):
+    """Value-dim half ``HF`` of the rows at element offsets ``off`` (``ok``: copy, else zero
+    fill) into ring stage ``S`` once it is free; its ``ready`` barrier completes when every
+    producer thread's copies landed."""
+    mbarrier.wait(free.index(2 * S + HF), ph)
+    cp.async_copy_global_to_shared(ring.index(S).slice(256 * HF, 256, dim=1),
+                                   kv_ptr + off[:, None] + (256 * HF + d)[None, :],
+                                   mask=ok[:, None], eviction_policy="evict_last")
+    cp.mbarrier_arrive(ready.index(2 * S + HF), increment_count=False)
+
+
+@gluon.jit
+def _qk(q_smem, kt, ready, C: gl.constexpr, ph, s_zero):
+    """``S = Q K^T`` of stage ``C`` over both value-dim halves, own half (``C``) first, each
+    issued as soon as it has landed; waited."""
+    mbarrier.wait(ready.index(2 * C + C), ph)
+    fence_async_shared()
+    acc = warpgroup_mma(q_smem.slice(256 * C, 256, dim=1),
+                        kt.slice(256 * C, 256, dim=1).permute((1, 0)), s_zero,
+                        use_acc=False, is_async=True)
+    mbarrier.wait(ready.index(2 * C + 1 - C), ph)
+    fence_async_shared()
+    acc = warpgroup_mma(q_smem.slice(256 * (1 - C), 256, dim=1),
+                        kt.slice(256 * (1 - C), 256, dim=1).permute((1, 0)), acc,
+                        is_async=True)
+    return warpgroup_mma_wait(0, deps=[acc])
+
+
+@gluon.jit
+def _consumer(C: gl.constexpr, idx_ptr, idx_st, n, rows, t, ht, H, qk_scale,
+              sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
+              q_smem, ring, p_smem, m_smem, l_smem, q_bar, ready, free, m_bar, p_bar, l_bar,
+              HAS_SINK: gl.constexpr):
+    """One consumer warpgroup: blocks ``j % 2 == C``, value dims ``256 C .. 256 C + 255``.
+    Frees (``free[2 * stage + half]``): the other half of its own stage after its QK, its own
+    half of its own stage after its local PV, its half of the other stage after the remote
+    PV."""
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 64, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 256, 16])
+    P_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
+    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+    idx_row = idx_ptr + t * idx_st
+    npair = gl.cdiv(n, 2 * BN)
+    COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
+    IL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    cidx = gl.arange(0, BN, layout=IL)
+
+    m_i = gl.full([BH], float("-inf"), gl.float32, layout=ROW_S)
+    l_i = gl.full([BH], 0.0, gl.float32, layout=ROW_S)
+    s_zero = gl.full([BH, BN], 0.0, gl.float32, layout=S_L)
+    o = gl.full([BH, 256], 0.0, gl.float32, layout=O_L)
+
+    mbarrier.wait(q_bar, 0)
+    for i in range(npair):
+        ph = i & 1
+        # Q and the stages through an index the compiler cannot fold (``i >> 30`` is 0): the
+        # wgmma descriptors are formed in the loop instead of hoisted (and spilled) out of it
+        opaque = i >> 30
+        mine = ring.index(C + opaque)
+        other = ring.index(1 - C + opaque)
+        v_mine = mine.slice(256 * C, 256, dim=1)
+        v_other = other.slice(256 * C, 256, dim=1)
+        # this block's column validity, loaded one column a thread pair and moved to the
+        # accumulator's columns (the load's latency hides behind the QK product)
+        c = (2 * i + C) * BN + cidx
+        cm = c < n
+        ci = gl.load(idx_row + c, mask=cm, other=-1)
+        ok = gl.convert_layout(cm & (ci >= 0) & (ci < rows), COL_S)
+        sc = _qk(q_smem.index(opaque), mine, ready, C, ph, s_zero)
+        gl.thread_barrier()
+        mbarrier.arrive(free.index(2 * C + 1 - C))  # the other half of my stage: QK done
+        sc = gl.where(ok[None, :], sc * qk_scale, float("-inf"))
+        if C == 0:
+            m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+            m_smem.slice(0, BH).store(m_new)
+            gl.thread_barrier()
+            mbarrier.arrive(m_bar.index(0))
+        else:
+            mbarrier.wait(m_bar.index(0), ph)
+            m_new = gl.maximum(m_smem.slice(0, BH).load(ROW_S), gl.max(sc, axis=1))
+            m_smem.slice(BH, BH).store(m_new)
+            gl.thread_barrier()
+            mbarrier.arrive(m_bar.index(1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(sc - m_safe[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        o = o * gl.convert_layout(alpha, ROW_O)[:, None]
+        pb = p.to(gl.bfloat16)
+        o = warpgroup_mma(gl.convert_layout(pb, P_A), v_mine, o, is_async=True)
+        if C == 0:
+            # consumer 1's max covers both blocks: P and the state move to it
+            mbarrier.wait(m_bar.index(1), ph)
+            m_1 = m_smem.slice(BH, BH).load(ROW_S)
+            m1_safe = gl.where(m_1 == float("-inf"), 0.0, m_1)
+            scale = gl.where(m_new == float("-inf"), 0.0, gl.exp2(m_safe - m1_safe))
+            # (from the bf16 P: the fp32 one is dead once the local PV is issued)
+            p_smem.index(0).store((pb.to(gl.float32) * scale[:, None]).to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(p_bar.index(0))
+            o = warpgroup_mma_wait(0, deps=[o])
+            o = o * gl.convert_layout(scale, ROW_O)[:, None]
+            l_i = l_i * scale
+            m_i = m_1
+        else:
+            p_smem.index(1).store(pb)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(p_bar.index(1))
+            o = warpgroup_mma_wait(0, deps=[o])
+            m_i = m_new
+        gl.thread_barrier()
+        mbarrier.arrive(free.index(2 * C + C))  # my half of my stage: local PV done
+        mbarrier.wait(p_bar.index(1 - C), ph)
+        o = warpgroup_mma(p_smem.index(1 - C), v_other, o, is_async=True)
+        o = warpgroup_mma_wait(0, deps=[o])
+        gl.thread_barrier()
+        mbarrier.arrive(free.index(2 * (1 - C) + C))  # my half of the other stage
+
+    # ---- epilogue: the row sums of both consumers -----------------------------------------
+    l_smem.slice(BH * C, BH).store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(l_bar.index(C))
+    mbarrier.wait(l_bar.index(1 - C), 0)
+    l_tot = l_i + l_smem.slice(BH * (1 - C), BH).load(ROW_S)
+    h = ht * BH + gl.arange(0, BH, layout=ROW_S)
+    hmask = h < H
+    h64 = h.to(gl.int64)
+    has = l_tot != 0.0  # no key <=> l == 0 exactly; a NaN l propagates
+    l_safe = gl.where(has, l_tot, 1.0)
+    den = l_safe
+    if HAS_SINK:
+        m_s = gl.where(has, m_i, 0.0)
+        sink = gl.load(sink_ptr + h64 * sink_st, mask=hmask, other=float("-inf"))
+        den = den + gl.exp2(sink * LOG2E - m_s)
+        inv = gl.where(has, 1.0 / den, gl.where(sink != sink, float("nan"), 0.0))
+    else:
+        inv = gl.where(has, 1.0 / den, 0.0)
+    if C == 0:
+        lse = gl.where(has, (m_i + gl.log2(l_safe)) * LN2, float("inf"))
+        gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
+    ho = ht * BH + gl.arange(0, BH, layout=ROW_O)
+    do = 256 * C + gl.arange(0, 256, layout=gl.SliceLayout(0, O_L))
+    v = (o * gl.convert_layout(inv, ROW_O)[:, None]).to(gl.bfloat16)
+    op = out_ptr + t * stride_ot + ho.to(gl.int64)[:, None] * stride_oh + do[None, :]
+    gl.store(op, v, mask=(ho < H)[:, None], cache_modifier=".cs")
+
+
+@gluon.jit
+def _consumer0(idx_ptr, idx_st, n, rows, t, ht, H, qk_scale, sink_ptr, sink_st, out_ptr,
+               stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, q_smem, ring, p_smem,
+               m_smem, l_smem, q_bar, ready, free, m_bar, p_bar, l_bar, HAS_SINK: gl.constexpr):
+    _consumer(0, idx_ptr, idx_st, n, rows, t, ht, H, qk_scale, sink_ptr, sink_st, out_ptr,
+              stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, q_smem, ring, p_smem,
+              m_smem, l_smem, q_bar, ready, free, m_bar, p_bar, l_bar, HAS_SINK)
+
+
+@gluon.jit
+def _consumer1(idx_ptr, idx_st, n, rows, t, ht, H, qk_scale, sink_ptr, sink_st, out_ptr,
+               stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, q_smem, ring, p_smem,
+               m_smem, l_smem, q_bar, ready, free, m_bar, p_bar, l_bar, HAS_SINK: gl.constexpr):
+    _consumer(1, idx_ptr, idx_st, n, rows, t, ht, H, qk_scale, sink_ptr, sink_st, out_ptr,
+              stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, q_smem, ring, p_smem,
+              m_smem, l_smem, q_bar, ready, free, m_bar, p_bar, l_bar, HAS_SINK)
+
+
+@gluon.jit
+def _sparse_mla_prefill_gluon_ws_kernel(
+    q_ptr, stride_qt, stride_qh,
+    kv_ptr, kv_stride, rows,
+    idx_ptr, idx_st, width, len_ptr, len_st,
+    sink_ptr, sink_st,
+    out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
+    H, qk_scale, num_ht,
+    HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, LAZY: gl.constexpr,
+):
+    """Arguments as ``prefill._sparse_mla_prefill_gluon_kernel`` (``LAZY`` is ignored: the
+    rescale is eager); launch with ``num_warps=NUM_WARPS`` (12 warps run)."""
+    KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, 512], gl.bfloat16)
+    QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, 512], gl.bfloat16)
+    PL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, BN], gl.bfloat16)
+    VL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+
+    pid = gl.program_id(0)
+    ht = pid % num_ht
+    t = (pid // num_ht).to(gl.int64)
+    if HAS_LEN:
+        n = gl.load(len_ptr + t * len_st).to(gl.int32)
+        n = gl.minimum(gl.maximum(n, 0), width)
+    else:
+        n = width + 0
+
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [1, BH, 512], QL)
+    ring = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 512], KL)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BH, BN], PL)
+    m_smem = gl.allocate_shared_memory(gl.float32, [2 * BH], VL)
+    l_smem = gl.allocate_shared_memory(gl.float32, [2 * BH], VL)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    m_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    l_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=128)  # every producer thread, cp.async noinc arrive
+    # ring stage k // 2, value dims 256 (k % 2) ..: filled by every producer thread (cp.async
+    # noinc arrive); read by its stage's consumer, and by the other one too where the half is
+    # the other's value dims
+    for k in gl.static_range(4):
+        mbarrier.init(ready.index(k), count=128)
+    mbarrier.init(free.index(0), count=1)
+    mbarrier.init(free.index(1), count=2)
+    mbarrier.init(free.index(2), count=2)
+    mbarrier.init(free.index(3), count=1)
+    for s in gl.static_range(2):
+        mbarrier.init(m_bar.index(s), count=1)
+        mbarrier.init(p_bar.index(s), count=1)
+        mbarrier.init(l_bar.index(s), count=1)
+
+    cargs = (idx_ptr, idx_st, n, rows, t, ht, H, qk_scale, sink_ptr, sink_st, out_ptr,
+             stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, q_smem, ring, p_smem,
+             m_smem, l_smem, q_bar, ready, free, m_bar, p_bar, l_bar, HAS_SINK)
+    gl.warp_specialize([
+        (_producer, (q_ptr, stride_qt, stride_qh, kv_ptr, kv_stride, rows, idx_ptr, idx_st, n,
+                     t, ht, H, q_smem, ring, q_bar, ready, free)),
+        (_consumer0, cargs),
+        (_consumer1, cargs),
+    ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
