@@ -9,9 +9,10 @@ online softmax. Per block:
    stage while block ``j``'s O wgmma runs): the block's slot ids become byte offsets and
    ``cp.async`` copies the raw records into stage ``k % NS`` of a shared ring
    (``decode._issue`` / ``decode._copy_keys``).
-2. **dequant** by all 8 warps (``decode._dequant``, exact) into one bf16 key tile
-   ``[64 keys, 512]`` (NVMMA-swizzled); for 584 records the raw bf16 RoPE tail is copied from
-   the ring into the tile's last 64 dims.
+2. **dequant** by all 8 warps (exact, ``decode._dequant``'s arithmetic) of the eight 64-dim
+   groups into registers (for 584 records group 7 is the raw bf16 RoPE tail of the ring), then
+   ONE store of the whole bf16 key tile ``[64 keys, 512]`` (NVMMA-swizzled): no CTA barriers
+   between the groups.
 3. ``S [64 heads, 64 keys] = Q [64, 512] · K^T`` in one async wgmma whose accumulator layout
    has ``warps_per_cta = [4, 2]``: each warpgroup computes 32 of the keys over all 512 dims.
    Online exp2 softmax (the row max crosses the two warpgroups), P (bf16) stored to a
@@ -31,7 +32,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .decode import LOG2E, _copy_layout, _dequant, _issue, _load_idx
+from .decode import (_E2M1_ASM, _E4M3_ASM, LOG2E, _copy_layout, _e4m3_bf16, _issue, _load_idx,
+                     _pick, _ue8m0_bf16)
 
 #: heads per CTA (the wgmma M)
 BH = gl.constexpr(64)
@@ -40,30 +42,80 @@ NW = gl.constexpr(8)
 
 
 @gluon.jit
-def _dequant_src(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k0, k1, k2, k3, k4, k5,
-                 k6, k7, SRC: gl.constexpr):
-    """Stage ``s`` (records ``SRC``) into the key tile slices ``k0..k7`` (584: group 7 is the
-    raw RoPE tail, copied from the ring)."""
-    _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, k7, scale_s, k0, k1, k2, k3, k4, k5, k6, SRC, NW)
-    if SRC == 584:
-        k7.store(rope_ring.index(s).load(gl.BlockedLayout([1, 8], [8, 4], [NW, 1], [1, 0])))
+def _dequant_group(g: gl.constexpr, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s,
+                   SRC: gl.constexpr):
+    """Group ``g`` (64 dims) of stage ``s`` (records ``SRC``) as exact bf16 ``[64 keys, 64]``
+    registers in ``_copy_layout(16, NW)`` (584: group 7 is the raw RoPE tail of the ring)."""
+    L16: gl.constexpr = _copy_layout(16, NW)
+    if SRC == 288:
+        # a thread's 8 bytes are the 16 dims of one e4m3 scale (see decode._dequant)
+        L8: gl.constexpr = _copy_layout(8, NW)
+        tile = _pick(g // 2, r0, r1, r2, r3, r4, r5, r6, r7).index(s)
+        raw = gl.reshape(tile.slice((g % 2) * 32, 32, dim=1).load(L8), [64, 4, 8])
+        sb = scale_s.slice(4 * g, 4, dim=1).load(gl.SliceLayout(2, raw.type.layout))
+        sc = gl.broadcast(gl.expand_dims(_e4m3_bf16(sb), 2), raw)[0]
+        lo, hi = gl.inline_asm_elementwise(_E2M1_ASM, "=r,=r,=r,=r,r,r,r", [raw, sc],
+                                           dtype=(gl.bfloat16, gl.bfloat16), is_pure=True,
+                                           pack=4)
+        x = gl.convert_layout(gl.reshape(gl.join(lo, hi), [64, 64]), L16)
+    elif SRC == 584 and g == 7:
+        x = rope_ring.index(s).load(L16)
+    else:
+        raw = _pick(g, r0, r1, r2, r3, r4, r5, r6, r7).index(s).load(L16)
+        if SRC == 584:
+            sc = _ue8m0_bf16(scale_s.slice(g, 1, dim=1).load(L16))
+            sc = gl.broadcast(sc, raw)[0]
+            x = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r,r,r", [raw, sc],
+                                          dtype=gl.bfloat16, is_pure=True, pack=4)
+        else:
+            # 528: two scales per 64 dims; a thread's 16 bytes lie in one half
+            raw3 = gl.reshape(raw, [64, 2, 32])
+            sb = scale_s.slice(2 * g, 2, dim=1).load(gl.SliceLayout(2, raw3.type.layout))
+            sc = gl.broadcast(gl.expand_dims(_ue8m0_bf16(sb), 2), raw3)[0]
+            x = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r,r,r", [raw3, sc],
+                                          dtype=gl.bfloat16, is_pure=True, pack=4)
+            x = gl.convert_layout(gl.reshape(x, [64, 64]), L16)
+    return x
 
 
 @gluon.jit
-def _dequant_keys(j, s, nblk_a, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k0, k1, k2,
-                  k3, k4, k5, k6, k7, SRC_A: gl.constexpr, SRC_B: gl.constexpr,
-                  HAS_B: gl.constexpr):
+def _cat4(x0, x1, x2, x3):
+    """Four ``[64, 64]`` register tiles side by side -> ``[64, 256]`` (no data movement: the
+    group index becomes register bits of the layout)."""
+    a = gl.join(gl.join(x0, x1), gl.join(x2, x3))  # [64, 64, 2 (g & 1), 2 (g >> 1)]
+    return gl.reshape(gl.permute(a, (0, 3, 2, 1)), [64, 256])
+
+
+@gluon.jit
+def _dequant_src(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k_smem,
+                 SRC: gl.constexpr):
+    """Stage ``s`` (records ``SRC``) into the bf16 key tile ``k_smem [64, 512]`` in ONE shared
+    store (64 registers per thread): membar puts a CTA barrier between any two stores into one
+    allocation, even into disjoint column slices."""
+    x0 = _dequant_group(0, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
+    x1 = _dequant_group(1, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
+    x2 = _dequant_group(2, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
+    x3 = _dequant_group(3, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
+    lo = _cat4(x0, x1, x2, x3)
+    x4 = _dequant_group(4, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
+    x5 = _dequant_group(5, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
+    x6 = _dequant_group(6, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
+    x7 = _dequant_group(7, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
+    hi = _cat4(x4, x5, x6, x7)
+    k_smem.store(gl.reshape(gl.permute(gl.join(lo, hi), (0, 2, 1)), [64, 512]))
+
+
+@gluon.jit
+def _dequant_keys(j, s, nblk_a, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k_smem,
+                  SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr):
     """Block ``j`` (window keys below ``nblk_a``, then extra keys) into the key tile."""
     if HAS_B and SRC_A != SRC_B:
         if j < nblk_a:
-            _dequant_src(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k0, k1, k2, k3,
-                         k4, k5, k6, k7, SRC_A)
+            _dequant_src(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k_smem, SRC_A)
         else:
-            _dequant_src(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k0, k1, k2, k3,
-                         k4, k5, k6, k7, SRC_B)
+            _dequant_src(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k_smem, SRC_B)
     else:
-        _dequant_src(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k0, k1, k2, k3, k4,
-                     k5, k6, k7, SRC_A)
+        _dequant_src(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k_smem, SRC_A)
 
 
 @gluon.jit
@@ -129,14 +181,6 @@ def _sparse_mla_decode_heads_kernel(
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 512], WL)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 512], WL)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], KL)
-    k0 = k_smem.slice(0, 64, dim=1)
-    k1 = k_smem.slice(64, 64, dim=1)
-    k2 = k_smem.slice(128, 64, dim=1)
-    k3 = k_smem.slice(192, 64, dim=1)
-    k4 = k_smem.slice(256, 64, dim=1)
-    k5 = k_smem.slice(320, 64, dim=1)
-    k6 = k_smem.slice(384, 64, dim=1)
-    k7 = k_smem.slice(448, 64, dim=1)
 
     # ---- this program's column ranges ---------------------------------------------------
     if HAS_LEN_A:
@@ -200,8 +244,8 @@ def _sparse_mla_decode_heads_kernel(
         kn = j + NS
         nidx_next = _load_idx(kn + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row,
                               lo_b, hi_b, b_rows, HAS_B, LI)
-        _dequant_keys(j, s, nblk_a, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s,
-                      k0, k1, k2, k3, k4, k5, k6, k7, SRC_A, SRC_B, HAS_B)
+        _dequant_keys(j, s, nblk_a, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k_smem,
+                      SRC_A, SRC_B, HAS_B)
         fence_async_shared()
         gl.thread_barrier()
 
