@@ -12,11 +12,12 @@ online softmax. Per block:
 2. **dequant** by all 8 warps (exact, ``decode._dequant``'s arithmetic) of the eight 64-dim
    groups into registers (for 584 records group 7 is the raw bf16 RoPE tail of the ring), then
    ONE store of the whole bf16 key tile ``[64 keys, 512]`` (NVMMA-swizzled): no CTA barriers
-   between the groups.
+   between the groups. With ``OVERLAP`` (the default) block ``j + 1``'s registers are computed
+   while block ``j``'s O wgmma runs and stored once that wgmma is done; without it, after.
 3. ``S [64 heads, 64 keys] = Q [64, 512] · K^T`` in one async wgmma whose accumulator layout
    has ``warps_per_cta = [4, 2]``: each warpgroup computes 32 of the keys over all 512 dims.
    Online exp2 softmax (the row max crosses the two warpgroups), P (bf16) stored to a
-   ``[64, 64]`` shared tile.
+   ``[64, 64]`` shared tile; the row sums stay per thread until the epilogue.
 4. ``O [64 heads, 512] += P · K`` in one async wgmma with ``warps_per_cta = [4, 2]``: each
    warpgroup owns 256 value dims (128 fp32 registers per thread).
 
@@ -87,11 +88,10 @@ def _cat4(x0, x1, x2, x3):
 
 
 @gluon.jit
-def _dequant_src(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k_smem,
-                 SRC: gl.constexpr):
-    """Stage ``s`` (records ``SRC``) into the bf16 key tile ``k_smem [64, 512]`` in ONE shared
-    store (64 registers per thread): membar puts a CTA barrier between any two stores into one
-    allocation, even into disjoint column slices."""
+def _dequant_src(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC: gl.constexpr):
+    """Stage ``s`` (records ``SRC``) as the bf16 key tile ``[64 keys, 512]`` in registers (64
+    per thread), stored by the caller in ONE shared store: membar puts a CTA barrier between
+    any two stores into one allocation, even into disjoint column slices."""
     x0 = _dequant_group(0, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
     x1 = _dequant_group(1, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
     x2 = _dequant_group(2, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
@@ -102,20 +102,33 @@ def _dequant_src(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k_smem,
     x6 = _dequant_group(6, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
     x7 = _dequant_group(7, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
     hi = _cat4(x4, x5, x6, x7)
-    k_smem.store(gl.reshape(gl.permute(gl.join(lo, hi), (0, 2, 1)), [64, 512]))
+    return gl.reshape(gl.permute(gl.join(lo, hi), (0, 2, 1)), [64, 512])
 
 
 @gluon.jit
-def _dequant_keys(j, s, nblk_a, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k_smem,
-                  SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr):
-    """Block ``j`` (window keys below ``nblk_a``, then extra keys) into the key tile."""
+def _dequant_keys(j, nblk_a, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
+                  SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
+                  NS: gl.constexpr):
+    """Block ``j`` (window keys below ``nblk_a``, then extra keys; ring stage ``j % NS``) as the
+    bf16 key tile ``[64, 512]`` in registers."""
+    s = j % NS
+    scale_s = scale_ring.index(s)
     if HAS_B and SRC_A != SRC_B:
         if j < nblk_a:
-            _dequant_src(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k_smem, SRC_A)
+            x = _dequant_src(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC_A)
         else:
-            _dequant_src(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k_smem, SRC_B)
+            x = _dequant_src(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC_B)
     else:
-        _dequant_src(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k_smem, SRC_A)
+        x = _dequant_src(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC_A)
+    return x
+
+
+@gluon.jit
+def _thread_sums(p):
+    """``p [64 heads, 64 keys]`` in the S accumulator layout -> ``[64, 2, 4]``: each thread's
+    sum of its own 8 keys (no data movement: in that layout key = warpgroup * 32 + 8 * i +
+    2 * (lane % 4) + e with ``i``, ``e`` register bits)."""
+    return gl.sum(gl.sum(gl.reshape(p, [64, 2, 4, 4, 2]), axis=4), axis=2)
 
 
 @gluon.jit
@@ -129,7 +142,7 @@ def _sparse_mla_decode_heads_kernel(
     H, qk_scale, num_splits, num_ht,
     SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
     HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, HAS_SINK: gl.constexpr,
-    SPLIT: gl.constexpr, NS: gl.constexpr,
+    SPLIT: gl.constexpr, NS: gl.constexpr, OVERLAP: gl.constexpr = True,
 ):
     """Grid ``T * num_splits * num_ht`` (head tile of 64 fastest, then split, then token), 8
     warps. Arguments as the ``tl`` decode kernel's (``_sparse_mla_fwd_grouped_kernel``)."""
@@ -230,22 +243,33 @@ def _sparse_mla_decode_heads_kernel(
 
     m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, SACC))
     zero_s = gl.full([BH, 64], 0.0, gl.float32, layout=SACC)
-    l_part = zero_s  # per-thread partial sums of p, reduced once after the loop
+    l_part = _thread_sums(zero_s)  # per-thread partial sums of p, reduced once after the loop
+    LROW: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, l_part.type.layout))
     o = gl.full([BH, 512], 0.0, gl.float32, layout=OACC)
 
-    for j in range(nblk):
+    if OVERLAP:
+        # block 0's keys into registers; each later block's under the previous O wgmma
         cp.wait_group(NS - 1)
         gl.thread_barrier()
+        kt = _dequant_keys(0, nblk_a, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
+                           SRC_A, SRC_B, HAS_B, NS)
+
+    for j in range(nblk):
         s = j % NS
-        scale_s = scale_ring.index(s)
+        if not OVERLAP:
+            cp.wait_group(NS - 1)
+            gl.thread_barrier()
+            kt = _dequant_keys(j, nblk_a, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
+                               SRC_A, SRC_B, HAS_B, NS)
         # read before the next block's ids overwrite the other stage (no extra barrier)
         kidx = idx_ring.index(s).load(gl.SliceLayout(0, SACC))
         # the ids of block j + NS + 1, loaded a whole block before their checks are needed
         kn = j + NS
         nidx_next = _load_idx(kn + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row,
                               lo_b, hi_b, b_rows, HAS_B, LI)
-        _dequant_keys(j, s, nblk_a, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k_smem,
-                      SRC_A, SRC_B, HAS_B)
+        if OVERLAP:
+            gl.thread_barrier()  # both warpgroups' O wgmmas of block j - 1 are done with k_smem
+        k_smem.store(kt)
         fence_async_shared()
         gl.thread_barrier()
 
@@ -259,7 +283,7 @@ def _sparse_mla_decode_heads_kernel(
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
         p = gl.exp2(sc - m_safe[:, None])
-        l_part = l_part * alpha[:, None] + p
+        l_part = l_part * gl.convert_layout(alpha, LROW)[:, None, None] + _thread_sums(p)
         m_i = m_new
         p_smem.store(p.to(gl.bfloat16))
         fence_async_shared()
@@ -273,9 +297,16 @@ def _sparse_mla_decode_heads_kernel(
                r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, SRC_A, SRC_B,
                HAS_B, NS, NW)
         nidx = nidx_next
+        if OVERLAP:
+            # block j + 1's raw bytes -> bf16 registers while the O wgmma runs
+            cp.wait_group(NS - 1)
+            gl.thread_barrier()
+            if j + 1 < nblk:
+                kt = _dequant_keys(j + 1, nblk_a, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring,
+                                   scale_ring, SRC_A, SRC_B, HAS_B, NS)
         o = warpgroup_mma_wait(0, deps=[o])
     cp.wait_group(0)
-    l_i = gl.convert_layout(gl.sum(l_part, axis=1), gl.SliceLayout(1, OACC))
+    l_i = gl.convert_layout(gl.sum(gl.sum(l_part, axis=2), axis=1), gl.SliceLayout(1, OACC))
     m_o = gl.convert_layout(m_i, gl.SliceLayout(1, OACC))
 
     # ---- epilogue -----------------------------------------------------------------------
