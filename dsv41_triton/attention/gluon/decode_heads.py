@@ -16,7 +16,8 @@ online softmax. Per block:
    while block ``j``'s O wgmma runs and stored once that wgmma is done; without it, after.
 3. ``S [64 heads, 64 keys] = Q [64, 512] · K^T`` in one async wgmma whose accumulator layout
    has ``warps_per_cta = [4, 2]``: each warpgroup computes 32 of the keys over all 512 dims.
-   Online exp2 softmax (the row max crosses the two warpgroups), P (bf16) stored to a
+   Online exp2 softmax (each warpgroup's row max in-warp, exchanged through a [64, 2] shared
+   tile: one barrier), P (bf16) stored to a
    ``[64, 64]`` shared tile; the row sums stay per thread until the epilogue.
 4. ``O [64 heads, 512] += P · K`` in one async wgmma with ``warps_per_cta = [4, 2]``: each
    warpgroup owns 256 value dims (128 fp32 registers per thread).
@@ -155,6 +156,11 @@ def _sparse_mla_decode_heads_kernel(
     LB: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NW, 1], [1, 0])
     PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     PLAIN1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    # [64 heads, 2 warpgroups]: the S accumulator's row distribution with both warpgroups'
+    # entries in each thread's registers (SliceLayout(1, MX2) == SliceLayout(1, SACC))
+    MX2: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[8, 0], [0, 1]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0], [0, 0]], block_bases=[], shape=[64, 2])
     KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     WL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16)
     # raw byte tiles per stage the record pair needs (584: 7, 528: 8, 288: 4) and the RoPE ring
@@ -194,6 +200,8 @@ def _sparse_mla_decode_heads_kernel(
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 512], WL)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 512], WL)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], KL)
+    # the two warpgroups' row maxima of S (one exchange, one barrier per block)
+    mx_smem = gl.allocate_shared_memory(gl.float32, [BH, 2], PLAIN2)
 
     # ---- this program's column ranges ---------------------------------------------------
     if HAS_LEN_A:
@@ -279,7 +287,11 @@ def _sparse_mla_decode_heads_kernel(
         sc = warpgroup_mma_wait(0, deps=[acc])
 
         sc = gl.where((kidx >= 0)[None, :], sc * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+        # row max: each warpgroup's over its 32 keys (in-warp), exchanged through shared memory
+        mx_smem.store(gl.max(gl.reshape(sc, [BH, 2, 32]), axis=2))
+        gl.thread_barrier()
+        m_blk = gl.convert_layout(gl.max(mx_smem.load(MX2), axis=1), gl.SliceLayout(1, SACC))
+        m_new = gl.maximum(m_i, m_blk)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
         p = gl.exp2(sc - m_safe[:, None])
