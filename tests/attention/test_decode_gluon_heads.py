@@ -53,7 +53,8 @@ def test_gluon_heads_compiles_for_sm90(src_a, src_b, split, overlap):
     """Compiles for sm_90 (subprocess without the interpreter), both dequant orders: wgmma (32
     for S, 4 for O), cp.async, shared memory within the 227 KB of one CTA, registers within
     255 for 256 threads, no large spills, and few CTA barriers (the key tile in one store:
-    4 per block serial, 5 overlapped; 12 per block with one store per 64-dim group)."""
+    4 per block serial, 5 overlapped, 8 / 10 in the whole kernel; main had 12 per block and
+    23 / 30 with one store per 64-dim group)."""
     if not gluon_pkg.AVAILABLE:
         pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -67,7 +68,7 @@ def test_gluon_heads_compiles_for_sm90(src_a, src_b, split, overlap):
     assert facts["wgmma_ptx"] == 36, facts
     assert 0 < facts["shared"] <= 227 * 1024, facts
     assert 0 < facts["regs"] <= 255 and 0 <= facts["stack"] <= 128, facts
-    assert facts["bar_sync"] <= (17 if overlap else 15), facts
+    assert facts["bar_sync"] <= (10 if overlap else 8), facts
 
 
 def test_gluon_heads_shape_in_pick_vocabulary():

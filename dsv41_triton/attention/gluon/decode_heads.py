@@ -16,9 +16,9 @@ online softmax. Per block:
    while block ``j``'s O wgmma runs and stored once that wgmma is done; without it, after.
 3. ``S [64 heads, 64 keys] = Q [64, 512] · K^T`` in one async wgmma whose accumulator layout
    has ``warps_per_cta = [4, 2]``: each warpgroup computes 32 of the keys over all 512 dims.
-   Online exp2 softmax (each warpgroup's row max in-warp, exchanged through a [64, 2] shared
-   tile: one barrier), P (bf16) stored to a
-   ``[64, 64]`` shared tile; the row sums stay per thread until the epilogue.
+   Online exp2 softmax (each warpgroup's row max in-warp, exchanged through a ``[64, 2]``
+   shared tile: one barrier), P (bf16) stored to a ``[64, 64]`` shared tile; the row sums stay
+   per thread until the epilogue.
 4. ``O [64 heads, 512] += P · K`` in one async wgmma with ``warps_per_cta = [4, 2]``: each
    warpgroup owns 256 value dims (128 fp32 registers per thread).
 
@@ -243,11 +243,10 @@ def _sparse_mla_decode_heads_kernel(
         nidx = _load_idx(i + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b,
                          hi_b, b_rows, HAS_B, LI)
     hq = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, LB))
-    dq = gl.arange(0, 64, layout=gl.SliceLayout(0, LB))
+    dq = gl.arange(0, 512, layout=gl.SliceLayout(0, LB))
     qrow = q_ptr + t * stride_qt + hq.to(gl.int64)[:, None] * stride_qh
-    for g in gl.static_range(8):
-        qg = gl.load(qrow + (g * 64 + dq)[None, :], mask=(hq < H)[:, None], other=0.0)
-        q_smem.slice(g * 64, 64, dim=1).store(qg)
+    # one store (64 registers per thread; nothing else is live yet): no barriers between slices
+    q_smem.store(gl.load(qrow + dq[None, :], mask=(hq < H)[:, None], other=0.0))
 
     m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, SACC))
     zero_s = gl.full([BH, 64], 0.0, gl.float32, layout=SACC)
