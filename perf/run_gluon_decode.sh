@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The Gluon Hopper decode on the H200, in one device call (logs under $OUT):
-#   perf/run_gluon_decode.sh [tests|bench|quick|ncu|sanitize|heads-tests|heads-bench ...]
-#   (default: the first five; heads-*: the many-heads kernel's tests and bench rows)
+#   perf/run_gluon_decode.sh [tests|bench|quick|ncu|sanitize|heads-tests|heads-bench|heads-sweep ...]
+#   (default: the first five; heads-*: the many-heads kernel's tests, bench rows, and its two
+#   dequant orders side by side: 8:64:2:1 serial, 8:64:2:2 overlapped)
 # Run from the repo root (or a stage copy) with PYTHONPATH at it; FlashMLA joins the bench
 # when `import flash_mla` works (see third_party/FLASHMLA.txt).
 set -u
@@ -21,6 +22,11 @@ for s in $steps; do
   heads-bench)
     timeout ${HB_TIMEOUT:-300} $PY perf/bench_decode_hopper.py --heads --csv "$OUT/heads-bench.csv" \
       2>&1 | tee "$OUT/heads-bench.log" ;;
+  heads-sweep)
+    timeout ${HS_TIMEOUT:-240} $PY perf/bench_decode_hopper.py --no-table --no-flashmla \
+      --sweep "${SWEEP:-8:64:2:1,8:64:2:2}" \
+      --sweep-rows "${SWEEP_ROWS:-64,128,584,584;128,128,584,584;64,128,528,288;64,1,584,584;64,32,584,584}" \
+      2>&1 | tee "$OUT/heads-sweep.log" ;;
   quick)
     timeout 200 $PY perf/bench_decode_hopper.py --quick 2>&1 | tee "$OUT/quick.log" ;;
   sweep)

@@ -35,33 +35,40 @@ def heads_kernel(monkeypatch):
     yield gl_launch
 
 
-def _ran_heads(gl_launch):
+def _ran_heads(gl_launch, overlap=None):
     k, shape = gl_launch.LAST_LAUNCH["fwd"]
     assert shape[0] == 64 and shape[2] == 8, shape
+    want = gl_launch.HEADS_OVERLAP if overlap is None else overlap
+    assert gl_launch.LAST_LAUNCH["heads_overlap"] is want
     return shape
 
 
 # --------------------------------------------------------------------------------------------
 # CPU: compile-only
 # --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("src_a,src_b,split", [(584, 584, False), (528, 288, True),
                                                (528, 584, False)])
-def test_gluon_heads_compiles_for_sm90(src_a, src_b, split):
-    """Compiles for sm_90 (subprocess without the interpreter): wgmma (32 for S, 4 for O),
-    cp.async, shared memory within the 227 KB of one CTA, registers within 255 for 256
-    threads, no large spills."""
+def test_gluon_heads_compiles_for_sm90(src_a, src_b, split, overlap):
+    """Compiles for sm_90 (subprocess without the interpreter), both dequant orders: wgmma (32
+    for S, 4 for O), cp.async, shared memory within the 227 KB of one CTA, registers within
+    255 for 256 threads, no large spills, and few CTA barriers (the key tile in one store:
+    4 per block serial, 5 overlapped, 8 / 10 in the whole kernel; main had 12 per block and
+    23 / 30 with one store per 64-dim group)."""
     if not gluon_pkg.AVAILABLE:
         pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-m", "dsv41_triton.attention.gluon.compile_check",
-                        str(src_a), str(src_b), "64", str(int(split)), "8", "2"],
+                        str(src_a), str(src_b), "64", str(int(split)), "8", "2",
+                        str(int(overlap))],
                        env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     facts = json.loads(r.stdout.strip().splitlines()[-1])
     assert facts["wgmma"] and facts["cp_async"], facts
     assert facts["wgmma_ptx"] == 36, facts
     assert 0 < facts["shared"] <= 227 * 1024, facts
-    assert 0 < facts["regs"] <= 255 and 0 <= facts["stack"] <= 64, facts
+    assert 0 < facts["regs"] <= 255 and 0 <= facts["stack"] <= 128, facts
+    assert facts["bar_sync"] <= (10 if overlap else 8), facts
 
 
 def test_gluon_heads_shape_in_pick_vocabulary():
@@ -69,6 +76,11 @@ def test_gluon_heads_shape_in_pick_vocabulary():
     from dsv41_triton.attention.gluon import launch as gl_launch
     assert SHAPE in gl_launch.TESTED_SHAPES
     assert gl_launch.parse_shape(SHAPE) == {"num_warps": 8, "block_h": 64, "stages": 2}
+    assert gl_launch.parse_shape(SHAPE + ":1")["variant"] == 1
+    assert gl_launch.HEADS_VARIANTS == {1: False, 2: True}
+    for bad in (SHAPE + ":3", "8:64", "8:64:2:1:1"):
+        with pytest.raises(ValueError, match="launch shape"):
+            gl_launch.parse_shape(bad)
     assert gl_launch.default_splits(128, 1, 640, 132) == 1
     assert gl_launch.default_splits(1, 1, 640, 132) == 10
     assert gl_launch.default_splits(32, 2, 640, 132) == 2
@@ -110,6 +122,19 @@ def test_gluon_heads_v41_shapes_gpu(device, heads_kernel, T, H, swa_rec, extra_r
     shape = _ran_heads(heads_kernel)
     if T == 1:
         assert shape[1] > 1, shape  # one token: the keys are split
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant,overlap", [("1", False), ("2", True)])
+@pytest.mark.parametrize("T,H", [(1, 64), (128, 128)])
+@pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, 288), (584, 288)])
+def test_gluon_heads_variants_gpu(device, heads_kernel, monkeypatch, variant, overlap, T, H,
+                                  swa_rec, extra_rec):
+    """Both dequant orders forced by the launch shape's 4th field (serial / overlapped)."""
+    _need_gluon_gpu()
+    monkeypatch.setenv("DSV41_GLUON_SHAPE", f"{SHAPE}:{variant}")
+    _check(_v41(device, T, H, swa_rec, extra_rec))
+    _ran_heads(heads_kernel, overlap)
 
 
 @pytest.mark.gpu

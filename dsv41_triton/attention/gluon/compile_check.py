@@ -35,7 +35,8 @@ def _signature(idx_dtype: str = "i32"):
 
 
 def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool = False,
-                   has_b: bool = True, ns: int = 3, arch: int = 90, nw: int = 4):
+                   has_b: bool = True, ns: int = 3, arch: int = 90, nw: int = 4,
+                   overlap: bool = True):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -47,7 +48,7 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
         from .decode_heads import NW
         nw = NW.value
         from .decode_heads import _sparse_mla_decode_heads_kernel as kern
-        consts.update(NS=ns)
+        consts.update(NS=ns, OVERLAP=overlap)
     else:
         from .decode import _sparse_mla_decode_gluon_kernel as kern
         consts.update(BH=bh, NS=ns, NW=nw)
@@ -79,10 +80,12 @@ def resource_usage(k, flag: str = "--dump-resource-usage") -> str:
         os.unlink(path)
 
 
-def summary(src_a: int, src_b: int, bh: int, split: bool, nw: int = 4, ns: int = 3) -> dict:
+def summary(src_a: int, src_b: int, bh: int, split: bool, nw: int = 4, ns: int = 3,
+            overlap: bool = True) -> dict:
     """Facts of one compile: wgmma / cp.async present in the PTX, shared memory, registers,
-    stack bytes (spills) and CTA barriers in the SASS."""
-    k = compile_decode(src_a, src_b, bh, split, nw=nw, ns=ns)
+    stack bytes (spills) and CTA barriers in the SASS (``overlap``: the many-heads kernel's
+    variant)."""
+    k = compile_decode(src_a, src_b, bh, split, nw=nw, ns=ns, overlap=overlap)
     ptx = k.asm["ptx"]
     use = resource_usage(k)
     regs = [ln.split("REG:")[1].split()[0] for ln in use.splitlines() if "REG:" in ln]
@@ -150,19 +153,20 @@ def summary_prefill(lazy: bool = True, ws: bool = False) -> dict:
 
 
 if __name__ == "__main__":
-    # python -m dsv41_triton.attention.gluon.compile_check SRC_A SRC_B BH SPLIT NW [NS] -> JSON
-    # line (BH 64: the many-heads kernel; run with TRITON_INTERPRET unset: the interpreter
-    # replaces the functions Gluon calls)
+    # python -m dsv41_triton.attention.gluon.compile_check SRC_A SRC_B BH SPLIT NW [NS [OVERLAP]]
+    # -> JSON line (BH 64: the many-heads kernel, OVERLAP 0/1 its variant; run with
+    # TRITON_INTERPRET unset: the interpreter replaces the functions Gluon calls)
     import json
     if len(sys.argv) in (3, 4) and sys.argv[1] == "prefill":
         # python -m ...compile_check prefill LAZY [WS] -> JSON line
         ws = len(sys.argv) == 4 and bool(int(sys.argv[3]))
         print(json.dumps(summary_prefill(bool(int(sys.argv[2])), ws=ws)))
         sys.exit(0)
-    if len(sys.argv) in (6, 7):
+    if len(sys.argv) in (6, 7, 8):
         a, b, bh, sp, nw = (int(x) for x in sys.argv[1:6])
-        ns = int(sys.argv[6]) if len(sys.argv) == 7 else (2 if bh == 64 else 3)
-        print(json.dumps(summary(a, b, bh, bool(sp), nw, ns)))
+        ns = int(sys.argv[6]) if len(sys.argv) >= 7 else (2 if bh == 64 else 3)
+        ov = bool(int(sys.argv[7])) if len(sys.argv) == 8 else True
+        print(json.dumps(summary(a, b, bh, bool(sp), nw, ns, ov)))
         sys.exit(0)
     combos = [(584, 584), (528, 288), (584, 288), (528, 528), (584, 528), (528, 584)]
     for a, b in combos:

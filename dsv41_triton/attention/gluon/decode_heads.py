@@ -9,13 +9,16 @@ online softmax. Per block:
    stage while block ``j``'s O wgmma runs): the block's slot ids become byte offsets and
    ``cp.async`` copies the raw records into stage ``k % NS`` of a shared ring
    (``decode._issue`` / ``decode._copy_keys``).
-2. **dequant** by all 8 warps (``decode._dequant``, exact) into one bf16 key tile
-   ``[64 keys, 512]`` (NVMMA-swizzled); for 584 records the raw bf16 RoPE tail is copied from
-   the ring into the tile's last 64 dims.
+2. **dequant** by all 8 warps (exact, ``decode._dequant``'s arithmetic) of the eight 64-dim
+   groups into registers (for 584 records group 7 is the raw bf16 RoPE tail of the ring), then
+   ONE store of the whole bf16 key tile ``[64 keys, 512]`` (NVMMA-swizzled): no CTA barriers
+   between the groups. With ``OVERLAP`` (the default) block ``j + 1``'s registers are computed
+   while block ``j``'s O wgmma runs and stored once that wgmma is done; without it, after.
 3. ``S [64 heads, 64 keys] = Q [64, 512] · K^T`` in one async wgmma whose accumulator layout
    has ``warps_per_cta = [4, 2]``: each warpgroup computes 32 of the keys over all 512 dims.
-   Online exp2 softmax (the row max crosses the two warpgroups), P (bf16) stored to a
-   ``[64, 64]`` shared tile.
+   Online exp2 softmax (each warpgroup's row max in-warp, exchanged through a ``[64, 2]``
+   shared tile: one barrier), P (bf16) stored to a ``[64, 64]`` shared tile; the row sums stay
+   per thread until the epilogue.
 4. ``O [64 heads, 512] += P · K`` in one async wgmma with ``warps_per_cta = [4, 2]``: each
    warpgroup owns 256 value dims (128 fp32 registers per thread).
 
@@ -31,7 +34,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .decode import LOG2E, _copy_layout, _dequant, _issue, _load_idx
+from .decode import (_E2M1_ASM, _E4M3_ASM, LOG2E, _copy_layout, _e4m3_bf16, _issue, _load_idx,
+                     _pick, _ue8m0_bf16)
 
 #: heads per CTA (the wgmma M)
 BH = gl.constexpr(64)
@@ -40,30 +44,92 @@ NW = gl.constexpr(8)
 
 
 @gluon.jit
-def _dequant_src(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k0, k1, k2, k3, k4, k5,
-                 k6, k7, SRC: gl.constexpr):
-    """Stage ``s`` (records ``SRC``) into the key tile slices ``k0..k7`` (584: group 7 is the
-    raw RoPE tail, copied from the ring)."""
-    _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, k7, scale_s, k0, k1, k2, k3, k4, k5, k6, SRC, NW)
-    if SRC == 584:
-        k7.store(rope_ring.index(s).load(gl.BlockedLayout([1, 8], [8, 4], [NW, 1], [1, 0])))
+def _dequant_group(g: gl.constexpr, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s,
+                   SRC: gl.constexpr):
+    """Group ``g`` (64 dims) of stage ``s`` (records ``SRC``) as exact bf16 ``[64 keys, 64]``
+    registers in ``_copy_layout(16, NW)`` (584: group 7 is the raw RoPE tail of the ring)."""
+    L16: gl.constexpr = _copy_layout(16, NW)
+    if SRC == 288:
+        # a thread's 8 bytes are the 16 dims of one e4m3 scale (see decode._dequant)
+        L8: gl.constexpr = _copy_layout(8, NW)
+        tile = _pick(g // 2, r0, r1, r2, r3, r4, r5, r6, r7).index(s)
+        raw = gl.reshape(tile.slice((g % 2) * 32, 32, dim=1).load(L8), [64, 4, 8])
+        sb = scale_s.slice(4 * g, 4, dim=1).load(gl.SliceLayout(2, raw.type.layout))
+        sc = gl.broadcast(gl.expand_dims(_e4m3_bf16(sb), 2), raw)[0]
+        lo, hi = gl.inline_asm_elementwise(_E2M1_ASM, "=r,=r,=r,=r,r,r,r", [raw, sc],
+                                           dtype=(gl.bfloat16, gl.bfloat16), is_pure=True,
+                                           pack=4)
+        x = gl.convert_layout(gl.reshape(gl.join(lo, hi), [64, 64]), L16)
+    elif SRC == 584 and g == 7:
+        x = rope_ring.index(s).load(L16)
+    else:
+        raw = _pick(g, r0, r1, r2, r3, r4, r5, r6, r7).index(s).load(L16)
+        if SRC == 584:
+            sc = _ue8m0_bf16(scale_s.slice(g, 1, dim=1).load(L16))
+            sc = gl.broadcast(sc, raw)[0]
+            x = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r,r,r", [raw, sc],
+                                          dtype=gl.bfloat16, is_pure=True, pack=4)
+        else:
+            # 528: two scales per 64 dims; a thread's 16 bytes lie in one half
+            raw3 = gl.reshape(raw, [64, 2, 32])
+            sb = scale_s.slice(2 * g, 2, dim=1).load(gl.SliceLayout(2, raw3.type.layout))
+            sc = gl.broadcast(gl.expand_dims(_ue8m0_bf16(sb), 2), raw3)[0]
+            x = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r,r,r", [raw3, sc],
+                                          dtype=gl.bfloat16, is_pure=True, pack=4)
+            x = gl.convert_layout(gl.reshape(x, [64, 64]), L16)
+    return x
 
 
 @gluon.jit
-def _dequant_keys(j, s, nblk_a, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k0, k1, k2,
-                  k3, k4, k5, k6, k7, SRC_A: gl.constexpr, SRC_B: gl.constexpr,
-                  HAS_B: gl.constexpr):
-    """Block ``j`` (window keys below ``nblk_a``, then extra keys) into the key tile."""
+def _cat4(x0, x1, x2, x3):
+    """Four ``[64, 64]`` register tiles side by side -> ``[64, 256]`` (no data movement: the
+    group index becomes register bits of the layout)."""
+    a = gl.join(gl.join(x0, x1), gl.join(x2, x3))  # [64, 64, 2 (g & 1), 2 (g >> 1)]
+    return gl.reshape(gl.permute(a, (0, 3, 2, 1)), [64, 256])
+
+
+@gluon.jit
+def _dequant_src(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC: gl.constexpr):
+    """Stage ``s`` (records ``SRC``) as the bf16 key tile ``[64 keys, 512]`` in registers (64
+    per thread), stored by the caller in ONE shared store: membar puts a CTA barrier between
+    any two stores into one allocation, even into disjoint column slices."""
+    x0 = _dequant_group(0, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
+    x1 = _dequant_group(1, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
+    x2 = _dequant_group(2, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
+    x3 = _dequant_group(3, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
+    lo = _cat4(x0, x1, x2, x3)
+    x4 = _dequant_group(4, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
+    x5 = _dequant_group(5, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
+    x6 = _dequant_group(6, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
+    x7 = _dequant_group(7, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
+    hi = _cat4(x4, x5, x6, x7)
+    return gl.reshape(gl.permute(gl.join(lo, hi), (0, 2, 1)), [64, 512])
+
+
+@gluon.jit
+def _dequant_keys(j, nblk_a, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
+                  SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
+                  NS: gl.constexpr):
+    """Block ``j`` (window keys below ``nblk_a``, then extra keys; ring stage ``j % NS``) as the
+    bf16 key tile ``[64, 512]`` in registers."""
+    s = j % NS
+    scale_s = scale_ring.index(s)
     if HAS_B and SRC_A != SRC_B:
         if j < nblk_a:
-            _dequant_src(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k0, k1, k2, k3,
-                         k4, k5, k6, k7, SRC_A)
+            x = _dequant_src(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC_A)
         else:
-            _dequant_src(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k0, k1, k2, k3,
-                         k4, k5, k6, k7, SRC_B)
+            x = _dequant_src(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC_B)
     else:
-        _dequant_src(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k0, k1, k2, k3, k4,
-                     k5, k6, k7, SRC_A)
+        x = _dequant_src(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC_A)
+    return x
+
+
+@gluon.jit
+def _thread_sums(p):
+    """``p [64 heads, 64 keys]`` in the S accumulator layout -> ``[64, 2, 4]``: each thread's
+    sum of its own 8 keys (no data movement: in that layout key = warpgroup * 32 + 8 * i +
+    2 * (lane % 4) + e with ``i``, ``e`` register bits)."""
+    return gl.sum(gl.sum(gl.reshape(p, [64, 2, 4, 4, 2]), axis=4), axis=2)
 
 
 @gluon.jit
@@ -77,7 +143,7 @@ def _sparse_mla_decode_heads_kernel(
     H, qk_scale, num_splits, num_ht,
     SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
     HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, HAS_SINK: gl.constexpr,
-    SPLIT: gl.constexpr, NS: gl.constexpr,
+    SPLIT: gl.constexpr, NS: gl.constexpr, OVERLAP: gl.constexpr = True,
 ):
     """Grid ``T * num_splits * num_ht`` (head tile of 64 fastest, then split, then token), 8
     warps. Arguments as the ``tl`` decode kernel's (``_sparse_mla_fwd_grouped_kernel``)."""
@@ -90,6 +156,11 @@ def _sparse_mla_decode_heads_kernel(
     LB: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NW, 1], [1, 0])
     PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     PLAIN1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    # [64 heads, 2 warpgroups]: the S accumulator's row distribution with both warpgroups'
+    # entries in each thread's registers (SliceLayout(1, MX2) == SliceLayout(1, SACC))
+    MX2: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[8, 0], [0, 1]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0], [0, 0]], block_bases=[], shape=[64, 2])
     KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     WL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16)
     # raw byte tiles per stage the record pair needs (584: 7, 528: 8, 288: 4) and the RoPE ring
@@ -129,14 +200,8 @@ def _sparse_mla_decode_heads_kernel(
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 512], WL)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 512], WL)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], KL)
-    k0 = k_smem.slice(0, 64, dim=1)
-    k1 = k_smem.slice(64, 64, dim=1)
-    k2 = k_smem.slice(128, 64, dim=1)
-    k3 = k_smem.slice(192, 64, dim=1)
-    k4 = k_smem.slice(256, 64, dim=1)
-    k5 = k_smem.slice(320, 64, dim=1)
-    k6 = k_smem.slice(384, 64, dim=1)
-    k7 = k_smem.slice(448, 64, dim=1)
+    # the two warpgroups' row maxima of S (one exchange, one barrier per block)
+    mx_smem = gl.allocate_shared_memory(gl.float32, [BH, 2], PLAIN2)
 
     # ---- this program's column ranges ---------------------------------------------------
     if HAS_LEN_A:
@@ -178,30 +243,40 @@ def _sparse_mla_decode_heads_kernel(
         nidx = _load_idx(i + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b,
                          hi_b, b_rows, HAS_B, LI)
     hq = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, LB))
-    dq = gl.arange(0, 64, layout=gl.SliceLayout(0, LB))
+    dq = gl.arange(0, 512, layout=gl.SliceLayout(0, LB))
     qrow = q_ptr + t * stride_qt + hq.to(gl.int64)[:, None] * stride_qh
-    for g in gl.static_range(8):
-        qg = gl.load(qrow + (g * 64 + dq)[None, :], mask=(hq < H)[:, None], other=0.0)
-        q_smem.slice(g * 64, 64, dim=1).store(qg)
+    # one store (64 registers per thread; nothing else is live yet): no barriers between slices
+    q_smem.store(gl.load(qrow + dq[None, :], mask=(hq < H)[:, None], other=0.0))
 
     m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, SACC))
     zero_s = gl.full([BH, 64], 0.0, gl.float32, layout=SACC)
-    l_part = zero_s  # per-thread partial sums of p, reduced once after the loop
+    l_part = _thread_sums(zero_s)  # per-thread partial sums of p, reduced once after the loop
+    LROW: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, l_part.type.layout))
     o = gl.full([BH, 512], 0.0, gl.float32, layout=OACC)
 
-    for j in range(nblk):
+    if OVERLAP:
+        # block 0's keys into registers; each later block's under the previous O wgmma
         cp.wait_group(NS - 1)
         gl.thread_barrier()
+        kt = _dequant_keys(0, nblk_a, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
+                           SRC_A, SRC_B, HAS_B, NS)
+
+    for j in range(nblk):
         s = j % NS
-        scale_s = scale_ring.index(s)
+        if not OVERLAP:
+            cp.wait_group(NS - 1)
+            gl.thread_barrier()
+            kt = _dequant_keys(j, nblk_a, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
+                               SRC_A, SRC_B, HAS_B, NS)
         # read before the next block's ids overwrite the other stage (no extra barrier)
         kidx = idx_ring.index(s).load(gl.SliceLayout(0, SACC))
         # the ids of block j + NS + 1, loaded a whole block before their checks are needed
         kn = j + NS
         nidx_next = _load_idx(kn + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row,
                               lo_b, hi_b, b_rows, HAS_B, LI)
-        _dequant_keys(j, s, nblk_a, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s,
-                      k0, k1, k2, k3, k4, k5, k6, k7, SRC_A, SRC_B, HAS_B)
+        if OVERLAP:
+            gl.thread_barrier()  # both warpgroups' O wgmmas of block j - 1 are done with k_smem
+        k_smem.store(kt)
         fence_async_shared()
         gl.thread_barrier()
 
@@ -211,11 +286,15 @@ def _sparse_mla_decode_heads_kernel(
         sc = warpgroup_mma_wait(0, deps=[acc])
 
         sc = gl.where((kidx >= 0)[None, :], sc * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+        # row max: each warpgroup's over its 32 keys (in-warp), exchanged through shared memory
+        mx_smem.store(gl.max(gl.reshape(sc, [BH, 2, 32]), axis=2))
+        gl.thread_barrier()
+        m_blk = gl.convert_layout(gl.max(mx_smem.load(MX2), axis=1), gl.SliceLayout(1, SACC))
+        m_new = gl.maximum(m_i, m_blk)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
         p = gl.exp2(sc - m_safe[:, None])
-        l_part = l_part * alpha[:, None] + p
+        l_part = l_part * gl.convert_layout(alpha, LROW)[:, None, None] + _thread_sums(p)
         m_i = m_new
         p_smem.store(p.to(gl.bfloat16))
         fence_async_shared()
@@ -229,9 +308,16 @@ def _sparse_mla_decode_heads_kernel(
                r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, SRC_A, SRC_B,
                HAS_B, NS, NW)
         nidx = nidx_next
+        if OVERLAP:
+            # block j + 1's raw bytes -> bf16 registers while the O wgmma runs
+            cp.wait_group(NS - 1)
+            gl.thread_barrier()
+            if j + 1 < nblk:
+                kt = _dequant_keys(j + 1, nblk_a, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring,
+                                   scale_ring, SRC_A, SRC_B, HAS_B, NS)
         o = warpgroup_mma_wait(0, deps=[o])
     cp.wait_group(0)
-    l_i = gl.convert_layout(gl.sum(l_part, axis=1), gl.SliceLayout(1, OACC))
+    l_i = gl.convert_layout(gl.sum(gl.sum(l_part, axis=2), axis=1), gl.SliceLayout(1, OACC))
     m_o = gl.convert_layout(m_i, gl.SliceLayout(1, OACC))
 
     # ---- epilogue -----------------------------------------------------------------------

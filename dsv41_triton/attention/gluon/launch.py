@@ -22,6 +22,11 @@ from . import AVAILABLE, REASON
 #: many-heads kernel of decode_heads.py (8 warps, heads on the wgmma M).
 HEADS_SHAPE = "8:64:2"
 TESTED_SHAPES = ("4:0:3", "4:16:2", "8:16:3", "8:16:2", "8:32:3", HEADS_SHAPE)
+#: the many-heads kernel's dequant order by default: True = block j + 1's keys are dequantized
+#: into registers while block j's O wgmma runs, False = after it (serial). A 4th shape field
+#: forces one (benchmark sweeps, tests): "8:64:2:1" serial, "8:64:2:2" overlapped.
+HEADS_OVERLAP = True
+HEADS_VARIANTS = {1: False, 2: True}
 
 #: the pick table: (major, minor) -> {(heads bucket, swa record, extra record or 0, tokens
 #: bucket): launch shape "num_warps:block_h:stages" (0 = default)}. Heads buckets: 8 (H <= 8),
@@ -123,11 +128,16 @@ OVERRIDE = {}
 
 
 def parse_shape(text: str) -> dict:
-    """``"8:16:3"`` -> ``{num_warps: 8, block_h: 16, stages: 3}`` (0 or empty = default)."""
+    """``"8:16:3"`` -> ``{num_warps: 8, block_h: 16, stages: 3}`` (0 or empty = default);
+    an optional 4th field is the many-heads kernel's variant (``HEADS_VARIANTS``)."""
     if not text:
         return {}
-    nw, bh, st = (int(x) for x in text.split(":"))
-    return {k: v for k, v in (("num_warps", nw), ("block_h", bh), ("stages", st)) if v}
+    fields = [int(x) for x in text.split(":")]
+    if len(fields) not in (3, 4) or (len(fields) == 4 and fields[3] not in HEADS_VARIANTS):
+        raise ValueError(f"launch shape {text!r}: expected num_warps:block_h:stages[:variant] "
+                         f"with variant in {sorted(HEADS_VARIANTS)}")
+    names = ("num_warps", "block_h", "stages", "variant")
+    return {k: v for k, v in zip(names, fields) if v}
 
 
 def default_shape(T: int, H: int, total_width: int, sms: int, num_warps: int = 4):
@@ -182,9 +192,11 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
         n_ht = cdiv(H, 64)
         ns = num_splits or default_splits(T, n_ht, width, _sms(q.device))
         args, po, pl, sink_arg, sink_st = kernel_args(q, a, b, sink, out, lse, ns)
+        overlap = HEADS_VARIANTS.get(over.get("variant"), HEADS_OVERLAP)
         k = _sparse_mla_decode_heads_kernel[(T * ns * n_ht,)](
             *args, H, float(softmax_scale) * 1.4426950408889634, ns, n_ht, **flags,
-            SPLIT=ns > 1, NS=stages, num_warps=nw)
+            SPLIT=ns > 1, NS=stages, OVERLAP=overlap, num_warps=nw)
+        LAST_LAUNCH["heads_overlap"] = overlap
     else:
         if nw == 8:
             bh = max(bh, 16)  # two warpgroups split the heads: at least 8 each
@@ -200,5 +212,5 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
 
 
 __all__ = ["PICK", "ENV", "OVERRIDE", "usable", "pick", "launch", "default_shape",
-           "default_splits", "HEADS_SHAPE",
+           "default_splits", "HEADS_SHAPE", "HEADS_OVERLAP", "HEADS_VARIANTS",
            "heads_bucket", "tokens_bucket", "table_shape", "parse_shape", "TESTED_SHAPES"]
