@@ -34,7 +34,8 @@ def _signature(idx_dtype: str = "i32"):
 
 
 def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool = False,
-                   has_b: bool = True, ns: int = 3, arch: int = 90, nw: int = 4):
+                   has_b: bool = True, ns: int = 3, arch: int = 90, nw: int = 4,
+                   f16: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -43,7 +44,7 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
 
     sig, ptr16 = _signature()
     consts = dict(SRC_A=src_a, SRC_B=src_b, HAS_B=has_b, HAS_LEN_A=True, HAS_LEN_B=True,
-                  HAS_SINK=True, SPLIT=split, BH=bh, NS=ns, NW=nw)
+                  HAS_SINK=True, SPLIT=split, BH=bh, NS=ns, NW=nw, F16=f16)
     for k, v in consts.items():
         sig[k] = "constexpr"
     attrs = {(i,): [["tt.divisibility", 16]] for i in ptr16}
@@ -71,22 +72,27 @@ def resource_usage(k) -> str:
         os.unlink(path)
 
 
-def summary(src_a: int, src_b: int, bh: int, split: bool, nw: int = 4) -> dict:
-    """Facts of one compile: wgmma / cp.async present in the PTX, shared memory, registers."""
-    k = compile_decode(src_a, src_b, bh, split, nw=nw)
+def summary(src_a: int, src_b: int, bh: int, split: bool, nw: int = 4,
+            f16: bool = False) -> dict:
+    """Facts of one compile: wgmma / cp.async present in the PTX, shared memory, registers;
+    ``f16_mma`` / ``e4m3_cvt``: fp16 wgmma and the e4m3 -> f16x2 ``cvt`` in the PTX."""
+    k = compile_decode(src_a, src_b, bh, split, nw=nw, f16=f16)
     ptx = k.asm["ptx"]
     regs = [ln.split("REG:")[1].split()[0] for ln in resource_usage(k).splitlines() if "REG:" in ln]
     return {"wgmma": "wgmma.mma_async" in ptx, "cp_async": "cp.async" in ptx,
+            "f16_mma": ".f32.f16.f16" in ptx, "e4m3_cvt": "cvt.rn.f16x2.e4m3x2" in ptx,
             "shared": int(k.metadata.shared), "regs": int(regs[0]) if regs else -1}
 
 
 if __name__ == "__main__":
-    # python -m dsv41_triton.attention.gluon.compile_check SRC_A SRC_B BH SPLIT NW -> JSON line
-    # (run with TRITON_INTERPRET unset: the interpreter replaces the functions Gluon calls)
+    # python -m dsv41_triton.attention.gluon.compile_check SRC_A SRC_B BH SPLIT NW [F16]
+    # -> JSON line (run with TRITON_INTERPRET unset: the interpreter replaces the functions
+    # Gluon calls)
     import json
-    if len(sys.argv) == 6:
-        a, b, bh, sp, nw = (int(x) for x in sys.argv[1:])
-        print(json.dumps(summary(a, b, bh, bool(sp), nw)))
+    if len(sys.argv) in (6, 7):
+        a, b, bh, sp, nw = (int(x) for x in sys.argv[1:6])
+        f16 = len(sys.argv) == 7 and bool(int(sys.argv[6]))
+        print(json.dumps(summary(a, b, bh, bool(sp), nw, f16)))
         sys.exit(0)
     combos = [(584, 584), (528, 288), (584, 288), (528, 528), (584, 528), (528, 584)]
     for a, b in combos:

@@ -22,6 +22,18 @@ online softmax. Per block:
 
 Splits write normalized fp32 partials and their log2-sum-exp, combined (with the sink) by the
 ``tl`` merge kernel. No host sync, fixed launch shapes: CUDA-graph safe.
+
+**fp16 operands** (``F16``): the key tiles are fp16 and hold ``value * 2**(127 - R)``, where
+``R`` is a running maximum (like the softmax max) of the blocks' largest UE8M0 scale byte
+(``R_MIN`` at least; e2m1 blocks count as 127): e4m3 bytes become fp16 with one ``cvt`` per two
+(exact, NaN kept) and one multiply by ``2**(scale byte - R) <= 1``; e2m1 values times their
+e4m3 scale are exact fp16 products. Each head's Q is scaled by a power of two that puts its
+amax in ``[2**14, 2**15)`` (no fp16 overflow or underflow) and the logit scale undoes it and
+``R``; when ``R`` grows the accumulators are rescaled with the softmax's ``alpha``. ``P`` is fp16
+(``p <= 1``). The 584 records' bf16 RoPE tail stays a bf16 wgmma (bf16 Q tail, its own logit
+accumulator; ``P * 2**(127 - R)`` in bf16 for the value side). Exact as the bf16 path except
+where ``value * 2**(127 - R)`` is an fp16 subnormal: a key whose scale is ``2**14`` or more
+below the largest scale seen so far in its split.
 """
 from __future__ import annotations
 
@@ -109,6 +121,65 @@ or.b32 y, y, sg;
 mul.rn.bf16x2 $3, y, $6;
 }""")
 
+# fp16 operands (``F16``): an e4m3 byte pair -> f16x2 in one ``cvt`` (every e4m3 value, NaN
+# included, is exact in fp16), times a per-key power-of-two factor (exact unless the product is
+# an fp16 subnormal).
+_E4M3_F16_ASM = gl.constexpr("""{
+.reg .b16 lo, hi;
+.reg .b32 t0, t1;
+mov.b32 {lo, hi}, $2;
+cvt.rn.f16x2.e4m3x2 t0, lo;
+cvt.rn.f16x2.e4m3x2 t1, hi;
+mul.rn.f16x2 $0, t0, $3;
+mul.rn.f16x2 $1, t1, $4;
+}""")
+
+# fp16 operands: four e2m1 bytes -> fp16 as ``_E2M1_ASM`` (fp16 values of the codes have a zero
+# low byte: one prmt table instead of two), times the fp16 scale.
+_E2M1_F16_ASM = gl.constexpr("""{
+.reg .b32 w, x, y, sl, sh, hl, hh, sg, z, t0, t1;
+mov.b32 w, $4;
+mov.b32 z, 0;
+mov.b32 t0, 0x3E3C3800;
+mov.b32 t1, 0x46444240;
+and.b32 x, w, 0x07070707;
+shr.b32 y, x, 4;
+or.b32 x, x, y;
+prmt.b32 sl, x, z, 0x0020;
+shr.b32 x, w, 4;
+and.b32 x, x, 0x07070707;
+shr.b32 y, x, 4;
+or.b32 x, x, y;
+prmt.b32 sh, x, z, 0x0020;
+prmt.b32 hl, t0, t1, sl;
+prmt.b32 hh, t0, t1, sh;
+and.b32 x, w, 0x08080808;
+prmt.b32 sg, x, z, 0x1404;
+shl.b32 sg, sg, 4;
+prmt.b32 y, hl, z, 0x1404;
+or.b32 y, y, sg;
+mul.rn.f16x2 $0, y, $5;
+prmt.b32 sg, x, z, 0x3424;
+shl.b32 sg, sg, 4;
+prmt.b32 y, hl, z, 0x3424;
+or.b32 y, y, sg;
+mul.rn.f16x2 $1, y, $6;
+and.b32 x, w, 0x80808080;
+prmt.b32 sg, x, z, 0x1404;
+prmt.b32 y, hh, z, 0x1404;
+or.b32 y, y, sg;
+mul.rn.f16x2 $2, y, $5;
+prmt.b32 sg, x, z, 0x3424;
+prmt.b32 y, hh, z, 0x3424;
+or.b32 y, y, sg;
+mul.rn.f16x2 $3, y, $6;
+}""")
+
+#: F16: the smallest running scale exponent (a UE8M0 byte): key tiles hold ``value * 2**(127 -
+#: R)`` with ``R = max(R_MIN, block maxima so far)``; the RoPE ``p`` is scaled by at most
+#: ``2**(127 - R_MIN)``
+R_MIN = gl.constexpr(96)
+
 
 # ------------------------------------------------------------------------------------------
 # layouts
@@ -125,6 +196,17 @@ def _acc_layout(bh, nw):
     """wgmma accumulator ``[64, bh]``: one warpgroup per ``bh * 4 / nw`` heads."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, nw // 4],
                                      instr_shape=[16, bh * 4 // nw, 16])
+
+
+@gluon.constexpr_function
+def _rows_per_lane_layout(w, nw):
+    """[64, w] tiles (w = 8 or 16 scale bytes per key) read whole by every warp: lane ``l``
+    holds rows ``l`` and ``l + 32``, all ``w`` columns; warps replicate (a max over the tile
+    needs no cross-warp step)."""
+    reg = [[0, 1 << i] for i in range(w.bit_length() - 1)] + [[32, 0]]
+    lane = [[1 << i, 0] for i in range(5)]
+    warp = [[0, 0] for _ in range(nw.bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [64, w])
 
 
 # ------------------------------------------------------------------------------------------
@@ -261,6 +343,126 @@ def _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3,
 
 
 @gluon.jit
+def _exp2i(d):
+    """fp32 ``2**d`` for int32 ``d <= 127`` (0 below ``2**-126``)."""
+    return (gl.maximum(d + 127, 0) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _block_exp(scale_s, SRC: gl.constexpr, NW: gl.constexpr):
+    """The largest UE8M0 scale byte of one stage's 64 keys (584: the 7 real ones of 8; 528: all
+    16; keys not read were zero-filled) as an int32 scalar; every warp reduces the whole tile."""
+    W: gl.constexpr = 8 if SRC == 584 else 16
+    LE: gl.constexpr = _rows_per_lane_layout(W, NW)
+    e = scale_s.slice(0, W, dim=1).load(LE).to(gl.int32)
+    if SRC == 584:
+        c = gl.arange(0, W, layout=gl.SliceLayout(0, LE))
+        e = gl.where((c < 7)[None, :], e, 0)
+    return gl.max(gl.max(e, axis=1), axis=0)
+
+
+@gluon.jit
+def _dequant_f16(s, r0, r1, r2, r3, r4, r5, r6, r7, scale_s, k0, k1, k2, k3, k4, k5, k6, k7,
+                 R, SRC: gl.constexpr, NW: gl.constexpr):
+    """Raw bytes of one stage -> fp16 key tiles ``k0..k7`` holding ``value * 2**(127 - R)``
+    (584: groups 0..6 only; the RoPE tail stays bf16). e4m3 data: ``cvt`` to fp16 and one
+    multiply by ``2**(scale byte - R)`` (<= 1); e2m1 data: the exact fp16 product with its e4m3
+    scale, times ``2**(127 - R)``."""
+    L16: gl.constexpr = _copy_layout(16, NW)
+    if SRC == 288:
+        L8: gl.constexpr = _copy_layout(8, NW)
+        f = _exp2i(127 - R)
+        for g in gl.static_range(8):
+            tile = _pick(g // 2, r0, r1, r2, r3, r4, r5, r6, r7).index(s)
+            raw = gl.reshape(tile.slice((g % 2) * 32, 32, dim=1).load(L8), [64, 4, 8])
+            sb = scale_s.slice(4 * g, 4, dim=1).load(gl.SliceLayout(2, raw.type.layout))
+            sc = (sb.to(gl.float8e4nv, bitcast=True).to(gl.float32) * f).to(gl.float16)
+            sc = gl.broadcast(gl.expand_dims(sc, 2), raw)[0]
+            lo, hi = gl.inline_asm_elementwise(_E2M1_F16_ASM, "=r,=r,=r,=r,r,r,r", [raw, sc],
+                                               dtype=(gl.float16, gl.float16), is_pure=True,
+                                               pack=4)
+            x = gl.convert_layout(gl.reshape(gl.join(lo, hi), [64, 64]), L16)
+            _put(x, g, k0, k1, k2, k3, k4, k5, k6, k7)
+    else:
+        NG: gl.constexpr = 7 if SRC == 584 else 8
+        for g in gl.static_range(NG):
+            raw = _pick(g, r0, r1, r2, r3, r4, r5, r6, r7).index(s).load(L16)
+            if SRC == 584:
+                sb = scale_s.slice(g, 1, dim=1).load(L16)
+                sc = gl.broadcast(_exp2i(sb.to(gl.int32) - R).to(gl.float16), raw)[0]
+                x = gl.inline_asm_elementwise(_E4M3_F16_ASM, "=r,=r,r,r,r", [raw, sc],
+                                              dtype=gl.float16, is_pure=True, pack=4)
+            else:
+                raw3 = gl.reshape(raw, [64, 2, 32])
+                sb = scale_s.slice(2 * g, 2, dim=1).load(gl.SliceLayout(2, raw3.type.layout))
+                sc = _exp2i(sb.to(gl.int32) - R).to(gl.float16)
+                sc = gl.broadcast(gl.expand_dims(sc, 2), raw3)[0]
+                x = gl.inline_asm_elementwise(_E4M3_F16_ASM, "=r,=r,r,r,r", [raw3, sc],
+                                              dtype=gl.float16, is_pure=True, pack=4)
+                x = gl.convert_layout(gl.reshape(x, [64, 64]), L16)
+            _put(x, g, k0, k1, k2, k3, k4, k5, k6, k7)
+
+
+@gluon.jit
+def _prep_f16(s, r0, r1, r2, r3, r4, r5, r6, r7, scale_s, k0, k1, k2, k3, k4, k5, k6, k7, R,
+              SRC: gl.constexpr, NW: gl.constexpr):
+    """One stage of ``SRC`` records -> the new running exponent ``R`` (int32 scalar) and the
+    fp16 key tiles in its units (e2m1 records count as exponent 127: scale 1)."""
+    if SRC == 288:
+        R = gl.maximum(R, 127)
+    else:
+        R = gl.maximum(R, _block_exp(scale_s, SRC, NW))
+    _dequant_f16(s, r0, r1, r2, r3, r4, r5, r6, r7, scale_s, k0, k1, k2, k3, k4, k5, k6, k7, R,
+                 SRC, NW)
+    return R
+
+
+@gluon.jit
+def _qk_f16(k0, k1, k2, k3, k4, k5, k6, k7, rope_s, q16, q_r, zero, cq, qk_scale,
+            ROPE: gl.constexpr):
+    """Logits ``S^T [64 keys, BH]`` (log2 units) of one block from the fp16 tiles: ``cq[h]``
+    undoes the head's fp16 shift and the tiles' ``2**(127 - R)``; with ``ROPE`` (584 records)
+    group 7 is the raw bf16 RoPE tile against the bf16 Q tail (its own accumulator)."""
+    acc = warpgroup_mma(k0, q16.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+    acc = warpgroup_mma(k1, q16.index(1).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(k2, q16.index(2).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(k3, q16.index(3).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(k4, q16.index(4).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(k5, q16.index(5).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(k6, q16.index(6).permute((1, 0)), acc, is_async=True)
+    if ROPE:
+        acr = warpgroup_mma(rope_s, q_r.permute((1, 0)), zero, use_acc=False, is_async=True)
+        acc, acr = warpgroup_mma_wait(0, deps=[acc, acr])
+        sT = acc * cq[None, :] + acr * qk_scale
+    else:
+        acc = warpgroup_mma(k7, q16.index(7).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        sT = acc * cq[None, :]
+    return sT
+
+
+@gluon.jit
+def _pv_f16(k0, k1, k2, k3, k4, k5, k6, k7, rope_s, p16, p_r, o0, o1, o2, o3, o4, o5, o6, o7,
+            alpha, ROPE: gl.constexpr):
+    """``O^T_g = O^T_g * alpha + K_g^T P^T`` (fp16 ``P``; with ``ROPE`` group 7 is the bf16 RoPE
+    tile against the bf16 ``P * 2**(127 - R)``)."""
+    pT = p16.permute((1, 0))
+    o0 = warpgroup_mma(k0.permute((1, 0)), pT, o0 * alpha[None, :], is_async=True)
+    o1 = warpgroup_mma(k1.permute((1, 0)), pT, o1 * alpha[None, :], is_async=True)
+    o2 = warpgroup_mma(k2.permute((1, 0)), pT, o2 * alpha[None, :], is_async=True)
+    o3 = warpgroup_mma(k3.permute((1, 0)), pT, o3 * alpha[None, :], is_async=True)
+    o4 = warpgroup_mma(k4.permute((1, 0)), pT, o4 * alpha[None, :], is_async=True)
+    o5 = warpgroup_mma(k5.permute((1, 0)), pT, o5 * alpha[None, :], is_async=True)
+    o6 = warpgroup_mma(k6.permute((1, 0)), pT, o6 * alpha[None, :], is_async=True)
+    if ROPE:
+        o7 = warpgroup_mma(rope_s.permute((1, 0)), p_r.permute((1, 0)), o7 * alpha[None, :],
+                           is_async=True)
+    else:
+        o7 = warpgroup_mma(k7.permute((1, 0)), pT, o7 * alpha[None, :], is_async=True)
+    return warpgroup_mma_wait(0, deps=[o0, o1, o2, o3, o4, o5, o6, o7])
+
+
+@gluon.jit
 def _pick(g: gl.constexpr, t0, t1, t2, t3, t4, t5, t6, t7):
     """Tile ``g`` of eight separate allocations (a compile-time choice)."""
     if g == 0:
@@ -324,10 +526,12 @@ def _sparse_mla_decode_gluon_kernel(
     SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
     HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, HAS_SINK: gl.constexpr,
     SPLIT: gl.constexpr, BH: gl.constexpr, NS: gl.constexpr, NW: gl.constexpr,
+    F16: gl.constexpr = False,
 ):
     """Grid ``T * num_splits * num_ht`` (head tile fastest, then split, then token); ``NW``
     warps (4 or 8: with 8, two warpgroups split the copies and the dequant by keys and the
     heads of the tile in the products; ``BH >= 16``).
+    ``F16``: fp16 wgmma operands (module docstring, "fp16 operands").
     Arguments as the ``tl`` decode kernel's (``_sparse_mla_fwd_grouped_kernel``)."""
     ACC: gl.constexpr = _acc_layout(BH, NW)
     L16: gl.constexpr = _copy_layout(16, NW)
@@ -337,6 +541,10 @@ def _sparse_mla_decode_gluon_kernel(
     PLAIN1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, 64], gl.bfloat16)
+    KDT: gl.constexpr = gl.float16 if F16 else gl.bfloat16
+    # F16: which blocks carry 584 records (group 7 = the bf16 RoPE tail)
+    ANY584: gl.constexpr = SRC_A == 584 or (HAS_B and SRC_B == 584)
+    ALL584: gl.constexpr = SRC_A == 584 and ((not HAS_B) or SRC_B == 584)
 
     pid = gl.program_id(0)
     ht = pid % num_ht
@@ -356,15 +564,20 @@ def _sparse_mla_decode_gluon_kernel(
     rope_ring = gl.allocate_shared_memory(gl.bfloat16, [NS, 64, 64], KL)
     scale_ring = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
     idx_ring = gl.allocate_shared_memory(gl.int32, [NS, 64], PLAIN1)
-    k0 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
-    k1 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
-    k2 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
-    k3 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
-    k4 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
-    k5 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
-    k6 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [8, BH, 64], QL)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], QL)
+    k0 = gl.allocate_shared_memory(KDT, [64, 64], KL)
+    k1 = gl.allocate_shared_memory(KDT, [64, 64], KL)
+    k2 = gl.allocate_shared_memory(KDT, [64, 64], KL)
+    k3 = gl.allocate_shared_memory(KDT, [64, 64], KL)
+    k4 = gl.allocate_shared_memory(KDT, [64, 64], KL)
+    k5 = gl.allocate_shared_memory(KDT, [64, 64], KL)
+    k6 = gl.allocate_shared_memory(KDT, [64, 64], KL)
+    q_smem = gl.allocate_shared_memory(KDT, [8, BH, 64], QL)
+    p_smem = gl.allocate_shared_memory(KDT, [BH, 64], QL)
+    if F16:
+        # the bf16 RoPE operands (584 blocks) and group 7 of 528/288 blocks as fp16 (the
+        # RoPE ring stage, reinterpreted: same bytes, same swizzle)
+        q_r = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], QL)
+        p_r = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], QL)
 
     # ---- this program's column ranges ---------------------------------------------------
     if HAS_LEN_A:
@@ -400,9 +613,30 @@ def _sparse_mla_decode_gluon_kernel(
     hq = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, LQ))
     dq = gl.arange(0, 64, layout=gl.SliceLayout(0, LQ))
     qrow = q_ptr + t * stride_qt + hq.to(gl.int64)[:, None] * stride_qh
-    for g in gl.static_range(8):
-        qg = gl.load(qrow + (g * 64 + dq)[None, :], mask=(hq < H)[:, None], other=0.0)
-        q_smem.index(g).store(qg)
+    if F16:
+        # fp16 Q: each head times 2**(141 - e) (e: the biased exponent of its amax, clamped to
+        # [15, 255]) puts its amax in [2**14, 2**15); qk_h = qk_scale * 2**(e - 141) undoes it.
+        # 584-only kernels leave the bf16 RoPE tail out of the amax.
+        NQ: gl.constexpr = 7 if ALL584 else 8
+        amax = gl.full([BH], 0.0, gl.float32, layout=gl.SliceLayout(1, LQ))
+        for g in gl.static_range(NQ):
+            qg = gl.load(qrow + (g * 64 + dq)[None, :], mask=(hq < H)[:, None], other=0.0)
+            amax = gl.maximum(amax, gl.max(gl.abs(qg.to(gl.float32)), axis=1))
+        ea = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
+        ea = gl.minimum(gl.maximum(ea, 15), 255)
+        qmul = ((268 - ea) << 23).to(gl.float32, bitcast=True)
+        for g in gl.static_range(8):
+            qg = gl.load(qrow + (g * 64 + dq)[None, :], mask=(hq < H)[:, None], other=0.0)
+            q_smem.index(g).store((qg.to(gl.float32) * qmul[:, None]).to(gl.float16))
+            if g == 7:
+                if ANY584:
+                    q_r.store(qg)
+        qk_h = gl.convert_layout(((ea - 14) << 23).to(gl.float32, bitcast=True),
+                                 gl.SliceLayout(0, ACC)) * qk_scale
+    else:
+        for g in gl.static_range(8):
+            qg = gl.load(qrow + (g * 64 + dq)[None, :], mask=(hq < H)[:, None], other=0.0)
+            q_smem.index(g).store(qg)
 
     # ---- prologue: NS - 1 blocks in flight ----------------------------------------------
     nidx = _load_idx(0, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b, hi_b,
@@ -427,6 +661,7 @@ def _sparse_mla_decode_gluon_kernel(
     o5 = zero
     o6 = zero
     o7 = zero
+    R = len_a * 0 + R_MIN  # F16: the running scale exponent of the key tiles
 
     for j in range(nblk):
         kn = j + NS - 1
@@ -440,65 +675,135 @@ def _sparse_mla_decode_gluon_kernel(
         s = j % NS
         rope_s = rope_ring.index(s)
         scale_s = scale_ring.index(s)
-        if HAS_B and SRC_A != SRC_B:
-            if j < nblk_a:
-                _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3, k4,
-                         k5, k6, SRC_A, NW)
+        if F16:
+            k7 = rope_s._reinterpret(gl.float16, [64, 64], KL)
+            r_old = R
+            if HAS_B and SRC_A != SRC_B:
+                if j < nblk_a:
+                    R = _prep_f16(s, r0, r1, r2, r3, r4, r5, r6, r7, scale_s, k0, k1, k2, k3, k4,
+                                  k5, k6, k7, R, SRC_A, NW)
+                else:
+                    R = _prep_f16(s, r0, r1, r2, r3, r4, r5, r6, r7, scale_s, k0, k1, k2, k3, k4,
+                                  k5, k6, k7, R, SRC_B, NW)
+            else:
+                R = _prep_f16(s, r0, r1, r2, r3, r4, r5, r6, r7, scale_s, k0, k1, k2, k3, k4, k5,
+                              k6, k7, R, SRC_A, NW)
+            fence_async_shared()
+            gl.thread_barrier()
+            cq = qk_h * _exp2i(R - 127)
+            if SRC_A == 584:
+                rope_blk = j < nblk_a
+            else:
+                rope_blk = j >= nblk_a
+            if ALL584:
+                sT = _qk_f16(k0, k1, k2, k3, k4, k5, k6, k7, rope_s, q_smem, q_r, zero, cq,
+                             qk_scale, True)
+            elif not ANY584:
+                sT = _qk_f16(k0, k1, k2, k3, k4, k5, k6, k7, rope_s, q_smem, q_smem, zero, cq,
+                             qk_scale, False)
+            else:
+                if rope_blk:
+                    sT = _qk_f16(k0, k1, k2, k3, k4, k5, k6, k7, rope_s, q_smem, q_r, zero, cq,
+                                 qk_scale, True)
+                else:
+                    sT = _qk_f16(k0, k1, k2, k3, k4, k5, k6, k7, rope_s, q_smem, q_r, zero, cq,
+                                 qk_scale, False)
+            kidx = idx_ring.index(s).load(gl.SliceLayout(1, ACC))
+            sT = gl.where((kidx >= 0)[:, None], sT, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sT, axis=0))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(sT - m_safe[None, :])
+            l_part = l_part * alpha[None, :] + p
+            m_i = m_new
+            p_smem.store(gl.permute(p.to(gl.float16), (1, 0)))
+            if ANY584:
+                p_r.store(gl.permute((p * _exp2i(127 - R)).to(gl.bfloat16), (1, 0)))
+            fence_async_shared()
+            gl.thread_barrier()
+            alpha = alpha * _exp2i(r_old - R)
+            if ALL584:
+                o0, o1, o2, o3, o4, o5, o6, o7 = _pv_f16(k0, k1, k2, k3, k4, k5, k6, k7, rope_s,
+                                                         p_smem, p_r, o0, o1, o2, o3, o4, o5,
+                                                         o6, o7, alpha, True)
+            elif not ANY584:
+                o0, o1, o2, o3, o4, o5, o6, o7 = _pv_f16(k0, k1, k2, k3, k4, k5, k6, k7, rope_s,
+                                                         p_smem, p_smem, o0, o1, o2, o3, o4, o5,
+                                                         o6, o7, alpha, False)
+            else:
+                if rope_blk:
+                    o0, o1, o2, o3, o4, o5, o6, o7 = _pv_f16(k0, k1, k2, k3, k4, k5, k6, k7,
+                                                             rope_s, p_smem, p_r, o0, o1, o2, o3,
+                                                             o4, o5, o6, o7, alpha, True)
+                else:
+                    o0, o1, o2, o3, o4, o5, o6, o7 = _pv_f16(k0, k1, k2, k3, k4, k5, k6, k7,
+                                                             rope_s, p_smem, p_r, o0, o1, o2, o3,
+                                                             o4, o5, o6, o7, alpha, False)
+            gl.thread_barrier()
+        else:
+            if HAS_B and SRC_A != SRC_B:
+                if j < nblk_a:
+                    _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3, k4,
+                             k5, k6, SRC_A, NW)
+                else:
+                    _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3, k4,
+                             k5, k6, SRC_B, NW)
             else:
                 _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3, k4,
-                         k5, k6, SRC_B, NW)
-        else:
-            _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3, k4,
-                         k5, k6, SRC_A, NW)
-        fence_async_shared()
-        gl.thread_barrier()
+                             k5, k6, SRC_A, NW)
+            fence_async_shared()
+            gl.thread_barrier()
 
-        # S^T = K Q^T  [64 keys, BH]
-        acc = warpgroup_mma(k0, q_smem.index(0).permute((1, 0)), zero, use_acc=False,
-                            is_async=True)
-        acc = warpgroup_mma(k1, q_smem.index(1).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma(k2, q_smem.index(2).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma(k3, q_smem.index(3).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma(k4, q_smem.index(4).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma(k5, q_smem.index(5).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma(k6, q_smem.index(6).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma(rope_s, q_smem.index(7).permute((1, 0)), acc, is_async=True)
-        sT = warpgroup_mma_wait(0, deps=[acc])
+            # S^T = K Q^T  [64 keys, BH]
+            acc = warpgroup_mma(k0, q_smem.index(0).permute((1, 0)), zero, use_acc=False,
+                                is_async=True)
+            acc = warpgroup_mma(k1, q_smem.index(1).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(k2, q_smem.index(2).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(k3, q_smem.index(3).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(k4, q_smem.index(4).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(k5, q_smem.index(5).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(k6, q_smem.index(6).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(rope_s, q_smem.index(7).permute((1, 0)), acc, is_async=True)
+            sT = warpgroup_mma_wait(0, deps=[acc])
 
-        kidx = idx_ring.index(s).load(gl.SliceLayout(1, ACC))
-        sT = gl.where((kidx >= 0)[:, None], sT * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sT, axis=0))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(sT - m_safe[None, :])
-        l_part = l_part * alpha[None, :] + p
-        m_i = m_new
-        p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
-        fence_async_shared()
-        gl.thread_barrier()
+            kidx = idx_ring.index(s).load(gl.SliceLayout(1, ACC))
+            sT = gl.where((kidx >= 0)[:, None], sT * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sT, axis=0))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(sT - m_safe[None, :])
+            l_part = l_part * alpha[None, :] + p
+            m_i = m_new
+            p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
+            fence_async_shared()
+            gl.thread_barrier()
 
-        # O^T_g = O^T_g * alpha + K_g^T P^T
-        pT = p_smem.permute((1, 0))
-        o0 = warpgroup_mma(k0.permute((1, 0)), pT, o0 * alpha[None, :],
-                           is_async=True)
-        o1 = warpgroup_mma(k1.permute((1, 0)), pT, o1 * alpha[None, :],
-                           is_async=True)
-        o2 = warpgroup_mma(k2.permute((1, 0)), pT, o2 * alpha[None, :],
-                           is_async=True)
-        o3 = warpgroup_mma(k3.permute((1, 0)), pT, o3 * alpha[None, :],
-                           is_async=True)
-        o4 = warpgroup_mma(k4.permute((1, 0)), pT, o4 * alpha[None, :],
-                           is_async=True)
-        o5 = warpgroup_mma(k5.permute((1, 0)), pT, o5 * alpha[None, :],
-                           is_async=True)
-        o6 = warpgroup_mma(k6.permute((1, 0)), pT, o6 * alpha[None, :],
-                           is_async=True)
-        o7 = warpgroup_mma(rope_s.permute((1, 0)), pT, o7 * alpha[None, :], is_async=True)
-        o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(
-            0, deps=[o0, o1, o2, o3, o4, o5, o6, o7])
-        gl.thread_barrier()
+            # O^T_g = O^T_g * alpha + K_g^T P^T
+            pT = p_smem.permute((1, 0))
+            o0 = warpgroup_mma(k0.permute((1, 0)), pT, o0 * alpha[None, :],
+                               is_async=True)
+            o1 = warpgroup_mma(k1.permute((1, 0)), pT, o1 * alpha[None, :],
+                               is_async=True)
+            o2 = warpgroup_mma(k2.permute((1, 0)), pT, o2 * alpha[None, :],
+                               is_async=True)
+            o3 = warpgroup_mma(k3.permute((1, 0)), pT, o3 * alpha[None, :],
+                               is_async=True)
+            o4 = warpgroup_mma(k4.permute((1, 0)), pT, o4 * alpha[None, :],
+                               is_async=True)
+            o5 = warpgroup_mma(k5.permute((1, 0)), pT, o5 * alpha[None, :],
+                               is_async=True)
+            o6 = warpgroup_mma(k6.permute((1, 0)), pT, o6 * alpha[None, :],
+                               is_async=True)
+            o7 = warpgroup_mma(rope_s.permute((1, 0)), pT, o7 * alpha[None, :], is_async=True)
+            o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(
+                0, deps=[o0, o1, o2, o3, o4, o5, o6, o7])
+            gl.thread_barrier()
     cp.wait_group(0)
     l_i = gl.sum(l_part, axis=0)
+    if F16:
+        o_unit = _exp2i(R - 127)  # the key tiles' units
+    else:
+        o_unit = 1.0
 
     # ---- epilogue -----------------------------------------------------------------------
     h = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, ACC))
@@ -527,6 +832,7 @@ def _sparse_mla_decode_gluon_kernel(
         lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("inf"))
         gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
         TO_BF16: gl.constexpr = True
+    inv = inv * o_unit
     _store_out(orow, 0, o0, inv, hmask, ACC, TO_BF16)
     _store_out(orow, 64, o1, inv, hmask, ACC, TO_BF16)
     _store_out(orow, 128, o2, inv, hmask, ACC, TO_BF16)

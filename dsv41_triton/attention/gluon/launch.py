@@ -17,7 +17,8 @@ from ..._utils import cdiv, is_interpreter
 from . import AVAILABLE, REASON
 
 #: the pick table: (major, minor) -> {(heads bucket, swa record, extra record or 0, tokens
-#: bucket): launch shape "num_warps:block_h:stages" (0 = default)}. Heads buckets: 8 (H <= 8),
+#: bucket): launch shape "num_warps:block_h:stages[:h]" (0 = default; ":h" = fp16 wgmma
+#: operands, the kernel's ``F16``)}. Heads buckets: 8 (H <= 8),
 #: 16, 64, 128 (larger); tokens buckets: 32 (T <= 32), 128, 1 << 30. Only shapes where the Gluon
 #: kernel measured faster than the tl kernel on the H200 are listed (perf/NOTES.md, "Gluon
 #: decode for Hopper"); a missing key means the tl kernel.
@@ -32,7 +33,7 @@ PICK = {
 }
 
 #: launch shapes the GPU tests run (tests/attention/test_decode_gluon.py); PICK uses only these
-TESTED_SHAPES = ("4:0:3", "4:16:2", "8:16:3", "8:16:2", "8:32:3")
+TESTED_SHAPES = ("4:0:3", "4:16:2", "8:16:3", "8:16:2", "8:32:3", "4:0:3:h", "4:8:3:h")
 
 #: DSV41_DECODE_KERNEL=tl|gluon|auto overrides the pick (benchmarks, tests)
 ENV = "DSV41_DECODE_KERNEL"
@@ -98,11 +99,18 @@ OVERRIDE = {}
 
 
 def parse_shape(text: str) -> dict:
-    """``"8:16:3"`` -> ``{num_warps: 8, block_h: 16, stages: 3}`` (0 or empty = default)."""
+    """``"8:16:3"`` -> ``{num_warps: 8, block_h: 16, stages: 3}`` (0 or empty = default);
+    a fourth field ``h`` adds ``f16: True`` (fp16 wgmma operands)."""
     if not text:
         return {}
-    nw, bh, st = (int(x) for x in text.split(":"))
-    return {k: v for k, v in (("num_warps", nw), ("block_h", bh), ("stages", st)) if v}
+    parts = text.split(":")
+    if len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] not in ("h", "b")):
+        raise ValueError(f"launch shape {text!r}: expected 'num_warps:block_h:stages[:h]'")
+    nw, bh, st = (int(x) for x in parts[:3])
+    out = {k: v for k, v in (("num_warps", nw), ("block_h", bh), ("stages", st)) if v}
+    if len(parts) == 4 and parts[3] == "h":
+        out["f16"] = True
+    return out
 
 
 def default_shape(T: int, H: int, total_width: int, sms: int, num_warps: int = 4):
@@ -125,7 +133,7 @@ LAST_LAUNCH = {}
 def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: float,
            out: torch.Tensor, lse: torch.Tensor, block_h: Optional[int] = None,
            num_splits: Optional[int] = None, stages: Optional[int] = None,
-           num_warps: Optional[int] = None) -> None:
+           num_warps: Optional[int] = None, f16: Optional[bool] = None) -> None:
     """Run the Gluon decode on validated arguments (``a``/``b``: ``KeySet``s of decode.py)."""
     if not AVAILABLE:
         raise RuntimeError(f"gluon decode unavailable: {REASON}")
@@ -145,6 +153,7 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
     if nw == 8:
         bh = max(bh, 16)  # two warpgroups split the heads: at least 8 each
     ns = num_splits or ns
+    f16 = bool(over.get("f16", False)) if f16 is None else f16
     n_ht = cdiv(H, bh)
     bb = b if b is not None else a
     args, po, pl, sink_arg, sink_st = kernel_args(q, a, b, sink, out, lse, ns)
@@ -153,9 +162,9 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
         H, float(softmax_scale) * 1.4426950408889634, ns, n_ht,
         SRC_A=a.src, SRC_B=bb.src, HAS_B=b is not None, HAS_LEN_A=a.lens is not None,
         HAS_LEN_B=bb.lens is not None, HAS_SINK=sink is not None, SPLIT=ns > 1, BH=bh,
-        NS=stages, NW=nw, num_warps=nw,
+        NS=stages, NW=nw, F16=f16, num_warps=nw,
     )
-    LAST_LAUNCH["fwd"] = (k, (bh, ns, nw, stages))
+    LAST_LAUNCH["fwd"] = (k, (bh, ns, nw, stages, "f16" if f16 else "bf16"))
     if ns > 1:
         merge_splits(po, pl, sink, sink_arg, sink_st, out, lse, ns, sw=False)
 
