@@ -3,6 +3,7 @@
     python perf/bench_decode_hopper.py            # the table (+ FlashMLA when flash_mla imports)
     python perf/bench_decode_hopper.py --quick    # the four key rows
     python perf/bench_decode_hopper.py --csv out.csv
+    python perf/bench_decode_hopper.py --few      # few heads: 8 h T=1..512 both pairs, 16 h
 
 Method (issue 10): a CUDA graph of one call, a 512 MB L2 flush before every replay (outside
 the timed events), median of 30. Each query token: 128 window keys (consecutive positions in
@@ -10,7 +11,9 @@ its own random pages) + 512 random compressed slots, pages of 64, sink on, real 
 records. FlashMLA 9241ae3's kernel is called directly with heads zero-padded to 64/128 and its
 scheduler metadata built once (584 records only: its SM90 kernels cannot read 528/288).
 Also printed: the bytes floor (unique key records + q + out at 4.2 TB/s) and the launch
-shape / registers of the Gluon kernel.
+shape / registers of the Gluon kernel. Gluon columns: bf16 operands and fp16 operands (the
+kernel's ``F16``), both at the default launch shape (4 warps, 3 stages); fp16 only for <= 16
+heads (at block_h 32 it spills).
 """
 from __future__ import annotations
 
@@ -37,6 +40,10 @@ TABLE = [(8, 1, 584, 584), (8, 32, 584, 584), (8, 128, 584, 584), (8, 512, 584, 
          (16, 128, 584, 584), (64, 1, 584, 584), (64, 128, 584, 584), (64, 512, 584, 584),
          (128, 128, 584, 584), (128, 512, 584, 584), (8, 128, 528, 288), (64, 128, 528, 288)]
 QUICK = [(8, 128, 584, 584), (8, 128, 528, 288), (64, 128, 584, 584), (64, 128, 528, 288)]
+FEW = [(8, T, ra, rb) for ra, rb in ((584, 584), (528, 288)) for T in (1, 32, 128, 512)] + [
+    (16, 128, 584, 584), (16, 128, 528, 288)]
+#: the two Gluon columns' launch overrides (launch.OVERRIDE)
+GLUON_BF16, GLUON_F16 = {"f16": False}, {"f16": True}
 W, K, PAGE = 128, 512, 64
 
 
@@ -141,6 +148,7 @@ def warm(rows, variants, jobs=8):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--few", action="store_true", help="the few-heads rows (FEW)")
     ap.add_argument("--csv", default=None)
     ap.add_argument("--no-flashmla", action="store_true")
     ap.add_argument("--reps", type=int, default=30)
@@ -157,41 +165,54 @@ def main(argv=None):
         sparse_mla_decode(**build_case(T, H, ra, rb), _kernel="gluon")
         torch.cuda.synchronize()
         return
-    rows = [] if args.no_table else QUICK if args.quick else TABLE
+    rows = [] if args.no_table else QUICK if args.quick else FEW if args.few else TABLE
     variants = [v for v in args.sweep.split(",") if v]
     sweep_rows = ([tuple(int(x) for x in r.split(",")) for r in args.sweep_rows.split(";")]
                   if args.sweep_rows else QUICK)
-    warm(rows, [""])
+    warm(rows, ["4:0:3"])
+    warm([r for r in rows if r[0] <= 16], ["4:0:3:h"])
     if variants:
         warm(sweep_rows, variants)
     print(f"# {torch.cuda.get_device_name()} | gluon available: {gluon_launch.AVAILABLE} "
           f"{gluon_launch.REASON}")
-    print("| heads | tokens | records | tl (µs) | gluon (µs) | gluon shape (bh, splits) | "
-          "FlashMLA (µs) | bytes floor (µs) | gluon err |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| heads | tokens | records | tl (µs) | gluon bf16 (µs) | gluon fp16 (µs) | "
+          "gluon shape (bh, splits, ...) | FlashMLA (µs) | bytes floor (µs) | gluon err bf16 | "
+          "fp16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     out_rows = []
     for H, T, ra, rb in rows:
         case = build_case(T, H, ra, rb)
         floor = bytes_floor_us(case, ra, rb)
         t_tl = time_graph(lambda: sparse_mla_decode(**case, _kernel="tl"), args.reps)
-        t_gl, shape, err = float("nan"), "-", "-"
-        try:
-            o, lse = sparse_mla_decode(**case, _kernel="gluon")
-            ro, rl = sparse_mla_decode_ref(**case)
-            err = f"{rel_err(o, ro):.1e}/{max_abs_err(lse, rl):.1e}"
-            t_gl = time_graph(lambda: sparse_mla_decode(**case, _kernel="gluon"), args.reps)
-            k, shape = gluon_launch.LAST_LAUNCH["fwd"]
-            shape = f"{shape} r{getattr(k, 'n_regs', '?')} sp{getattr(k, 'n_spills', '?')}"
-        except Exception as e:  # noqa: BLE001 - print and go on with the table
-            err = f"{type(e).__name__}: {str(e)[:80]}"
+        ro, rl = sparse_mla_decode_ref(**case)
+        t_gl, t_h, shape, err, err_h = float("nan"), float("nan"), "-", "-", "-"
+        for over in (GLUON_BF16, GLUON_F16):
+            if over["f16"] and H > 16:
+                continue
+            gluon_launch.OVERRIDE.clear()
+            gluon_launch.OVERRIDE.update(over)
+            try:
+                o, lse = sparse_mla_decode(**case, _kernel="gluon")
+                e = f"{rel_err(o, ro):.1e}/{max_abs_err(lse, rl):.1e}"
+                t = time_graph(lambda: sparse_mla_decode(**case, _kernel="gluon"), args.reps)
+                k, sh = gluon_launch.LAST_LAUNCH["fwd"]
+                sh = f"{sh} r{getattr(k, 'n_regs', '?')} sp{getattr(k, 'n_spills', '?')}"
+                shape = sh if shape == "-" else f"{shape}; {sh}"
+            except Exception as ex:  # noqa: BLE001 - print and go on with the table
+                t, e = float("nan"), f"{type(ex).__name__}: {str(ex)[:80]}"
+            if over["f16"]:
+                t_h, err_h = t, e
+            else:
+                t_gl, err = t, e
+        gluon_launch.OVERRIDE.clear()
         t_fm = float("nan")
         if rb == 584 and ra == 584 and not args.no_flashmla:
             fn = flashmla_fn(case)
             if fn is not None:
                 t_fm = time_graph(fn, args.reps)
-        print(f"| {H} | {T} | {ra}+{rb} | {t_tl:.1f} | {t_gl:.1f} | {shape} | {t_fm:.1f} | "
-              f"{floor:.1f} | {err} |", flush=True)
-        out_rows.append((H, T, ra, rb, t_tl, t_gl, t_fm, floor))
+        print(f"| {H} | {T} | {ra}+{rb} | {t_tl:.1f} | {t_gl:.1f} | {t_h:.1f} | {shape} | "
+              f"{t_fm:.1f} | {floor:.1f} | {err} | {err_h} |", flush=True)
+        out_rows.append((H, T, ra, rb, t_tl, t_gl, t_h, t_fm, floor))
         case = None
         torch.cuda.empty_cache()
     if args.sweep:
@@ -215,7 +236,7 @@ def main(argv=None):
             torch.cuda.empty_cache()
     if args.csv:
         with open(args.csv, "w") as f:
-            f.write("heads,tokens,swa,extra,tl_us,gluon_us,flashmla_us,floor_us\n")
+            f.write("heads,tokens,swa,extra,tl_us,gluon_us,gluon_f16_us,flashmla_us,floor_us\n")
             for r in out_rows:
                 f.write(",".join(str(x) for x in r) + "\n")
 

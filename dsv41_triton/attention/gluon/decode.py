@@ -134,46 +134,46 @@ mul.rn.f16x2 $0, t0, $3;
 mul.rn.f16x2 $1, t1, $4;
 }""")
 
-# fp16 operands: four e2m1 bytes -> fp16 as ``_E2M1_ASM`` (fp16 values of the codes have a zero
-# low byte: one prmt table instead of two), times the fp16 scale.
+# fp16 operands: four e2m1 bytes b0..b3 -> eight fp16 in dim order, two results of two f16x2:
+# (lo(b0), hi(b0)), (lo(b1), hi(b1)) and the same for b2, b3, each * its fp16 scale. A nibble
+# (sign, 3 magnitude bits) is an fp16 bit pattern once its magnitude bits sit at bits 9..11 and
+# its sign at bit 15: the value * 2**-14 (code 1 is the subnormal 0.5 * 2**-14); the 2**14 is
+# in the scale. prmt puts b and b >> 4 into the two halves, two shifts and two masks do the rest.
 _E2M1_F16_ASM = gl.constexpr("""{
-.reg .b32 w, x, y, sl, sh, hl, hh, sg, z, t0, t1;
-mov.b32 w, $4;
-mov.b32 z, 0;
-mov.b32 t0, 0x3E3C3800;
-mov.b32 t1, 0x46444240;
-and.b32 x, w, 0x07070707;
-shr.b32 y, x, 4;
-or.b32 x, x, y;
-prmt.b32 sl, x, z, 0x0020;
-shr.b32 x, w, 4;
-and.b32 x, x, 0x07070707;
-shr.b32 y, x, 4;
-or.b32 x, x, y;
-prmt.b32 sh, x, z, 0x0020;
-prmt.b32 hl, t0, t1, sl;
-prmt.b32 hh, t0, t1, sh;
-and.b32 x, w, 0x08080808;
-prmt.b32 sg, x, z, 0x1404;
-shl.b32 sg, sg, 4;
-prmt.b32 y, hl, z, 0x1404;
-or.b32 y, y, sg;
-mul.rn.f16x2 $0, y, $5;
-prmt.b32 sg, x, z, 0x3424;
-shl.b32 sg, sg, 4;
-prmt.b32 y, hl, z, 0x3424;
-or.b32 y, y, sg;
-mul.rn.f16x2 $1, y, $6;
-and.b32 x, w, 0x80808080;
-prmt.b32 sg, x, z, 0x1404;
-prmt.b32 y, hh, z, 0x1404;
-or.b32 y, y, sg;
-mul.rn.f16x2 $2, y, $5;
-prmt.b32 sg, x, z, 0x3424;
-prmt.b32 y, hh, z, 0x3424;
-or.b32 y, y, sg;
-mul.rn.f16x2 $3, y, $6;
+.reg .b32 w4, t, m, s;
+shr.b32 w4, $4, 4;
+prmt.b32 t, $4, w4, 0x0400;
+shl.b32 m, t, 9;
+shl.b32 s, t, 12;
+and.b32 m, m, 0x0E000E00;
+and.b32 s, s, 0x80008000;
+or.b32 t, m, s;
+mul.rn.f16x2 $0, t, $5;
+prmt.b32 t, $4, w4, 0x1511;
+shl.b32 m, t, 9;
+shl.b32 s, t, 12;
+and.b32 m, m, 0x0E000E00;
+and.b32 s, s, 0x80008000;
+or.b32 t, m, s;
+mul.rn.f16x2 $1, t, $5;
+prmt.b32 t, $4, w4, 0x2622;
+shl.b32 m, t, 9;
+shl.b32 s, t, 12;
+and.b32 m, m, 0x0E000E00;
+and.b32 s, s, 0x80008000;
+or.b32 t, m, s;
+mul.rn.f16x2 $2, t, $6;
+prmt.b32 t, $4, w4, 0x3733;
+shl.b32 m, t, 9;
+shl.b32 s, t, 12;
+and.b32 m, m, 0x0E000E00;
+and.b32 s, s, 0x80008000;
+or.b32 t, m, s;
+mul.rn.f16x2 $3, t, $6;
 }""")
+
+#: F16: the exponent an e2m1 block counts as (its tiles hold ``value * 2**-14 * scale``)
+E2M1_EXP = gl.constexpr(141)
 
 #: F16: the smallest running scale exponent (a UE8M0 byte): key tiles hold ``value * 2**(127 -
 #: R)`` with ``R = max(R_MIN, block maxima so far)``; the RoPE ``p`` is scaled by at most
@@ -366,23 +366,26 @@ def _dequant_f16(s, r0, r1, r2, r3, r4, r5, r6, r7, scale_s, k0, k1, k2, k3, k4,
                  R, SRC: gl.constexpr, NW: gl.constexpr):
     """Raw bytes of one stage -> fp16 key tiles ``k0..k7`` holding ``value * 2**(127 - R)``
     (584: groups 0..6 only; the RoPE tail stays bf16). e4m3 data: ``cvt`` to fp16 and one
-    multiply by ``2**(scale byte - R)`` (<= 1); e2m1 data: the exact fp16 product with its e4m3
-    scale, times ``2**(127 - R)``."""
+    multiply by ``2**(scale byte - R)`` (<= 1); e2m1 data: ``value * 2**-14`` from bit moves,
+    times its e4m3 scale * ``2**(E2M1_EXP - R)`` (exact: every product is a multiple of
+    ``2**-24``, the smallest fp16 subnormal, and below ``2688 * 2**-14``)."""
     L16: gl.constexpr = _copy_layout(16, NW)
     if SRC == 288:
         L8: gl.constexpr = _copy_layout(8, NW)
-        f = _exp2i(127 - R)
+        f = _exp2i(E2M1_EXP - R)
         for g in gl.static_range(8):
             tile = _pick(g // 2, r0, r1, r2, r3, r4, r5, r6, r7).index(s)
             raw = gl.reshape(tile.slice((g % 2) * 32, 32, dim=1).load(L8), [64, 4, 8])
             sb = scale_s.slice(4 * g, 4, dim=1).load(gl.SliceLayout(2, raw.type.layout))
             sc = (sb.to(gl.float8e4nv, bitcast=True).to(gl.float32) * f).to(gl.float16)
             sc = gl.broadcast(gl.expand_dims(sc, 2), raw)[0]
-            lo, hi = gl.inline_asm_elementwise(_E2M1_F16_ASM, "=r,=r,=r,=r,r,r,r", [raw, sc],
-                                               dtype=(gl.float16, gl.float16), is_pure=True,
-                                               pack=4)
-            x = gl.convert_layout(gl.reshape(gl.join(lo, hi), [64, 64]), L16)
-            _put(x, g, k0, k1, k2, k3, k4, k5, k6, k7)
+            # a thread's 8 bytes (16 dims): ``a`` holds dims 0..3 and 8..11, ``b`` 4..7, 12..15
+            a, b = gl.inline_asm_elementwise(_E2M1_F16_ASM, "=r,=r,=r,=r,r,r,r", [raw, sc],
+                                             dtype=(gl.float16, gl.float16), is_pure=True,
+                                             pack=4)
+            x = gl.join(gl.reshape(a, [64, 4, 2, 4]), gl.reshape(b, [64, 4, 2, 4]))
+            x = gl.reshape(gl.permute(x, (0, 1, 2, 4, 3)), [64, 64])
+            _put(gl.convert_layout(x, L16), g, k0, k1, k2, k3, k4, k5, k6, k7)
     else:
         NG: gl.constexpr = 7 if SRC == 584 else 8
         for g in gl.static_range(NG):
@@ -407,9 +410,9 @@ def _dequant_f16(s, r0, r1, r2, r3, r4, r5, r6, r7, scale_s, k0, k1, k2, k3, k4,
 def _prep_f16(s, r0, r1, r2, r3, r4, r5, r6, r7, scale_s, k0, k1, k2, k3, k4, k5, k6, k7, R,
               SRC: gl.constexpr, NW: gl.constexpr):
     """One stage of ``SRC`` records -> the new running exponent ``R`` (int32 scalar) and the
-    fp16 key tiles in its units (e2m1 records count as exponent 127: scale 1)."""
+    fp16 key tiles in its units (e2m1 blocks count as ``E2M1_EXP``)."""
     if SRC == 288:
-        R = gl.maximum(R, 127)
+        R = gl.maximum(R, E2M1_EXP)
     else:
         R = gl.maximum(R, _block_exp(scale_s, SRC, NW))
     _dequant_f16(s, r0, r1, r2, r3, r4, r5, r6, r7, scale_s, k0, k1, k2, k3, k4, k5, k6, k7, R,
