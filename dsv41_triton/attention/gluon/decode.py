@@ -33,7 +33,9 @@ amax in ``[2**14, 2**15)`` (no fp16 overflow or underflow) and the logit scale u
 (``p <= 1``). The 584 records' bf16 RoPE tail stays a bf16 wgmma (bf16 Q tail, its own logit
 accumulator; ``P * 2**(127 - R)`` in bf16 for the value side). Exact as the bf16 path except
 where ``value * 2**(127 - R)`` is an fp16 subnormal: a key whose scale is ``2**14`` or more
-below the largest scale seen so far in its split.
+below the largest scale seen so far in its split. Record pairs: 584 only or 528/288 only (584
+mixed with 528/288 needs a per-block choice of the group-7 wgmma types; that version measured
+wrong on the H200 and is refused at compile time; the launch uses bf16 operands there).
 """
 from __future__ import annotations
 
@@ -545,9 +547,11 @@ def _sparse_mla_decode_gluon_kernel(
     KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, 64], gl.bfloat16)
     KDT: gl.constexpr = gl.float16 if F16 else gl.bfloat16
-    # F16: which blocks carry 584 records (group 7 = the bf16 RoPE tail)
-    ANY584: gl.constexpr = SRC_A == 584 or (HAS_B and SRC_B == 584)
+    # F16: every block of 584 records (group 7 = the bf16 RoPE tail) or none
     ALL584: gl.constexpr = SRC_A == 584 and ((not HAS_B) or SRC_B == 584)
+    if F16:
+        gl.static_assert(ALL584 or (SRC_A != 584 and ((not HAS_B) or SRC_B != 584)),
+                         "F16: 584 records mixed with 528/288 records are not supported")
 
     pid = gl.program_id(0)
     ht = pid % num_ht
@@ -577,8 +581,8 @@ def _sparse_mla_decode_gluon_kernel(
     q_smem = gl.allocate_shared_memory(KDT, [8, BH, 64], QL)
     p_smem = gl.allocate_shared_memory(KDT, [BH, 64], QL)
     if F16:
-        # the bf16 RoPE operands (584 blocks) and group 7 of 528/288 blocks as fp16 (the
-        # RoPE ring stage, reinterpreted: same bytes, same swizzle)
+        # the bf16 RoPE operands (584 records); 528/288 records put group 7 as fp16 into the
+        # RoPE ring stage (reinterpreted: same bytes, same swizzle)
         q_r = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], QL)
         p_r = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], QL)
 
@@ -632,7 +636,7 @@ def _sparse_mla_decode_gluon_kernel(
             qg = gl.load(qrow + (g * 64 + dq)[None, :], mask=(hq < H)[:, None], other=0.0)
             q_smem.index(g).store((qg.to(gl.float32) * qmul[:, None]).to(gl.float16))
             if g == 7:
-                if ANY584:
+                if ALL584:
                     q_r.store(qg)
         qk_h = gl.convert_layout(((ea - 14) << 23).to(gl.float32, bitcast=True),
                                  gl.SliceLayout(0, ACC)) * qk_scale
@@ -694,23 +698,8 @@ def _sparse_mla_decode_gluon_kernel(
             fence_async_shared()
             gl.thread_barrier()
             cq = qk_h * _exp2i(R - 127)
-            if SRC_A == 584:
-                rope_blk = j < nblk_a
-            else:
-                rope_blk = j >= nblk_a
-            if ALL584:
-                sT = _qk_f16(k0, k1, k2, k3, k4, k5, k6, k7, rope_s, q_smem, q_r, zero, cq,
-                             qk_scale, True)
-            elif not ANY584:
-                sT = _qk_f16(k0, k1, k2, k3, k4, k5, k6, k7, rope_s, q_smem, q_smem, zero, cq,
-                             qk_scale, False)
-            else:
-                if rope_blk:
-                    sT = _qk_f16(k0, k1, k2, k3, k4, k5, k6, k7, rope_s, q_smem, q_r, zero, cq,
-                                 qk_scale, True)
-                else:
-                    sT = _qk_f16(k0, k1, k2, k3, k4, k5, k6, k7, rope_s, q_smem, q_r, zero, cq,
-                                 qk_scale, False)
+            sT = _qk_f16(k0, k1, k2, k3, k4, k5, k6, k7, rope_s, q_smem, q_r, zero, cq, qk_scale,
+                         ALL584)
             kidx = idx_ring.index(s).load(gl.SliceLayout(1, ACC))
             sT = gl.where((kidx >= 0)[:, None], sT, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(sT, axis=0))
@@ -720,28 +709,14 @@ def _sparse_mla_decode_gluon_kernel(
             l_part = l_part * alpha[None, :] + p
             m_i = m_new
             p_smem.store(gl.permute(p.to(gl.float16), (1, 0)))
-            if ANY584:
+            if ALL584:
                 p_r.store(gl.permute((p * _exp2i(127 - R)).to(gl.bfloat16), (1, 0)))
             fence_async_shared()
             gl.thread_barrier()
             alpha = alpha * _exp2i(r_old - R)
-            if ALL584:
-                o0, o1, o2, o3, o4, o5, o6, o7 = _pv_f16(k0, k1, k2, k3, k4, k5, k6, k7, rope_s,
-                                                         p_smem, p_r, o0, o1, o2, o3, o4, o5,
-                                                         o6, o7, alpha, True)
-            elif not ANY584:
-                o0, o1, o2, o3, o4, o5, o6, o7 = _pv_f16(k0, k1, k2, k3, k4, k5, k6, k7, rope_s,
-                                                         p_smem, p_smem, o0, o1, o2, o3, o4, o5,
-                                                         o6, o7, alpha, False)
-            else:
-                if rope_blk:
-                    o0, o1, o2, o3, o4, o5, o6, o7 = _pv_f16(k0, k1, k2, k3, k4, k5, k6, k7,
-                                                             rope_s, p_smem, p_r, o0, o1, o2, o3,
-                                                             o4, o5, o6, o7, alpha, True)
-                else:
-                    o0, o1, o2, o3, o4, o5, o6, o7 = _pv_f16(k0, k1, k2, k3, k4, k5, k6, k7,
-                                                             rope_s, p_smem, p_r, o0, o1, o2, o3,
-                                                             o4, o5, o6, o7, alpha, False)
+            o0, o1, o2, o3, o4, o5, o6, o7 = _pv_f16(k0, k1, k2, k3, k4, k5, k6, k7, rope_s,
+                                                     p_smem, p_r, o0, o1, o2, o3, o4, o5, o6, o7,
+                                                     alpha, ALL584)
             gl.thread_barrier()
         else:
             if HAS_B and SRC_A != SRC_B:

@@ -18,17 +18,25 @@ from . import AVAILABLE, REASON
 
 #: the pick table: (major, minor) -> {(heads bucket, swa record, extra record or 0, tokens
 #: bucket): launch shape "num_warps:block_h:stages[:h]" (0 = default; ":h" = fp16 wgmma
-#: operands, the kernel's ``F16``)}. Heads buckets: 8 (H <= 8),
-#: 16, 64, 128 (larger); tokens buckets: 32 (T <= 32), 128, 1 << 30. Only shapes where the Gluon
-#: kernel measured faster than the tl kernel on the H200 are listed (perf/NOTES.md, "Gluon
-#: decode for Hopper"); a missing key means the tl kernel.
+#: operands, the kernel's ``F16``)}. Heads buckets: 8 (H <= 8), 16, 64, 128 (larger); tokens
+#: buckets: 32 (T <= 32), 128, 1 << 30. Only shapes where the Gluon kernel measured faster than
+#: the tl kernel (and, for ":h", than the bf16 Gluon kernel) on the H200 are listed
+#: (perf/NOTES.md, "Gluon decode for Hopper" and "Gluon decode, fp16 operands (few heads)");
+#: a missing key means the tl kernel.
 PICK = {
-    # H200, triton 3.6, 2026-12-01 (CUDA graph, L2 flushed, median of 30; tl in the same run):
-    # 8 heads 584+584 T=1 / 32: 15.5 / 23.5 vs 15.9 / 25.4 us; T=128 41.9 vs 41.8 (tie: tl);
-    # 8 heads 528+288 T=128: 49.2 vs 68.7 us. Everything else measured slower or untimed.
+    # H200, triton 3.6, 2026-12-01, perf/bench_decode_hopper.py --few (CUDA graph, L2 flushed,
+    # median of 30), one run, fp16 Gluon vs bf16 Gluon vs tl (us):
+    # 8 heads 584+584 T=1 / 32: 14.7 / 23.4 vs 15.4 / 23.5 vs 15.6 / 25.7 (T=128 / 512 fp16
+    # slower: 47.3 / 157.8 vs 42.0 / 148.7 vs 41.8 / 121.2: tl);
+    # 8 heads 528+288 T=1 / 32 / 128 / 512: 14.7 / 22.0 / 43.9 / 152.8 vs 15.3 / 24.1 / 49.4 /
+    # 174.1 vs 16.2 / 35.8 / 68.5 / 219.7; 16 heads 528+288 T=128: 57.7 vs 62.0 vs 70.3
+    # (16 heads 584+584 T=128: tl 43.2 fastest).
     (9, 0): {
-        (8, 584, 584, 32): "4:0:3",
-        (8, 528, 288, 128): "4:0:3",
+        (8, 584, 584, 32): "4:0:3:h",
+        (8, 528, 288, 32): "4:0:3:h",
+        (8, 528, 288, 128): "4:0:3:h",
+        (8, 528, 288, 1 << 30): "4:0:3:h",
+        (16, 528, 288, 128): "4:0:3:h",
     },
 }
 
@@ -50,6 +58,13 @@ def _sms(device: torch.device) -> int:
 
 def _cap(device: torch.device):
     return torch.cuda.get_device_capability(device)
+
+
+def f16_supported(a, b) -> bool:
+    """The fp16-operand variant covers 584-only and 528/288-only record pairs (not 584 mixed
+    with 528/288: measured wrong on the H200, perf/NOTES.md); elsewhere it falls back to bf16."""
+    srcs = {a.src} | ({b.src} if b is not None else set())
+    return srcs == {584} or 584 not in srcs
 
 
 def heads_bucket(H: int) -> int:
@@ -154,6 +169,7 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
         bh = max(bh, 16)  # two warpgroups split the heads: at least 8 each
     ns = num_splits or ns
     f16 = bool(over.get("f16", False)) if f16 is None else f16
+    f16 = f16 and f16_supported(a, b)
     n_ht = cdiv(H, bh)
     bb = b if b is not None else a
     args, po, pl, sink_arg, sink_st = kernel_args(q, a, b, sink, out, lse, ns)
@@ -169,5 +185,5 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
         merge_splits(po, pl, sink, sink_arg, sink_st, out, lse, ns, sw=False)
 
 
-__all__ = ["PICK", "ENV", "OVERRIDE", "usable", "pick", "launch", "default_shape",
+__all__ = ["PICK", "ENV", "OVERRIDE", "usable", "pick", "launch", "default_shape", "f16_supported",
            "heads_bucket", "tokens_bucket", "table_shape", "parse_shape", "TESTED_SHAPES"]
