@@ -72,6 +72,50 @@ def resource_usage(k) -> str:
         os.unlink(path)
 
 
+def loop_sass(k) -> dict:
+    """SASS of the kernel's main loop (``cuobjdump -sass``): ``loop`` = instructions from the
+    target of the longest backward branch to that branch, ``branches`` = (then, else)
+    instruction counts of the if/else diamonds inside it, largest first (a block runs one side
+    of each: per-block count = ``loop`` minus the side not taken), ``ops`` = opcode counts."""
+    import collections
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+        path = f.name
+    try:
+        text = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(path)
+    rows = [(int(m.group(1), 16), m.group(2))
+            for m in re.finditer(r"/\*([0-9a-f]{4,6})\*/\s+(.*?)\s*;", text)]
+    at = {a: i for i, (a, _) in enumerate(rows)}
+    back = [(a - int(m.group(1), 16), int(m.group(1), 16), a) for a, ins in rows
+            for m in [re.search(r"BRA (0x[0-9a-f]+)", ins)] if m and int(m.group(1), 16) < a]
+    if not back:
+        return {"loop": 0, "branches": [], "spill_ld_st": 0, "ops": {}}
+    _, lo, hi = max(back)
+    body = [(a, ins) for a, ins in rows if lo <= a <= hi]
+    branches = []
+    for a, ins in body:
+        m = re.match(r"@!?P\d BRA (0x[0-9a-f]+)", ins)
+        x = int(m.group(1), 16) if m else None
+        if x in at and at[x] > 0:
+            m2 = re.match(r"BRA (0x[0-9a-f]+)", rows[at[x] - 1][1])
+            if m2 and int(m2.group(1), 16) > x:
+                branches.append(((x - a) // 16 - 1, (int(m2.group(1), 16) - x) // 16))
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+ ", "", ins).split()[0].split(".")[0]
+                              for _, ins in body)
+    return {"loop": len(body), "branches": sorted(branches, key=lambda b: -max(b)),
+            "spill_ld_st": ops.get("LDL", 0) + ops.get("STL", 0),
+            "ops": dict(ops.most_common(12))}
+
+
 def summary(src_a: int, src_b: int, bh: int, split: bool, nw: int = 4,
             f16: bool = False) -> dict:
     """Facts of one compile: wgmma / cp.async present in the PTX, shared memory, registers;
@@ -89,10 +133,13 @@ if __name__ == "__main__":
     # -> JSON line (run with TRITON_INTERPRET unset: the interpreter replaces the functions
     # Gluon calls)
     import json
-    if len(sys.argv) in (6, 7):
+    if len(sys.argv) in (6, 7, 8):
         a, b, bh, sp, nw = (int(x) for x in sys.argv[1:6])
-        f16 = len(sys.argv) == 7 and bool(int(sys.argv[6]))
-        print(json.dumps(summary(a, b, bh, bool(sp), nw, f16)))
+        f16 = len(sys.argv) >= 7 and bool(int(sys.argv[6]))
+        if len(sys.argv) == 8 and sys.argv[7] == "sass":  # ... F16 sass: main-loop counts
+            print(json.dumps(loop_sass(compile_decode(a, b, bh, bool(sp), nw=nw, f16=f16))))
+        else:
+            print(json.dumps(summary(a, b, bh, bool(sp), nw, f16)))
         sys.exit(0)
     combos = [(584, 584), (528, 288), (584, 288), (528, 528), (584, 528), (528, 584)]
     for a, b in combos:
