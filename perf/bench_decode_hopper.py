@@ -3,6 +3,7 @@
     python perf/bench_decode_hopper.py            # the table (+ FlashMLA when flash_mla imports)
     python perf/bench_decode_hopper.py --quick    # the four key rows
     python perf/bench_decode_hopper.py --csv out.csv
+    python perf/bench_decode_hopper.py --few      # few heads: 8 h T=1..512 both pairs, 16 h
 
 Method (issue 10): a CUDA graph of one call, a 512 MB L2 flush before every replay (outside
 the timed events), median of 30. Each query token: 128 window keys (consecutive positions in
@@ -11,9 +12,11 @@ records. FlashMLA 9241ae3's kernel is called directly with heads zero-padded to 
 scheduler metadata built once (584 records only: its SM90 kernels cannot read 528/288).
 Also printed: the bytes floor (unique key records + q + out at 4.2 TB/s) and the launch
 shape / registers of the Gluon kernels. Columns: ``tl``; ``gluon``: the head-tiled Gluon
-kernel of decode.py (the pick table's shape for the row, else its default ``4:0:3``);
-``heads``: the many-heads Gluon kernel of decode_heads.py (``launch.HEADS_SHAPE``; rows with
-16 or more heads); FlashMLA.
+kernel of decode.py with bf16 operands (the pick table's shape for the row, else its default
+``4:0:3``); ``fp16``: the same kernel with fp16 operands (its ``F16``, ``4:0:3:h``; rows of
+<= 16 heads: at block_h 32 it spills); ``heads``: the many-heads Gluon kernel of
+decode_heads.py (``launch.HEADS_SHAPE``; rows with 16 or more heads); FlashMLA; ``auto``: what
+``sparse_mla_decode`` picks.
 """
 from __future__ import annotations
 
@@ -45,6 +48,8 @@ HEADS = [(32, 128, 584, 584), (64, 1, 584, 584), (64, 8, 584, 584), (64, 16, 584
          (128, 128, 584, 584), (128, 512, 584, 584), (64, 1, 528, 288), (64, 128, 528, 288),
          (64, 512, 528, 288), (128, 128, 528, 288), (128, 512, 528, 288)]
 QUICK = [(8, 128, 584, 584), (8, 128, 528, 288), (64, 128, 584, 584), (64, 128, 528, 288)]
+FEW = [(8, T, ra, rb) for ra, rb in ((584, 584), (528, 288)) for T in (1, 32, 128, 512)] + [
+    (16, 128, 584, 584), (16, 128, 528, 288)]
 W, K, PAGE = 128, 512, 64
 
 
@@ -180,6 +185,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--heads", action="store_true", help="the many-heads rows only")
+    ap.add_argument("--few", action="store_true", help="the few-heads rows (FEW)")
     ap.add_argument("--csv", default=None)
     ap.add_argument("--no-flashmla", action="store_true")
     ap.add_argument("--reps", type=int, default=30)
@@ -197,19 +203,21 @@ def main(argv=None):
         sparse_mla_decode(**build_case(T, H, ra, rb), _kernel="tl" if parts[4:] else "gluon")
         torch.cuda.synchronize()
         return
-    rows = [] if args.no_table else QUICK if args.quick else HEADS if args.heads else TABLE
+    rows = ([] if args.no_table else QUICK if args.quick else HEADS if args.heads
+            else FEW if args.few else TABLE)
     variants = [v for v in args.sweep.split(",") if v]
     sweep_rows = ([tuple(int(x) for x in r.split(",")) for r in args.sweep_rows.split(";")]
                   if args.sweep_rows else QUICK)
     warm(rows, ["tl", "4:0:3", gluon_launch.HEADS_SHAPE])
+    warm([r for r in rows if r[0] <= 16], ["4:0:3:h"])
     if variants:
         warm(sweep_rows, variants)
     print(f"# {torch.cuda.get_device_name()} | gluon available: {gluon_launch.AVAILABLE} "
           f"{gluon_launch.REASON}")
-    print("| heads | tokens | records | tl (µs) | gluon (µs) | gluon shape (bh, splits, nw, ns) "
-          "| heads (µs) | heads shape | FlashMLA (µs) | bytes floor (µs) | gluon err | heads err "
-          "| auto (µs) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| heads | tokens | records | tl (µs) | gluon (µs) | fp16 (µs) | gluon shape (bh, splits, "
+          "nw, ns) | heads (µs) | heads shape | FlashMLA (µs) | bytes floor (µs) | gluon err | "
+          "fp16 err | heads err | auto (µs) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     out_rows = []
     for H, T, ra, rb in rows:
         case = build_case(T, H, ra, rb)
@@ -218,9 +226,12 @@ def main(argv=None):
         t_tl = time_graph(lambda: sparse_mla_decode(**case, _kernel="tl"), args.reps)
         t_auto = time_graph(lambda: sparse_mla_decode(**case), args.reps)
         old = gluon_launch.table_shape(T, H, _Keys(ra), _Keys(rb), case["q"].device) or ""
-        if old == gluon_launch.HEADS_SHAPE:
+        if old == gluon_launch.HEADS_SHAPE or old.endswith(":h"):
             old = "4:0:3"
         t_gl, shape, err = time_gluon(case, ref, old or "4:0:3", args.reps)
+        t_h, err_h = float("nan"), "-"
+        if H <= 16:
+            t_h, _, err_h = time_gluon(case, ref, "4:0:3:h", args.reps)
         t_hd, hshape, herr = float("nan"), "-", "-"
         if H >= 16:
             t_hd, hshape, herr = time_gluon(case, ref, gluon_launch.HEADS_SHAPE, args.reps)
@@ -229,10 +240,10 @@ def main(argv=None):
             fn = flashmla_fn(case)
             if fn is not None:
                 t_fm = time_graph(fn, args.reps)
-        print(f"| {H} | {T} | {ra}+{rb} | {t_tl:.1f} | {t_gl:.1f} | {shape} | {t_hd:.1f} | "
-              f"{hshape} | {t_fm:.1f} | {floor:.1f} | {err} | {herr} | {t_auto:.1f} |",
-              flush=True)
-        out_rows.append((H, T, ra, rb, t_tl, t_gl, t_hd, t_fm, floor, t_auto))
+        print(f"| {H} | {T} | {ra}+{rb} | {t_tl:.1f} | {t_gl:.1f} | {t_h:.1f} | {shape} | "
+              f"{t_hd:.1f} | {hshape} | {t_fm:.1f} | {floor:.1f} | {err} | {err_h} | {herr} | "
+              f"{t_auto:.1f} |", flush=True)
+        out_rows.append((H, T, ra, rb, t_tl, t_gl, t_h, t_hd, t_fm, floor, t_auto))
         case = None
         torch.cuda.empty_cache()
     if args.sweep:
@@ -256,8 +267,8 @@ def main(argv=None):
             torch.cuda.empty_cache()
     if args.csv:
         with open(args.csv, "w") as f:
-            f.write("heads,tokens,swa,extra,tl_us,gluon_us,heads_us,flashmla_us,floor_us,"
-                    "auto_us\n")
+            f.write("heads,tokens,swa,extra,tl_us,gluon_us,gluon_f16_us,heads_us,flashmla_us,"
+                    "floor_us,auto_us\n")
             for r in out_rows:
                 f.write(",".join(str(x) for x in r) + "\n")
 

@@ -33,11 +33,16 @@ def _need_gluon_gpu():
 # --------------------------------------------------------------------------------------------
 # CPU: compile-only
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("src_a,src_b,bh,split,nw", [(584, 584, 8, False, 4),
-                                                     (528, 288, 16, True, 8)])
-def test_gluon_decode_compiles_for_sm90(src_a, src_b, bh, split, nw):
+@pytest.mark.parametrize("src_a,src_b,bh,split,nw,f16", [(584, 584, 8, False, 4, 0),
+                                                         (528, 288, 16, True, 8, 0),
+                                                         (584, 584, 8, False, 4, 1),
+                                                         (528, 288, 16, True, 4, 1),
+                                                         (528, 528, 8, True, 4, 1)])
+def test_gluon_decode_compiles_for_sm90(src_a, src_b, bh, split, nw, f16):
     """The kernel compiles for sm_90 on this machine (in a subprocess without the interpreter,
-    which would replace the functions Gluon calls); wgmma and cp.async are in the PTX."""
+    which would replace the functions Gluon calls); wgmma and cp.async are in the PTX; the
+    fp16-operand variant (``F16``) has fp16 wgmma and the e4m3 -> f16x2 cvt, the bf16 one
+    neither."""
     if not gluon_pkg.AVAILABLE:
         pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
     import json
@@ -46,12 +51,38 @@ def test_gluon_decode_compiles_for_sm90(src_a, src_b, bh, split, nw):
     import sys
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-m", "dsv41_triton.attention.gluon.compile_check",
-                        str(src_a), str(src_b), str(bh), str(int(split)), str(nw)],
+                        str(src_a), str(src_b), str(bh), str(int(split)), str(nw),
+                        str(f16)],
                        env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     facts = json.loads(r.stdout.strip().splitlines()[-1])
     assert facts["wgmma"] and facts["cp_async"], facts
+    assert facts["f16_mma"] == bool(f16) and facts["e4m3_cvt"] == bool(f16), facts
     assert 0 < facts["shared"] <= 227 * 1024, facts
+
+
+def test_gluon_f16_mixed_584_refused():
+    """fp16 operands with 584 records mixed with 528/288 ones: the compile refuses (a static
+    assert) and the launch falls back to bf16 operands (``f16_supported``)."""
+    from dsv41_triton.attention.gluon import launch as gl_launch
+
+    class K:
+        def __init__(self, src):
+            self.src = src
+    for a, b, ok in [(584, 584, True), (584, None, True), (528, 288, True), (528, 528, True),
+                     (528, None, True), (584, 528, False), (528, 584, False),
+                     (584, 288, False)]:
+        assert gl_launch.f16_supported(K(a), K(b) if b else None) == ok, (a, b)
+    if not gluon_pkg.AVAILABLE:
+        pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "dsv41_triton.attention.gluon.compile_check",
+                        "584", "528", "8", "0", "4", "1"], env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode != 0 and "not supported" in r.stderr, r.stderr[-2000:]
 
 
 def test_gluon_pick_table():
@@ -63,12 +94,17 @@ def test_gluon_pick_table():
             assert hb in (8, 16, 32, 64, 128) and tb in (7, 32, 128, 1 << 30)
             assert sa in (584, 528) and sb in (584, 528, 288, 0)
             assert shape in gl_launch.TESTED_SHAPES, shape
-            assert set(gl_launch.parse_shape(shape)) <= {"num_warps", "block_h", "stages"}
+            assert set(gl_launch.parse_shape(shape)) <= {"num_warps", "block_h", "stages",
+                                                         "f16"}
     assert gl_launch.heads_bucket(8) == 8 and gl_launch.heads_bucket(9) == 16
     assert gl_launch.tokens_bucket(7) == 7 and gl_launch.tokens_bucket(8) == 32
     assert gl_launch.tokens_bucket(32) == 32 and gl_launch.tokens_bucket(129) == 1 << 30
     assert gl_launch.parse_shape("8:16:3") == {"num_warps": 8, "block_h": 16, "stages": 3}
     assert gl_launch.parse_shape("4:0:3") == {"num_warps": 4, "stages": 3}
+    assert gl_launch.parse_shape("4:8:3:h") == {"num_warps": 4, "block_h": 8, "stages": 3,
+                                                "f16": True}
+    with pytest.raises(ValueError, match="launch shape"):
+        gl_launch.parse_shape("4:8:3:x")
 
 
 def test_gluon_not_picked_without_gpu():
@@ -110,7 +146,8 @@ def _case(device, T, H, swa_rec, extra_rec, Ws=150, K=300, page=64, nb_a=8, nb_b
               else torch.full((T,), K, dtype=torch.int32)).to(device)
     q = torch.randn(T, H, 512).to(torch.bfloat16).to(device)
     s = {"rand": torch.randn(H), "-inf": torch.full((H,), float("-inf")),
-         "large": torch.full((H,), 80.0), "none": None}[sink]
+         "large": torch.full((H,), 80.0), "+inf": torch.full((H,), float("inf")),
+         "none": None}[sink]
     return dict(q=q, swa_cache=ca, swa_indices=ia, swa_lens=la, extra_cache=cb,
                 extra_indices=ib, extra_lens=lb,
                 attn_sink=s.to(device) if s is not None else None)
@@ -188,14 +225,15 @@ def test_gluon_empty_rows_gpu(device, T):
 
 
 @pytest.mark.gpu
-def test_gluon_layouts_gpu(device):
+def test_gluon_layouts_gpu(device, swa_rec=584, extra_rec=288):
     """Padded block stride, 4-D cache view, odd page size, strided q/out, int64 indices;
     nothing outside the owned rows is written."""
     _need_gluon_gpu()
     T, H, page = 3, 3, 5
-    fmt = get_record_format(584)
-    ca = random_k_cache(7, page, 584, device, block_stride=fmt.block_bytes(page) + 576 * 2)
-    cb = random_k_cache(11, page, 288, device)
+    fmt = get_record_format(swa_rec)
+    ca = random_k_cache(7, page, swa_rec, device,
+                        block_stride=fmt.block_bytes(page) + 576 * 2)
+    cb = random_k_cache(11, page, extra_rec, device)
     ia = _slots(T, 19, 7 * page, device).long()
     ib = _slots(T, 33, 11 * page, device)
     la = torch.tensor([19, 3, 11], dtype=torch.int32, device=device)
@@ -292,7 +330,7 @@ def test_gluon_launch_shapes_v41_gpu(device, monkeypatch, shape, T, H, swa_rec, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [1, 4])
-def test_gluon_nan_sink_gpu(device, monkeypatch, splits):
+def test_gluon_nan_sink_gpu(device, monkeypatch, splits, swa_rec=584, extra_rec=288):
     """A NaN sink: every row of its head is NaN, a token without keys included; the other
     heads as the reference (0 / +inf for that token); lse unaffected (the kernel's own
     epilogue and, with splits, the merge kernel)."""
@@ -300,7 +338,7 @@ def test_gluon_nan_sink_gpu(device, monkeypatch, splits):
     from dsv41_triton.attention.gluon import launch as gl_launch
     shape = gl_launch.default_shape
     monkeypatch.setattr(gl_launch, "default_shape", lambda *a: (shape(*a)[0], splits))
-    args = _case(device, 3, 8, 584, 288)
+    args = _case(device, 3, 8, swa_rec, extra_rec)
     args["attn_sink"][5] = float("nan")
     args["swa_lens"][1] = 0
     args["extra_lens"][1] = 0
@@ -313,3 +351,216 @@ def test_gluon_nan_sink_gpu(device, monkeypatch, splits):
     assert rel_err(o[:, keep], ro[:, keep]) <= OUT_TOL
     assert (o[1, keep] == 0).all()
     assert max_abs_err(lse, rl) <= LSE_TOL and (lse[1] == float("inf")).all()
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: the fp16-operand variant (launch shape suffix ":h", the kernel's F16)
+# --------------------------------------------------------------------------------------------
+F16_SHAPE = "4:0:3:h"
+
+
+@pytest.fixture
+def f16_shape(monkeypatch):
+    """Run the Gluon kernel with fp16 operands (default block_h / splits)."""
+    monkeypatch.setenv("DSV41_GLUON_SHAPE", F16_SHAPE)
+    return F16_SHAPE
+
+
+def _last_is_f16():
+    from dsv41_triton.attention.gluon import launch as gl_launch
+    return gl_launch.LAST_LAUNCH["fwd"][1][-1] == "f16"
+
+
+def _f16_covers(swa_rec, extra_rec):
+    """The fp16 variant runs 584-only and 528/288-only pairs; 584 mixed with 528/288 falls
+    back to bf16 operands."""
+    recs = {swa_rec} | ({extra_rec} if extra_rec else set())
+    return recs == {584} or 584 not in recs
+
+
+F16_PAIRS = [p for p in PAIRS if _f16_covers(*p)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 2, 7, 128])
+@pytest.mark.parametrize("H", [1, 3, 8, 16])
+@pytest.mark.parametrize("swa_rec,extra_rec", PAIRS)
+def test_gluon_f16_records_gpu(device, f16_shape, T, H, swa_rec, extra_rec):
+    """Every record pair, few heads, 1..128 tokens, ragged lens, -1 slots, random sink (pairs
+    of 584 with 528/288: the bf16 fallback)."""
+    _need_gluon_gpu()
+    _check(_case(device, T, H, swa_rec, extra_rec))
+    assert _last_is_f16() == _f16_covers(swa_rec, extra_rec)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["4:8:3:h", "4:16:2:h"])
+@pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, 288), (528, 528)])
+def test_gluon_f16_head_tiles_gpu(device, monkeypatch, shape, swa_rec, extra_rec):
+    """16 heads as two tiles of 8; 2 stages."""
+    _need_gluon_gpu()
+    monkeypatch.setenv("DSV41_GLUON_SHAPE", shape)
+    _check(_case(device, 7, 16, swa_rec, extra_rec))
+    _check(_v41(device, 128, 16, swa_rec, extra_rec))
+    assert _last_is_f16()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 2, 7, 128])
+@pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, 288)])
+def test_gluon_f16_v41_gpu(device, f16_shape, T, swa_rec, extra_rec):
+    _need_gluon_gpu()
+    _check(_v41(device, T, 8, swa_rec, extra_rec))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sink", ["none", "-inf", "large", "+inf"])
+@pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, 288)])
+def test_gluon_f16_sinks_gpu(device, f16_shape, sink, swa_rec, extra_rec):
+    _need_gluon_gpu()
+    o, _ = _check(_case(device, 7, 8, swa_rec, extra_rec, sink=sink))
+    if sink == "+inf":
+        assert (o == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, 288)])
+def test_gluon_f16_nan_sink_gpu(device, f16_shape, monkeypatch, splits, swa_rec, extra_rec):
+    test_gluon_nan_sink_gpu(device, monkeypatch, splits, swa_rec, extra_rec)
+    assert _last_is_f16()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, 288), (584, 528)])
+def test_gluon_f16_empty_rows_gpu(device, f16_shape, T, swa_rec, extra_rec):
+    """len 0, only -1, only slots past the cache: out 0, lse +inf."""
+    _need_gluon_gpu()
+    args = _case(device, T, 8, swa_rec, extra_rec)
+    args["swa_lens"][0] = 0
+    args["extra_lens"][0] = 0
+    if T > 1:
+        args["swa_indices"][1] = -1
+        args["extra_indices"][1] = -1
+        args["swa_indices"][2] = 10 ** 6
+        args["extra_indices"][2] = 10 ** 7
+    o, lse = _check(args)
+    assert (o[0] == 0).all() and torch.isinf(lse[0]).all() and (lse[0] > 0).all()
+    if T > 1:
+        assert (o[1:3] == 0).all() and torch.isinf(lse[1:3]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, 288), (528, 528)])
+@pytest.mark.parametrize("mag", [2.0 ** 20, 2.0 ** -30, "mixed"])
+def test_gluon_f16_q_range_gpu(device, f16_shape, swa_rec, extra_rec, mag):
+    """|q| far outside fp16 (2**20: amax ~ 4e6 > 65504; 2**-30: below fp16's subnormals) with
+    the softmax scale compensating, and heads 2**26 apart in one tile (not larger: with logits
+    ~2**8 times the usual, |lse| ~ 1e3-1e4 and fp32's ulp there is ~1e-3, the lse tolerance)."""
+    _need_gluon_gpu()
+    args = _case(device, 7, 8, swa_rec, extra_rec)
+    q = args["q"].float()
+    scale = 512 ** -0.5
+    if mag == "mixed":
+        q[:, 0] *= 2.0 ** 6
+        q[:, 1] *= 2.0 ** -20
+        q[:, 2] *= 2.0 ** -8
+    else:
+        q *= mag
+        scale /= mag
+    args["q"] = q.to(torch.bfloat16)
+    _check(args, scale=scale)
+    assert _last_is_f16()
+
+
+def _poison_slot(cache, record, slot, page):
+    """Make ``slot``'s record decode to NaN: an e4m3 data byte 0x7F (584/528) or, for e2m1
+    records, the first e4m3 scale byte."""
+    from dsv41_triton.ops.records import record_views
+    dv, sv = record_views(cache, get_record_format(record))
+    b, o = divmod(slot, page)
+    if record == 288:
+        sv[b, o, 0] = 0x7F
+    else:
+        dv[b, o, 100] = 0x7F
+
+
+def _selects(indices, lens, slot, rows):
+    """[T] bool: token t reads ``slot`` (among its first ``lens[t]`` columns)."""
+    W = indices.shape[1]
+    cols = torch.arange(W, device=indices.device)[None, :]
+    ok = (cols < lens.clamp(0, W)[:, None]) & (indices == slot)
+    return ok.any(1) & (slot < rows)
+
+
+#: (launch shape, heads, record pairs) of the NaN-key test: fp16 operands, bf16 operands, the
+#: many-heads kernel (decode_heads.py)
+NAN_KEY_CASES = ([(F16_SHAPE, 8, p) for p in F16_PAIRS if p[1]]
+                 + [("4:0:3:b", 8, p) for p in PAIRS if p[1]]
+                 + [("8:64:2", 16, p) for p in PAIRS if p[1]])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,H,pair", NAN_KEY_CASES)
+def test_gluon_nan_keys_gpu(device, monkeypatch, shape, H, pair):
+    """A key that decodes to NaN (an e4m3 data byte 0x7F, or 288's e4m3 scale byte 0x7F): the
+    tokens that select it are NaN (every head, out and lse), the others as the reference
+    (docs/semantics.md), in every Gluon variant."""
+    _need_gluon_gpu()
+    from dsv41_triton.attention.gluon import launch as gl_launch
+    monkeypatch.setenv("DSV41_GLUON_SHAPE", shape)
+    swa_rec, extra_rec = pair
+    T, page = 6, 64
+    args = _case(device, T, H, swa_rec, extra_rec, page=page)
+    ia, ib, la, lb = (args[k] for k in ("swa_indices", "extra_indices", "swa_lens",
+                                        "extra_lens"))
+    la[0], lb[1] = max(int(la[0]), 1), max(int(lb[1]), 1)
+    sa, sb = 7, 9
+    ia[0, 0], ib[1, 0] = sa, sb
+    ia[ia == sa] = -1
+    ia[0, 0] = sa
+    ib[ib == sb] = -1
+    ib[1, 0] = sb
+    ia[3, :2] = sa  # token 3 selects the window slot only if its len covers it
+    la[3] = 1
+    _poison_slot(args["swa_cache"], swa_rec, sa, page)
+    _poison_slot(args["extra_cache"], extra_rec, sb, page)
+    out = poison_(torch.empty(T, H, 512, dtype=torch.bfloat16, device=device))
+    o, lse = sparse_mla_decode(**args, out=out, _kernel="gluon")
+    if shape == F16_SHAPE:
+        assert _last_is_f16()
+    elif shape.endswith(":b"):
+        assert not _last_is_f16()
+    else:
+        assert gl_launch.LAST_LAUNCH["fwd"][1][0] == 64
+    ro, rl = sparse_mla_decode_ref(**args)
+    bad = torch.zeros(T, dtype=torch.bool, device=device)
+    bad[[0, 1, 3]] = True
+    assert torch.isnan(ro[bad]).all() and torch.isnan(rl[bad]).all()
+    assert not torch.isnan(ro[~bad]).any()
+    assert torch.isnan(o[bad]).all() and torch.isnan(lse[bad]).all()
+    assert rel_err(o[~bad], ro[~bad]) <= OUT_TOL
+    assert max_abs_err(lse[~bad], rl[~bad]) <= LSE_TOL
+
+
+@pytest.mark.gpu
+def test_gluon_f16_int64_offsets_gpu(device, f16_shape):
+    _need_gluon_gpu()
+    _check(large_offset_decode_case(device))
+    assert _last_is_f16()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, 288)])
+def test_gluon_f16_layouts_gpu(device, f16_shape, swa_rec, extra_rec):
+    test_gluon_layouts_gpu(device, swa_rec, extra_rec)
+    assert _last_is_f16()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H,swa_rec,extra_rec", [(1, 8, 584, 584), (128, 8, 528, 288),
+                                                   (7, 16, 528, 528)])
+def test_gluon_f16_cuda_graph_gpu(device, f16_shape, T, H, swa_rec, extra_rec):
+    test_gluon_cuda_graph_gpu(device, T, H, swa_rec, extra_rec)
+    assert _last_is_f16()

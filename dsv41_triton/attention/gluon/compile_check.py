@@ -36,7 +36,7 @@ def _signature(idx_dtype: str = "i32"):
 
 def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool = False,
                    has_b: bool = True, ns: int = 3, arch: int = 90, nw: int = 4,
-                   overlap: bool = True):
+                   overlap: bool = True, f16: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -51,7 +51,7 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
         consts.update(NS=ns, OVERLAP=overlap)
     else:
         from .decode import _sparse_mla_decode_gluon_kernel as kern
-        consts.update(BH=bh, NS=ns, NW=nw)
+        consts.update(BH=bh, NS=ns, NW=nw, F16=f16)
     for k, v in consts.items():
         sig[k] = "constexpr"
     attrs = {(i,): [["tt.divisibility", 16]] for i in ptr16}
@@ -80,12 +80,56 @@ def resource_usage(k, flag: str = "--dump-resource-usage") -> str:
         os.unlink(path)
 
 
+def loop_sass(k) -> dict:
+    """SASS of the kernel's main loop (``cuobjdump -sass``): ``loop`` = instructions from the
+    target of the longest backward branch to that branch, ``branches`` = (then, else)
+    instruction counts of the if/else diamonds inside it, largest first (a block runs one side
+    of each: per-block count = ``loop`` minus the side not taken), ``ops`` = opcode counts."""
+    import collections
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+        path = f.name
+    try:
+        text = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(path)
+    rows = [(int(m.group(1), 16), m.group(2))
+            for m in re.finditer(r"/\*([0-9a-f]{4,6})\*/\s+(.*?)\s*;", text)]
+    at = {a: i for i, (a, _) in enumerate(rows)}
+    back = [(a - int(m.group(1), 16), int(m.group(1), 16), a) for a, ins in rows
+            for m in [re.search(r"BRA (0x[0-9a-f]+)", ins)] if m and int(m.group(1), 16) < a]
+    if not back:
+        return {"loop": 0, "branches": [], "spill_ld_st": 0, "ops": {}}
+    _, lo, hi = max(back)
+    body = [(a, ins) for a, ins in rows if lo <= a <= hi]
+    branches = []
+    for a, ins in body:
+        m = re.match(r"@!?P\d BRA (0x[0-9a-f]+)", ins)
+        x = int(m.group(1), 16) if m else None
+        if x in at and at[x] > 0:
+            m2 = re.match(r"BRA (0x[0-9a-f]+)", rows[at[x] - 1][1])
+            if m2 and int(m2.group(1), 16) > x:
+                branches.append(((x - a) // 16 - 1, (int(m2.group(1), 16) - x) // 16))
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+ ", "", ins).split()[0].split(".")[0]
+                              for _, ins in body)
+    return {"loop": len(body), "branches": sorted(branches, key=lambda b: -max(b)),
+            "spill_ld_st": ops.get("LDL", 0) + ops.get("STL", 0),
+            "ops": dict(ops.most_common(12))}
+
+
 def summary(src_a: int, src_b: int, bh: int, split: bool, nw: int = 4, ns: int = 3,
-            overlap: bool = True) -> dict:
+            overlap: bool = True, f16: bool = False) -> dict:
     """Facts of one compile: wgmma / cp.async present in the PTX, shared memory, registers,
     stack bytes (spills) and CTA barriers in the SASS (``overlap``: the many-heads kernel's
-    variant)."""
-    k = compile_decode(src_a, src_b, bh, split, nw=nw, ns=ns, overlap=overlap)
+    variant); ``f16_mma`` / ``e4m3_cvt``: fp16 wgmma and the e4m3 -> f16x2 ``cvt`` in the PTX."""
+    k = compile_decode(src_a, src_b, bh, split, nw=nw, ns=ns, overlap=overlap, f16=f16)
     ptx = k.asm["ptx"]
     use = resource_usage(k)
     regs = [ln.split("REG:")[1].split()[0] for ln in use.splitlines() if "REG:" in ln]
@@ -94,7 +138,8 @@ def summary(src_a: int, src_b: int, bh: int, split: bool, nw: int = 4, ns: int =
     return {"wgmma": "wgmma.mma_async" in ptx, "cp_async": "cp.async" in ptx,
             "shared": int(k.metadata.shared), "regs": int(regs[0]) if regs else -1,
             "stack": int(stack[0]) if stack else -1, "bar_sync": sass.count("BAR.SYNC"),
-            "wgmma_ptx": ptx.count("wgmma.mma_async")}
+            "wgmma_ptx": ptx.count("wgmma.mma_async"),
+            "f16_mma": ".f32.f16.f16" in ptx, "e4m3_cvt": "cvt.rn.f16x2.e4m3x2" in ptx}
 
 
 _PREFILL_ARGS = (
@@ -153,20 +198,29 @@ def summary_prefill(lazy: bool = True, ws: bool = False) -> dict:
 
 
 if __name__ == "__main__":
-    # python -m dsv41_triton.attention.gluon.compile_check SRC_A SRC_B BH SPLIT NW [NS [OVERLAP]]
-    # -> JSON line (BH 64: the many-heads kernel, OVERLAP 0/1 its variant; run with
-    # TRITON_INTERPRET unset: the interpreter replaces the functions Gluon calls)
+    # python -m dsv41_triton.attention.gluon.compile_check SRC_A SRC_B BH SPLIT NW [X [Y]] -> JSON
+    # line. BH 64 (the many-heads kernel): X = NS, Y = OVERLAP 0/1; other BH (the few-heads
+    # kernel): X = F16 0/1, Y = "sass" for the main loop's instruction counts. Run with
+    # TRITON_INTERPRET unset: the interpreter replaces the functions Gluon calls.
     import json
     if len(sys.argv) in (3, 4) and sys.argv[1] == "prefill":
         # python -m ...compile_check prefill LAZY [WS] -> JSON line
         ws = len(sys.argv) == 4 and bool(int(sys.argv[3]))
         print(json.dumps(summary_prefill(bool(int(sys.argv[2])), ws=ws)))
         sys.exit(0)
-    if len(sys.argv) in (6, 7, 8):
+    if len(sys.argv) in (6, 7, 8) and int(sys.argv[3]) == 64:
         a, b, bh, sp, nw = (int(x) for x in sys.argv[1:6])
-        ns = int(sys.argv[6]) if len(sys.argv) >= 7 else (2 if bh == 64 else 3)
+        ns = int(sys.argv[6]) if len(sys.argv) >= 7 else 2
         ov = bool(int(sys.argv[7])) if len(sys.argv) == 8 else True
         print(json.dumps(summary(a, b, bh, bool(sp), nw, ns, ov)))
+        sys.exit(0)
+    if len(sys.argv) in (6, 7, 8):
+        a, b, bh, sp, nw = (int(x) for x in sys.argv[1:6])
+        f16 = len(sys.argv) >= 7 and bool(int(sys.argv[6]))
+        if len(sys.argv) == 8 and sys.argv[7] == "sass":  # ... F16 sass: main-loop counts
+            print(json.dumps(loop_sass(compile_decode(a, b, bh, bool(sp), nw=nw, f16=f16))))
+        else:
+            print(json.dumps(summary(a, b, bh, bool(sp), nw, f16=f16)))
         sys.exit(0)
     combos = [(584, 584), (528, 288), (584, 288), (528, 528), (584, 528), (528, 584)]
     for a, b in combos:

@@ -22,6 +22,20 @@ online softmax. Per block:
 
 Splits write normalized fp32 partials and their log2-sum-exp, combined (with the sink) by the
 ``tl`` merge kernel. No host sync, fixed launch shapes: CUDA-graph safe.
+
+**fp16 operands** (``F16``): the key tiles are fp16 and hold ``value * 2**(127 - R)``, where
+``R`` is a running maximum (like the softmax max) of the blocks' largest UE8M0 scale byte
+(``R_MIN`` at least; e2m1 blocks count as 127): e4m3 bytes become fp16 with one ``cvt`` per two
+(exact, NaN kept) and one multiply by ``2**(scale byte - R) <= 1``; e2m1 values times their
+e4m3 scale are exact fp16 products. Each head's Q is scaled by a power of two that puts its
+amax in ``[2**14, 2**15)`` (no fp16 overflow or underflow) and the logit scale undoes it and
+``R``; when ``R`` grows the accumulators are rescaled with the softmax's ``alpha``. ``P`` is fp16
+(``p <= 1``). The 584 records' bf16 RoPE tail stays a bf16 wgmma (bf16 Q tail, its own logit
+accumulator; ``P * 2**(127 - R)`` in bf16 for the value side). Exact as the bf16 path except
+where ``value * 2**(127 - R)`` is an fp16 subnormal: a key whose scale is ``2**14`` or more
+below the largest scale seen so far in its split. Record pairs: 584 only or 528/288 only (584
+mixed with 528/288 needs a per-block choice of the group-7 wgmma types; that version measured
+wrong on the H200 and is refused at compile time; the launch uses bf16 operands there).
 """
 from __future__ import annotations
 
@@ -41,7 +55,9 @@ SRC_BYTES = {584: (576, 8), 528: (512, 16), 288: (256, 32)}
 LOG2E = gl.constexpr(1.4426950408889634)
 
 # e4m3 byte pair -> bf16x2 with the e4m3 value * 2**-120 (sign at bit 15, exponent+mantissa at
-# bits 4..10 of each lane), then * 2**120 and * the scale: both multiplies are exact.
+# bits 4..10 of each lane), then * 2**120 and * the scale: both multiplies are exact. The NaN
+# byte (0x7F / 0xFF: bits 4..10 all ones) gets bits 11..14 set too (+0x10 carries into bit 11,
+# times 15 = 0x7800), i.e. an all-ones bf16 exponent with a nonzero mantissa: NaN.
 _E4M3_ASM = gl.constexpr("""{
 .reg .b32 t0, t1, u0, u1, z, c;
 mov.b32 z, 0;
@@ -56,6 +72,12 @@ and.b32 t0, t0, 0x80008000;
 and.b32 t1, t1, 0x80008000;
 or.b32 t0, t0, u0;
 or.b32 t1, t1, u1;
+add.u32 u0, u0, 0x00100010;
+add.u32 u1, u1, 0x00100010;
+and.b32 u0, u0, 0x08000800;
+and.b32 u1, u1, 0x08000800;
+mad.lo.u32 t0, u0, 15, t0;
+mad.lo.u32 t1, u1, 15, t1;
 mul.rn.bf16x2 t0, t0, c;
 mul.rn.bf16x2 t1, t1, c;
 mul.rn.bf16x2 $0, t0, $3;
@@ -109,6 +131,65 @@ or.b32 y, y, sg;
 mul.rn.bf16x2 $3, y, $6;
 }""")
 
+# fp16 operands (``F16``): an e4m3 byte pair -> f16x2 in one ``cvt`` (every e4m3 value, NaN
+# included, is exact in fp16), times a per-key power-of-two factor (exact unless the product is
+# an fp16 subnormal).
+_E4M3_F16_ASM = gl.constexpr("""{
+.reg .b16 lo, hi;
+.reg .b32 t0, t1;
+mov.b32 {lo, hi}, $2;
+cvt.rn.f16x2.e4m3x2 t0, lo;
+cvt.rn.f16x2.e4m3x2 t1, hi;
+mul.rn.f16x2 $0, t0, $3;
+mul.rn.f16x2 $1, t1, $4;
+}""")
+
+# fp16 operands: four e2m1 bytes b0..b3 -> eight fp16 in dim order, two results of two f16x2:
+# (lo(b0), hi(b0)), (lo(b1), hi(b1)) and the same for b2, b3, each * its fp16 scale. A nibble
+# (sign, 3 magnitude bits) is an fp16 bit pattern once its magnitude bits sit at bits 9..11 and
+# its sign at bit 15: the value * 2**-14 (code 1 is the subnormal 0.5 * 2**-14); the 2**14 is
+# in the scale. prmt puts b and b >> 4 into the two halves, two shifts and two masks do the rest.
+_E2M1_F16_ASM = gl.constexpr("""{
+.reg .b32 w4, t, m, s;
+shr.b32 w4, $4, 4;
+prmt.b32 t, $4, w4, 0x0400;
+shl.b32 m, t, 9;
+shl.b32 s, t, 12;
+and.b32 m, m, 0x0E000E00;
+and.b32 s, s, 0x80008000;
+or.b32 t, m, s;
+mul.rn.f16x2 $0, t, $5;
+prmt.b32 t, $4, w4, 0x1511;
+shl.b32 m, t, 9;
+shl.b32 s, t, 12;
+and.b32 m, m, 0x0E000E00;
+and.b32 s, s, 0x80008000;
+or.b32 t, m, s;
+mul.rn.f16x2 $1, t, $5;
+prmt.b32 t, $4, w4, 0x2622;
+shl.b32 m, t, 9;
+shl.b32 s, t, 12;
+and.b32 m, m, 0x0E000E00;
+and.b32 s, s, 0x80008000;
+or.b32 t, m, s;
+mul.rn.f16x2 $2, t, $6;
+prmt.b32 t, $4, w4, 0x3733;
+shl.b32 m, t, 9;
+shl.b32 s, t, 12;
+and.b32 m, m, 0x0E000E00;
+and.b32 s, s, 0x80008000;
+or.b32 t, m, s;
+mul.rn.f16x2 $3, t, $6;
+}""")
+
+#: F16: the exponent an e2m1 block counts as (its tiles hold ``value * 2**-14 * scale``)
+E2M1_EXP = gl.constexpr(141)
+
+#: F16: the smallest running scale exponent (a UE8M0 byte): key tiles hold ``value * 2**(127 -
+#: R)`` with ``R = max(R_MIN, block maxima so far)``; the RoPE ``p`` is scaled by at most
+#: ``2**(127 - R_MIN)``
+R_MIN = gl.constexpr(96)
+
 
 # ------------------------------------------------------------------------------------------
 # layouts
@@ -125,6 +206,17 @@ def _acc_layout(bh, nw):
     """wgmma accumulator ``[64, bh]``: one warpgroup per ``bh * 4 / nw`` heads."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, nw // 4],
                                      instr_shape=[16, bh * 4 // nw, 16])
+
+
+@gluon.constexpr_function
+def _rows_per_lane_layout(w, nw):
+    """[64, w] tiles (w = 8 or 16 scale bytes per key) read whole by every warp: lane ``l``
+    holds rows ``l`` and ``l + 32``, all ``w`` columns; warps replicate (a max over the tile
+    needs no cross-warp step)."""
+    reg = [[0, 1 << i] for i in range(w.bit_length() - 1)] + [[32, 0]]
+    lane = [[1 << i, 0] for i in range(5)]
+    warp = [[0, 0] for _ in range(nw.bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [64, w])
 
 
 # ------------------------------------------------------------------------------------------
@@ -214,10 +306,11 @@ def _ue8m0_bf16(b):
 
 @gluon.jit
 def _e4m3_bf16(b):
-    """e4m3 byte tensor -> its bf16 value (exact)."""
+    """e4m3 byte tensor -> its bf16 value (exact; 0x7F / 0xFF -> NaN)."""
     bi = b.to(gl.int32)
     bits = ((bi & 0x7F) << 20) | ((bi & 0x80) << 24)
-    return (bits.to(gl.float32, bitcast=True) * 1.329227995784916e36).to(gl.bfloat16)
+    v = bits.to(gl.float32, bitcast=True) * 1.329227995784916e36
+    return gl.where((bi & 0x7F) == 0x7F, float("nan"), v).to(gl.bfloat16)
 
 
 @gluon.jit
@@ -258,6 +351,129 @@ def _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3,
                                               dtype=gl.bfloat16, is_pure=True, pack=4)
                 x = gl.convert_layout(gl.reshape(x, [64, 64]), L16)
             _put(x, g, k0, k1, k2, k3, k4, k5, k6, rope_s)
+
+
+@gluon.jit
+def _exp2i(d):
+    """fp32 ``2**d`` for int32 ``d <= 127`` (0 below ``2**-126``)."""
+    return (gl.maximum(d + 127, 0) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _block_exp(scale_s, SRC: gl.constexpr, NW: gl.constexpr):
+    """The largest UE8M0 scale byte of one stage's 64 keys (584: the 7 real ones of 8; 528: all
+    16; keys not read were zero-filled) as an int32 scalar; every warp reduces the whole tile."""
+    W: gl.constexpr = 8 if SRC == 584 else 16
+    LE: gl.constexpr = _rows_per_lane_layout(W, NW)
+    e = scale_s.slice(0, W, dim=1).load(LE).to(gl.int32)
+    if SRC == 584:
+        c = gl.arange(0, W, layout=gl.SliceLayout(0, LE))
+        e = gl.where((c < 7)[None, :], e, 0)
+    return gl.max(gl.max(e, axis=1), axis=0)
+
+
+@gluon.jit
+def _dequant_f16(s, r0, r1, r2, r3, r4, r5, r6, r7, scale_s, k0, k1, k2, k3, k4, k5, k6, k7,
+                 R, SRC: gl.constexpr, NW: gl.constexpr):
+    """Raw bytes of one stage -> fp16 key tiles ``k0..k7`` holding ``value * 2**(127 - R)``
+    (584: groups 0..6 only; the RoPE tail stays bf16). e4m3 data: ``cvt`` to fp16 and one
+    multiply by ``2**(scale byte - R)`` (<= 1); e2m1 data: ``value * 2**-14`` from bit moves,
+    times its e4m3 scale * ``2**(E2M1_EXP - R)`` (exact: every product is a multiple of
+    ``2**-24``, the smallest fp16 subnormal, and below ``2688 * 2**-14``)."""
+    L16: gl.constexpr = _copy_layout(16, NW)
+    if SRC == 288:
+        L8: gl.constexpr = _copy_layout(8, NW)
+        f = _exp2i(E2M1_EXP - R)
+        for g in gl.static_range(8):
+            tile = _pick(g // 2, r0, r1, r2, r3, r4, r5, r6, r7).index(s)
+            raw = gl.reshape(tile.slice((g % 2) * 32, 32, dim=1).load(L8), [64, 4, 8])
+            sb = scale_s.slice(4 * g, 4, dim=1).load(gl.SliceLayout(2, raw.type.layout))
+            sc = (sb.to(gl.float8e4nv, bitcast=True).to(gl.float32) * f).to(gl.float16)
+            sc = gl.broadcast(gl.expand_dims(sc, 2), raw)[0]
+            # a thread's 8 bytes (16 dims): ``a`` holds dims 0..3 and 8..11, ``b`` 4..7, 12..15
+            a, b = gl.inline_asm_elementwise(_E2M1_F16_ASM, "=r,=r,=r,=r,r,r,r", [raw, sc],
+                                             dtype=(gl.float16, gl.float16), is_pure=True,
+                                             pack=4)
+            x = gl.join(gl.reshape(a, [64, 4, 2, 4]), gl.reshape(b, [64, 4, 2, 4]))
+            x = gl.reshape(gl.permute(x, (0, 1, 2, 4, 3)), [64, 64])
+            _put(gl.convert_layout(x, L16), g, k0, k1, k2, k3, k4, k5, k6, k7)
+    else:
+        NG: gl.constexpr = 7 if SRC == 584 else 8
+        for g in gl.static_range(NG):
+            raw = _pick(g, r0, r1, r2, r3, r4, r5, r6, r7).index(s).load(L16)
+            if SRC == 584:
+                sb = scale_s.slice(g, 1, dim=1).load(L16)
+                sc = gl.broadcast(_exp2i(sb.to(gl.int32) - R).to(gl.float16), raw)[0]
+                x = gl.inline_asm_elementwise(_E4M3_F16_ASM, "=r,=r,r,r,r", [raw, sc],
+                                              dtype=gl.float16, is_pure=True, pack=4)
+            else:
+                raw3 = gl.reshape(raw, [64, 2, 32])
+                sb = scale_s.slice(2 * g, 2, dim=1).load(gl.SliceLayout(2, raw3.type.layout))
+                sc = _exp2i(sb.to(gl.int32) - R).to(gl.float16)
+                sc = gl.broadcast(gl.expand_dims(sc, 2), raw3)[0]
+                x = gl.inline_asm_elementwise(_E4M3_F16_ASM, "=r,=r,r,r,r", [raw3, sc],
+                                              dtype=gl.float16, is_pure=True, pack=4)
+                x = gl.convert_layout(gl.reshape(x, [64, 64]), L16)
+            _put(x, g, k0, k1, k2, k3, k4, k5, k6, k7)
+
+
+@gluon.jit
+def _prep_f16(s, r0, r1, r2, r3, r4, r5, r6, r7, scale_s, k0, k1, k2, k3, k4, k5, k6, k7, R,
+              SRC: gl.constexpr, NW: gl.constexpr):
+    """One stage of ``SRC`` records -> the new running exponent ``R`` (int32 scalar) and the
+    fp16 key tiles in its units (e2m1 blocks count as ``E2M1_EXP``)."""
+    if SRC == 288:
+        R = gl.maximum(R, E2M1_EXP)
+    else:
+        R = gl.maximum(R, _block_exp(scale_s, SRC, NW))
+    _dequant_f16(s, r0, r1, r2, r3, r4, r5, r6, r7, scale_s, k0, k1, k2, k3, k4, k5, k6, k7, R,
+                 SRC, NW)
+    return R
+
+
+@gluon.jit
+def _qk_f16(k0, k1, k2, k3, k4, k5, k6, k7, rope_s, q16, q_r, zero, cq, qk_scale,
+            ROPE: gl.constexpr):
+    """Logits ``S^T [64 keys, BH]`` (log2 units) of one block from the fp16 tiles: ``cq[h]``
+    undoes the head's fp16 shift and the tiles' ``2**(127 - R)``; with ``ROPE`` (584 records)
+    group 7 is the raw bf16 RoPE tile against the bf16 Q tail (its own accumulator)."""
+    acc = warpgroup_mma(k0, q16.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+    acc = warpgroup_mma(k1, q16.index(1).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(k2, q16.index(2).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(k3, q16.index(3).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(k4, q16.index(4).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(k5, q16.index(5).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(k6, q16.index(6).permute((1, 0)), acc, is_async=True)
+    if ROPE:
+        acr = warpgroup_mma(rope_s, q_r.permute((1, 0)), zero, use_acc=False, is_async=True)
+        acc, acr = warpgroup_mma_wait(0, deps=[acc, acr])
+        sT = acc * cq[None, :] + acr * qk_scale
+    else:
+        acc = warpgroup_mma(k7, q16.index(7).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        sT = acc * cq[None, :]
+    return sT
+
+
+@gluon.jit
+def _pv_f16(k0, k1, k2, k3, k4, k5, k6, k7, rope_s, p16, p_r, o0, o1, o2, o3, o4, o5, o6, o7,
+            alpha, ROPE: gl.constexpr):
+    """``O^T_g = O^T_g * alpha + K_g^T P^T`` (fp16 ``P``; with ``ROPE`` group 7 is the bf16 RoPE
+    tile against the bf16 ``P * 2**(127 - R)``)."""
+    pT = p16.permute((1, 0))
+    o0 = warpgroup_mma(k0.permute((1, 0)), pT, o0 * alpha[None, :], is_async=True)
+    o1 = warpgroup_mma(k1.permute((1, 0)), pT, o1 * alpha[None, :], is_async=True)
+    o2 = warpgroup_mma(k2.permute((1, 0)), pT, o2 * alpha[None, :], is_async=True)
+    o3 = warpgroup_mma(k3.permute((1, 0)), pT, o3 * alpha[None, :], is_async=True)
+    o4 = warpgroup_mma(k4.permute((1, 0)), pT, o4 * alpha[None, :], is_async=True)
+    o5 = warpgroup_mma(k5.permute((1, 0)), pT, o5 * alpha[None, :], is_async=True)
+    o6 = warpgroup_mma(k6.permute((1, 0)), pT, o6 * alpha[None, :], is_async=True)
+    if ROPE:
+        o7 = warpgroup_mma(rope_s.permute((1, 0)), p_r.permute((1, 0)), o7 * alpha[None, :],
+                           is_async=True)
+    else:
+        o7 = warpgroup_mma(k7.permute((1, 0)), pT, o7 * alpha[None, :], is_async=True)
+    return warpgroup_mma_wait(0, deps=[o0, o1, o2, o3, o4, o5, o6, o7])
 
 
 @gluon.jit
@@ -324,10 +540,12 @@ def _sparse_mla_decode_gluon_kernel(
     SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
     HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, HAS_SINK: gl.constexpr,
     SPLIT: gl.constexpr, BH: gl.constexpr, NS: gl.constexpr, NW: gl.constexpr,
+    F16: gl.constexpr = False,
 ):
     """Grid ``T * num_splits * num_ht`` (head tile fastest, then split, then token); ``NW``
     warps (4 or 8: with 8, two warpgroups split the copies and the dequant by keys and the
     heads of the tile in the products; ``BH >= 16``).
+    ``F16``: fp16 wgmma operands (module docstring, "fp16 operands").
     Arguments as the ``tl`` decode kernel's (``_sparse_mla_fwd_grouped_kernel``)."""
     ACC: gl.constexpr = _acc_layout(BH, NW)
     L16: gl.constexpr = _copy_layout(16, NW)
@@ -337,6 +555,12 @@ def _sparse_mla_decode_gluon_kernel(
     PLAIN1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, 64], gl.bfloat16)
+    KDT: gl.constexpr = gl.float16 if F16 else gl.bfloat16
+    # F16: every block of 584 records (group 7 = the bf16 RoPE tail) or none
+    ALL584: gl.constexpr = SRC_A == 584 and ((not HAS_B) or SRC_B == 584)
+    if F16:
+        gl.static_assert(ALL584 or (SRC_A != 584 and ((not HAS_B) or SRC_B != 584)),
+                         "F16: 584 records mixed with 528/288 records are not supported")
 
     pid = gl.program_id(0)
     ht = pid % num_ht
@@ -356,15 +580,20 @@ def _sparse_mla_decode_gluon_kernel(
     rope_ring = gl.allocate_shared_memory(gl.bfloat16, [NS, 64, 64], KL)
     scale_ring = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
     idx_ring = gl.allocate_shared_memory(gl.int32, [NS, 64], PLAIN1)
-    k0 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
-    k1 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
-    k2 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
-    k3 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
-    k4 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
-    k5 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
-    k6 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [8, BH, 64], QL)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], QL)
+    k0 = gl.allocate_shared_memory(KDT, [64, 64], KL)
+    k1 = gl.allocate_shared_memory(KDT, [64, 64], KL)
+    k2 = gl.allocate_shared_memory(KDT, [64, 64], KL)
+    k3 = gl.allocate_shared_memory(KDT, [64, 64], KL)
+    k4 = gl.allocate_shared_memory(KDT, [64, 64], KL)
+    k5 = gl.allocate_shared_memory(KDT, [64, 64], KL)
+    k6 = gl.allocate_shared_memory(KDT, [64, 64], KL)
+    q_smem = gl.allocate_shared_memory(KDT, [8, BH, 64], QL)
+    p_smem = gl.allocate_shared_memory(KDT, [BH, 64], QL)
+    if F16:
+        # the bf16 RoPE operands (584 records); 528/288 records put group 7 as fp16 into the
+        # RoPE ring stage (reinterpreted: same bytes, same swizzle)
+        q_r = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], QL)
+        p_r = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], QL)
 
     # ---- this program's column ranges ---------------------------------------------------
     if HAS_LEN_A:
@@ -400,9 +629,30 @@ def _sparse_mla_decode_gluon_kernel(
     hq = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, LQ))
     dq = gl.arange(0, 64, layout=gl.SliceLayout(0, LQ))
     qrow = q_ptr + t * stride_qt + hq.to(gl.int64)[:, None] * stride_qh
-    for g in gl.static_range(8):
-        qg = gl.load(qrow + (g * 64 + dq)[None, :], mask=(hq < H)[:, None], other=0.0)
-        q_smem.index(g).store(qg)
+    if F16:
+        # fp16 Q: each head times 2**(141 - e) (e: the biased exponent of its amax, clamped to
+        # [15, 255]) puts its amax in [2**14, 2**15); qk_h = qk_scale * 2**(e - 141) undoes it.
+        # 584-only kernels leave the bf16 RoPE tail out of the amax.
+        NQ: gl.constexpr = 7 if ALL584 else 8
+        amax = gl.full([BH], 0.0, gl.float32, layout=gl.SliceLayout(1, LQ))
+        for g in gl.static_range(NQ):
+            qg = gl.load(qrow + (g * 64 + dq)[None, :], mask=(hq < H)[:, None], other=0.0)
+            amax = gl.maximum(amax, gl.max(gl.abs(qg.to(gl.float32)), axis=1))
+        ea = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
+        ea = gl.minimum(gl.maximum(ea, 15), 255)
+        qmul = ((268 - ea) << 23).to(gl.float32, bitcast=True)
+        for g in gl.static_range(8):
+            qg = gl.load(qrow + (g * 64 + dq)[None, :], mask=(hq < H)[:, None], other=0.0)
+            q_smem.index(g).store((qg.to(gl.float32) * qmul[:, None]).to(gl.float16))
+            if g == 7:
+                if ALL584:
+                    q_r.store(qg)
+        qk_h = gl.convert_layout(((ea - 14) << 23).to(gl.float32, bitcast=True),
+                                 gl.SliceLayout(0, ACC)) * qk_scale
+    else:
+        for g in gl.static_range(8):
+            qg = gl.load(qrow + (g * 64 + dq)[None, :], mask=(hq < H)[:, None], other=0.0)
+            q_smem.index(g).store(qg)
 
     # ---- prologue: NS - 1 blocks in flight ----------------------------------------------
     nidx = _load_idx(0, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b, hi_b,
@@ -427,6 +677,7 @@ def _sparse_mla_decode_gluon_kernel(
     o5 = zero
     o6 = zero
     o7 = zero
+    R = len_a * 0 + R_MIN  # F16: the running scale exponent of the key tiles
 
     for j in range(nblk):
         kn = j + NS - 1
@@ -440,65 +691,106 @@ def _sparse_mla_decode_gluon_kernel(
         s = j % NS
         rope_s = rope_ring.index(s)
         scale_s = scale_ring.index(s)
-        if HAS_B and SRC_A != SRC_B:
-            if j < nblk_a:
-                _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3, k4,
-                         k5, k6, SRC_A, NW)
+        if F16:
+            k7 = rope_s._reinterpret(gl.float16, [64, 64], KL)
+            r_old = R
+            if HAS_B and SRC_A != SRC_B:
+                if j < nblk_a:
+                    R = _prep_f16(s, r0, r1, r2, r3, r4, r5, r6, r7, scale_s, k0, k1, k2, k3, k4,
+                                  k5, k6, k7, R, SRC_A, NW)
+                else:
+                    R = _prep_f16(s, r0, r1, r2, r3, r4, r5, r6, r7, scale_s, k0, k1, k2, k3, k4,
+                                  k5, k6, k7, R, SRC_B, NW)
+            else:
+                R = _prep_f16(s, r0, r1, r2, r3, r4, r5, r6, r7, scale_s, k0, k1, k2, k3, k4, k5,
+                              k6, k7, R, SRC_A, NW)
+            fence_async_shared()
+            gl.thread_barrier()
+            cq = qk_h * _exp2i(R - 127)
+            sT = _qk_f16(k0, k1, k2, k3, k4, k5, k6, k7, rope_s, q_smem, q_r, zero, cq, qk_scale,
+                         ALL584)
+            kidx = idx_ring.index(s).load(gl.SliceLayout(1, ACC))
+            sT = gl.where((kidx >= 0)[:, None], sT, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sT, axis=0))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(sT - m_safe[None, :])
+            l_part = l_part * alpha[None, :] + p
+            m_i = m_new
+            p_smem.store(gl.permute(p.to(gl.float16), (1, 0)))
+            if ALL584:
+                p_r.store(gl.permute((p * _exp2i(127 - R)).to(gl.bfloat16), (1, 0)))
+            fence_async_shared()
+            gl.thread_barrier()
+            alpha = alpha * _exp2i(r_old - R)
+            o0, o1, o2, o3, o4, o5, o6, o7 = _pv_f16(k0, k1, k2, k3, k4, k5, k6, k7, rope_s,
+                                                     p_smem, p_r, o0, o1, o2, o3, o4, o5, o6, o7,
+                                                     alpha, ALL584)
+            gl.thread_barrier()
+        else:
+            if HAS_B and SRC_A != SRC_B:
+                if j < nblk_a:
+                    _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3, k4,
+                             k5, k6, SRC_A, NW)
+                else:
+                    _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3, k4,
+                             k5, k6, SRC_B, NW)
             else:
                 _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3, k4,
-                         k5, k6, SRC_B, NW)
-        else:
-            _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3, k4,
-                         k5, k6, SRC_A, NW)
-        fence_async_shared()
-        gl.thread_barrier()
+                             k5, k6, SRC_A, NW)
+            fence_async_shared()
+            gl.thread_barrier()
 
-        # S^T = K Q^T  [64 keys, BH]
-        acc = warpgroup_mma(k0, q_smem.index(0).permute((1, 0)), zero, use_acc=False,
-                            is_async=True)
-        acc = warpgroup_mma(k1, q_smem.index(1).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma(k2, q_smem.index(2).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma(k3, q_smem.index(3).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma(k4, q_smem.index(4).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma(k5, q_smem.index(5).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma(k6, q_smem.index(6).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma(rope_s, q_smem.index(7).permute((1, 0)), acc, is_async=True)
-        sT = warpgroup_mma_wait(0, deps=[acc])
+            # S^T = K Q^T  [64 keys, BH]
+            acc = warpgroup_mma(k0, q_smem.index(0).permute((1, 0)), zero, use_acc=False,
+                                is_async=True)
+            acc = warpgroup_mma(k1, q_smem.index(1).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(k2, q_smem.index(2).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(k3, q_smem.index(3).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(k4, q_smem.index(4).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(k5, q_smem.index(5).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(k6, q_smem.index(6).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(rope_s, q_smem.index(7).permute((1, 0)), acc, is_async=True)
+            sT = warpgroup_mma_wait(0, deps=[acc])
 
-        kidx = idx_ring.index(s).load(gl.SliceLayout(1, ACC))
-        sT = gl.where((kidx >= 0)[:, None], sT * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sT, axis=0))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(sT - m_safe[None, :])
-        l_part = l_part * alpha[None, :] + p
-        m_i = m_new
-        p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
-        fence_async_shared()
-        gl.thread_barrier()
+            kidx = idx_ring.index(s).load(gl.SliceLayout(1, ACC))
+            sT = gl.where((kidx >= 0)[:, None], sT * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sT, axis=0))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(sT - m_safe[None, :])
+            l_part = l_part * alpha[None, :] + p
+            m_i = m_new
+            p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
+            fence_async_shared()
+            gl.thread_barrier()
 
-        # O^T_g = O^T_g * alpha + K_g^T P^T
-        pT = p_smem.permute((1, 0))
-        o0 = warpgroup_mma(k0.permute((1, 0)), pT, o0 * alpha[None, :],
-                           is_async=True)
-        o1 = warpgroup_mma(k1.permute((1, 0)), pT, o1 * alpha[None, :],
-                           is_async=True)
-        o2 = warpgroup_mma(k2.permute((1, 0)), pT, o2 * alpha[None, :],
-                           is_async=True)
-        o3 = warpgroup_mma(k3.permute((1, 0)), pT, o3 * alpha[None, :],
-                           is_async=True)
-        o4 = warpgroup_mma(k4.permute((1, 0)), pT, o4 * alpha[None, :],
-                           is_async=True)
-        o5 = warpgroup_mma(k5.permute((1, 0)), pT, o5 * alpha[None, :],
-                           is_async=True)
-        o6 = warpgroup_mma(k6.permute((1, 0)), pT, o6 * alpha[None, :],
-                           is_async=True)
-        o7 = warpgroup_mma(rope_s.permute((1, 0)), pT, o7 * alpha[None, :], is_async=True)
-        o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(
-            0, deps=[o0, o1, o2, o3, o4, o5, o6, o7])
-        gl.thread_barrier()
+            # O^T_g = O^T_g * alpha + K_g^T P^T
+            pT = p_smem.permute((1, 0))
+            o0 = warpgroup_mma(k0.permute((1, 0)), pT, o0 * alpha[None, :],
+                               is_async=True)
+            o1 = warpgroup_mma(k1.permute((1, 0)), pT, o1 * alpha[None, :],
+                               is_async=True)
+            o2 = warpgroup_mma(k2.permute((1, 0)), pT, o2 * alpha[None, :],
+                               is_async=True)
+            o3 = warpgroup_mma(k3.permute((1, 0)), pT, o3 * alpha[None, :],
+                               is_async=True)
+            o4 = warpgroup_mma(k4.permute((1, 0)), pT, o4 * alpha[None, :],
+                               is_async=True)
+            o5 = warpgroup_mma(k5.permute((1, 0)), pT, o5 * alpha[None, :],
+                               is_async=True)
+            o6 = warpgroup_mma(k6.permute((1, 0)), pT, o6 * alpha[None, :],
+                               is_async=True)
+            o7 = warpgroup_mma(rope_s.permute((1, 0)), pT, o7 * alpha[None, :], is_async=True)
+            o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(
+                0, deps=[o0, o1, o2, o3, o4, o5, o6, o7])
+            gl.thread_barrier()
     cp.wait_group(0)
     l_i = gl.sum(l_part, axis=0)
+    if F16:
+        o_unit = _exp2i(R - 127)  # the key tiles' units
+    else:
+        o_unit = 1.0
 
     # ---- epilogue -----------------------------------------------------------------------
     h = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, ACC))
@@ -527,6 +819,7 @@ def _sparse_mla_decode_gluon_kernel(
         lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("inf"))
         gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
         TO_BF16: gl.constexpr = True
+    inv = inv * o_unit
     _store_out(orow, 0, o0, inv, hmask, ACC, TO_BF16)
     _store_out(orow, 64, o1, inv, hmask, ACC, TO_BF16)
     _store_out(orow, 128, o2, inv, hmask, ACC, TO_BF16)

@@ -21,7 +21,8 @@ from . import AVAILABLE, REASON
 #: test_decode_gluon_heads.py); PICK uses only these. ``block_h`` 64 (``HEADS_SHAPE``) is the
 #: many-heads kernel of decode_heads.py (8 warps, heads on the wgmma M).
 HEADS_SHAPE = "8:64:2"
-TESTED_SHAPES = ("4:0:3", "4:16:2", "8:16:3", "8:16:2", "8:32:3", HEADS_SHAPE)
+TESTED_SHAPES = ("4:0:3", "4:16:2", "8:16:3", "8:16:2", "8:32:3", "4:0:3:h", "4:8:3:h",
+                 HEADS_SHAPE)
 #: the many-heads kernel's dequant order by default: True = block j + 1's keys are dequantized
 #: into registers while block j's O wgmma runs, False = after it (serial). A 4th shape field
 #: forces one (benchmark sweeps, tests): "8:64:2:1" serial, "8:64:2:2" overlapped.
@@ -29,29 +30,38 @@ HEADS_OVERLAP = True
 HEADS_VARIANTS = {1: False, 2: True}
 
 #: the pick table: (major, minor) -> {(heads bucket, swa record, extra record or 0, tokens
-#: bucket): launch shape "num_warps:block_h:stages" (0 = default)}. Heads buckets: 8 (H <= 8),
-#: 16, 32, 64, 128 (larger); tokens buckets: 7 (T <= 7), 32 (8..32), 128, 1 << 30. Only shapes where a
-#: Gluon kernel measured faster than the tl kernel (and the other Gluon kernel) on the H200 are
-#: listed (perf/NOTES.md, "Gluon decode for Hopper", "Gluon decode, many heads"); a missing
-#: key means the tl kernel.
+#: bucket): launch shape "num_warps:block_h:stages[:h|:b|:1|:2]" (0 = default; ":h" = fp16 wgmma
+#: operands of the few-heads kernel, its ``F16``; ":1"/":2" the many-heads kernel's serial /
+#: overlapped dequant)}. Heads buckets: 8 (H <= 8), 16, 32, 64, 128 (larger); tokens buckets:
+#: 7 (T <= 7), 32 (8..32), 128, 1 << 30. Only shapes where a Gluon kernel measured faster than
+#: the tl kernel and the other Gluon variants on the H200 are listed (perf/NOTES.md, "Gluon
+#: decode for Hopper", "Gluon decode, many heads", "Gluon decode, fp16 operands (few heads)");
+#: a missing key means the tl kernel.
 PICK = {
-    # H200, triton 3.6, 2026-12-01 (CUDA graph, L2 flushed, median of 30; tl in the same run):
-    # 8 heads 584+584 T=1 / 32: 15.5 / 23.5 vs 15.9 / 25.4 us; T=128 41.9 vs 41.8 (tie: tl);
-    # 8 heads 528+288 T=128: 49.2 vs 68.7 us. Everything else measured slower or untimed.
-    # Many-heads kernel (decode_heads.py, HEADS_SHAPE), same method, 2026-12-01 (perf/NOTES.md,
-    # "Gluon decode, many heads"), T = 128 / 512, us, heads vs tl vs old Gluon (4:0:3) vs
-    # FlashMLA: 64 h 584+584 66.2 / 224.5 vs 92.1 / 335.7 vs 127.4 / 479.3 vs 50.8 / 174.6;
-    # 128 h 584+584 117.2 / 428.3 vs 168.9 / 641.2 vs 239.0 / 927.8 vs 68.7 / 252.1; 64 h
-    # 528+288 65.7 / 228.9 vs 105.6 / 395.6 vs 146.3 / 558.2; 128 h 528+288 119.2 / 441.6 vs
-    # 198.2 / 769.8 vs 278.1 / 1089.1; 64 h 584+584 T = 8 / 16 / 32: 24.7 / 27.3 / 32.1 vs tl
-    # 26.3 / 29.2 / 38.7 (picked for 8..32 tokens). Not picked: T <= 7 (T = 1: 21.3 vs tl
-    # 18.8), 17..32 heads (32 h T=128: 61.1 vs 62.4), T <= 32 at 128 heads and at 528+288
-    # (untimed).
+    # H200, triton 3.6, 2026-12-01 (CUDA graph, L2 flushed, median of 30), one run per group.
+    # Few heads, perf/bench_decode_hopper.py --few, fp16 Gluon vs bf16 Gluon vs tl (us):
+    # 8 heads 584+584 T=1 / 32: 14.7 / 23.4 vs 15.4 / 23.5 vs 15.6 / 25.7 (T=128 / 512 fp16
+    # slower: 47.3 / 157.8 vs 42.0 / 148.7 vs 41.8 / 121.2: tl);
+    # 8 heads 528+288 T=1 / 32 / 128 / 512: 14.7 / 22.0 / 43.9 / 152.8 vs 15.3 / 24.1 / 49.4 /
+    # 174.1 vs 16.2 / 35.8 / 68.5 / 219.7; 16 heads 528+288 T=128: 57.7 vs 62.0 vs 70.3
+    # (16 heads 584+584 T=128: tl 43.2 fastest).
+    # Many-heads kernel (decode_heads.py, HEADS_SHAPE), T = 128 / 512, us, heads vs tl vs old
+    # Gluon (4:0:3) vs FlashMLA: 64 h 584+584 66.2 / 224.5 vs 92.1 / 335.7 vs 127.4 / 479.3 vs
+    # 50.8 / 174.6; 128 h 584+584 117.2 / 428.3 vs 168.9 / 641.2 vs 239.0 / 927.8 vs 68.7 /
+    # 252.1; 64 h 528+288 65.7 / 228.9 vs 105.6 / 395.6 vs 146.3 / 558.2; 128 h 528+288 119.2 /
+    # 441.6 vs 198.2 / 769.8 vs 278.1 / 1089.1; 64 h 584+584 T = 8 / 16 / 32: 24.7 / 27.3 /
+    # 32.1 vs tl 26.3 / 29.2 / 38.7 (picked for 8..32 tokens). Not picked: T <= 7 (T = 1: 21.3
+    # vs tl 18.8), 17..32 heads (32 h T=128: 61.1 vs 62.4), T <= 32 at 128 heads and at
+    # 528+288 (untimed).
     (9, 0): {
-        (8, 584, 584, 7): "4:0:3",
-        (8, 584, 584, 32): "4:0:3",
+        (8, 584, 584, 7): "4:0:3:h",
+        (8, 584, 584, 32): "4:0:3:h",
+        (8, 528, 288, 7): "4:0:3:h",
+        (8, 528, 288, 32): "4:0:3:h",
+        (8, 528, 288, 128): "4:0:3:h",
+        (8, 528, 288, 1 << 30): "4:0:3:h",
+        (16, 528, 288, 128): "4:0:3:h",
         (64, 584, 584, 32): HEADS_SHAPE,
-        (8, 528, 288, 128): "4:0:3",
         (64, 584, 584, 128): HEADS_SHAPE,
         (64, 584, 584, 1 << 30): HEADS_SHAPE,
         (128, 584, 584, 128): HEADS_SHAPE,
@@ -79,6 +89,13 @@ def _sms(device: torch.device) -> int:
 
 def _cap(device: torch.device):
     return torch.cuda.get_device_capability(device)
+
+
+def f16_supported(a, b) -> bool:
+    """The fp16-operand variant covers 584-only and 528/288-only record pairs (not 584 mixed
+    with 528/288: measured wrong on the H200, perf/NOTES.md); elsewhere it falls back to bf16."""
+    srcs = {a.src} | ({b.src} if b is not None else set())
+    return srcs == {584} or 584 not in srcs
 
 
 def heads_bucket(H: int) -> int:
@@ -129,15 +146,21 @@ OVERRIDE = {}
 
 def parse_shape(text: str) -> dict:
     """``"8:16:3"`` -> ``{num_warps: 8, block_h: 16, stages: 3}`` (0 or empty = default);
-    an optional 4th field is the many-heads kernel's variant (``HEADS_VARIANTS``)."""
+    a 4th field ``h`` adds ``f16: True`` (fp16 wgmma operands), ``b`` ``f16: False``; ``1`` / ``2``
+    is the many-heads kernel's variant (``HEADS_VARIANTS``)."""
     if not text:
         return {}
-    fields = [int(x) for x in text.split(":")]
-    if len(fields) not in (3, 4) or (len(fields) == 4 and fields[3] not in HEADS_VARIANTS):
-        raise ValueError(f"launch shape {text!r}: expected num_warps:block_h:stages[:variant] "
-                         f"with variant in {sorted(HEADS_VARIANTS)}")
-    names = ("num_warps", "block_h", "stages", "variant")
-    return {k: v for k, v in zip(names, fields) if v}
+    parts = text.split(":")
+    extra = parts[3] if len(parts) == 4 else None
+    if len(parts) not in (3, 4) or extra not in (None, "h", "b", *map(str, HEADS_VARIANTS)):
+        raise ValueError(f"launch shape {text!r}: expected num_warps:block_h:stages[:h|:b|:1|:2]")
+    nw, bh, st = (int(x) for x in parts[:3])
+    out = {k: v for k, v in (("num_warps", nw), ("block_h", bh), ("stages", st)) if v}
+    if extra in ("h", "b"):
+        out["f16"] = extra == "h"
+    elif extra is not None:
+        out["variant"] = int(extra)
+    return out
 
 
 def default_shape(T: int, H: int, total_width: int, sms: int, num_warps: int = 4):
@@ -165,7 +188,7 @@ LAST_LAUNCH = {}
 def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: float,
            out: torch.Tensor, lse: torch.Tensor, block_h: Optional[int] = None,
            num_splits: Optional[int] = None, stages: Optional[int] = None,
-           num_warps: Optional[int] = None) -> None:
+           num_warps: Optional[int] = None, f16: Optional[bool] = None) -> None:
     """Run the Gluon decode on validated arguments (``a``/``b``: ``KeySet``s of decode.py)."""
     if not AVAILABLE:
         raise RuntimeError(f"gluon decode unavailable: {REASON}")
@@ -197,20 +220,23 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
             *args, H, float(softmax_scale) * 1.4426950408889634, ns, n_ht, **flags,
             SPLIT=ns > 1, NS=stages, OVERLAP=overlap, num_warps=nw)
         LAST_LAUNCH["heads_overlap"] = overlap
+        LAST_LAUNCH["fwd"] = (k, (bh, ns, nw, stages))
     else:
         if nw == 8:
             bh = max(bh, 16)  # two warpgroups split the heads: at least 8 each
         ns = num_splits or ns
+        f16 = bool(over.get("f16", False)) if f16 is None else f16
+        f16 = f16 and f16_supported(a, b)
         n_ht = cdiv(H, bh)
         args, po, pl, sink_arg, sink_st = kernel_args(q, a, b, sink, out, lse, ns)
         k = _sparse_mla_decode_gluon_kernel[(T * ns * n_ht,)](
             *args, H, float(softmax_scale) * 1.4426950408889634, ns, n_ht, **flags,
-            SPLIT=ns > 1, BH=bh, NS=stages, NW=nw, num_warps=nw)
-    LAST_LAUNCH["fwd"] = (k, (bh, ns, nw, stages))
+            SPLIT=ns > 1, BH=bh, NS=stages, NW=nw, F16=f16, num_warps=nw)
+        LAST_LAUNCH["fwd"] = (k, (bh, ns, nw, stages, "f16" if f16 else "bf16"))
     if ns > 1:
         merge_splits(po, pl, sink, sink_arg, sink_st, out, lse, ns, sw=False)
 
 
 __all__ = ["PICK", "ENV", "OVERRIDE", "usable", "pick", "launch", "default_shape",
-           "default_splits", "HEADS_SHAPE", "HEADS_OVERLAP", "HEADS_VARIANTS",
+           "default_splits", "HEADS_SHAPE", "HEADS_OVERLAP", "HEADS_VARIANTS", "f16_supported",
            "heads_bucket", "tokens_bucket", "table_shape", "parse_shape", "TESTED_SHAPES"]
