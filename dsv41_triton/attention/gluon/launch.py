@@ -25,8 +25,10 @@ TESTED_SHAPES = ("4:0:3", "4:16:2", "8:16:3", "8:16:2", "8:32:3", "4:0:3:h", "4:
                  HEADS_SHAPE)
 #: the many-heads kernel's dequant order by default: True = block j + 1's keys are dequantized
 #: into registers while block j's O wgmma runs, False = after it (serial). A 4th shape field
-#: forces one (benchmark sweeps, tests): "8:64:2:1" serial, "8:64:2:2" overlapped.
-HEADS_OVERLAP = True
+#: forces one (benchmark sweeps, tests): "8:64:2:1" serial, "8:64:2:2" overlapped. Serial: on
+#: the H200 (one run, T = 128) 55.9 / 103.6 / 56.6 us against 59.2 / 107.1 / 58.9 overlapped for
+#: 64 h 584+584, 128 h 584+584, 64 h 528+288 (the overlapped order spills).
+HEADS_OVERLAP = False
 HEADS_VARIANTS = {1: False, 2: True}
 
 #: the pick table: (major, minor) -> {(heads bucket, swa record, extra record or 0, tokens

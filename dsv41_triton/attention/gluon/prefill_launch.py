@@ -26,7 +26,9 @@ PICK = {
     # CUDA graph, L2 flushed, one run (tl / gluon eager / FlashMLA): 64 heads 1466.5 / 1108.7 /
     # 654.1 us, 128 heads 2897.0 / 2166.1 / 1281.8 us; 8 heads 551.5 / 950.1 (gluon pads to 64
     # heads). tl tiles 33..64 heads as one 64-head tile and 65..128 as two, like this kernel.
-    (9, 0): {64: "eager", 128: "eager"},
+    # Warp-specialized kernel (prefill_ws.py), same method, one run: tl / eager / ws / FlashMLA
+    # 64 heads 1472.3 / 1113.7 / 930.0 / 653.7 us, 128 heads 2920.2 / 2175.8 / 1819.3 / 1290.0.
+    (9, 0): {64: "ws", 128: "ws"},
 }
 
 #: variants the GPU tests run (tests/attention/test_prefill_gluon.py); PICK uses only these.
