@@ -186,6 +186,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--heads", action="store_true", help="the many-heads rows only")
     ap.add_argument("--few", action="store_true", help="the few-heads rows (FEW)")
+    ap.add_argument("--rows", default="",
+                    help="table rows 'H,T,swa,extra;...' in this order (instead of TABLE)")
     ap.add_argument("--csv", default=None)
     ap.add_argument("--no-flashmla", action="store_true")
     ap.add_argument("--reps", type=int, default=30)
@@ -205,6 +207,8 @@ def main(argv=None):
         return
     rows = ([] if args.no_table else QUICK if args.quick else HEADS if args.heads
             else FEW if args.few else TABLE)
+    if args.rows and not args.no_table:
+        rows = [tuple(int(x) for x in r.split(",")) for r in args.rows.split(";")]
     variants = [v for v in args.sweep.split(",") if v]
     sweep_rows = ([tuple(int(x) for x in r.split(",")) for r in args.sweep_rows.split(";")]
                   if args.sweep_rows else QUICK)
