@@ -326,6 +326,8 @@ def _spawn_entry(local_rank: int, world_size: int, port: int, fn: Callable, args
     torch.set_num_threads(1)
     try:
         fn(*args)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # no rank tears its group down while a peer still uses it
     finally:
         shutdown_tp()
 
