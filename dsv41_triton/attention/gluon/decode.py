@@ -529,6 +529,42 @@ def _store_out(orow_ptr, d0, acc, inv, hmask, ACC: gl.constexpr, TO_BF16: gl.con
 
 
 @gluon.jit
+def _key_ranges(t, split, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr, b_len_st,
+                b_width, HAS_B: gl.constexpr, HAS_LEN_A: gl.constexpr,
+                HAS_LEN_B: gl.constexpr, SPLIT: gl.constexpr):
+    """Token ``t``'s columns read by key split ``split``: window ``[lo_a, hi_a)`` and extra
+    ``[lo_b, hi_b)`` (lens clamped to ``[0, width]``; splits of whole 64-key blocks), and the
+    block counts ``nblk_a`` (window) and ``nblk`` (all)."""
+    if HAS_LEN_A:
+        len_a = gl.load(a_len_ptr + t * a_len_st).to(gl.int32)
+        len_a = gl.minimum(gl.maximum(len_a, 0), a_width)
+    else:
+        len_a = a_width + 0
+    len_b = len_a * 0
+    if HAS_B:
+        if HAS_LEN_B:
+            len_b = gl.load(b_len_ptr + t * b_len_st).to(gl.int32)
+            len_b = gl.minimum(gl.maximum(len_b, 0), b_width)
+        else:
+            len_b = len_b + b_width
+    total = len_a + len_b
+    if SPLIT:
+        chunk = gl.cdiv(gl.cdiv(total, num_splits), 64) * 64
+        lo = split * chunk
+        hi = gl.minimum(lo + chunk, total)
+    else:
+        lo = total * 0
+        hi = total
+    lo_a = gl.minimum(lo, len_a)
+    hi_a = gl.maximum(gl.minimum(hi, len_a), lo_a)
+    lo_b = gl.maximum(lo, len_a) - len_a
+    hi_b = gl.maximum(hi - len_a, lo_b)
+    nblk_a = gl.cdiv(hi_a - lo_a, 64)
+    nblk = nblk_a + gl.cdiv(hi_b - lo_b, 64)
+    return lo_a, hi_a, lo_b, hi_b, nblk_a, nblk
+
+
+@gluon.jit
 def _sparse_mla_decode_gluon_kernel(
     q_ptr, stride_qt, stride_qh,
     a_ptr, a_idx_ptr, a_idx_st, a_len_ptr, a_len_st, a_width, a_bstride, a_page, a_rows,
@@ -596,32 +632,9 @@ def _sparse_mla_decode_gluon_kernel(
         p_r = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], QL)
 
     # ---- this program's column ranges ---------------------------------------------------
-    if HAS_LEN_A:
-        len_a = gl.load(a_len_ptr + t * a_len_st).to(gl.int32)
-        len_a = gl.minimum(gl.maximum(len_a, 0), a_width)
-    else:
-        len_a = a_width + 0
-    len_b = len_a * 0
-    if HAS_B:
-        if HAS_LEN_B:
-            len_b = gl.load(b_len_ptr + t * b_len_st).to(gl.int32)
-            len_b = gl.minimum(gl.maximum(len_b, 0), b_width)
-        else:
-            len_b = len_b + b_width
-    total = len_a + len_b
-    if SPLIT:
-        chunk = gl.cdiv(gl.cdiv(total, num_splits), 64) * 64
-        lo = split * chunk
-        hi = gl.minimum(lo + chunk, total)
-    else:
-        lo = total * 0
-        hi = total
-    lo_a = gl.minimum(lo, len_a)
-    hi_a = gl.maximum(gl.minimum(hi, len_a), lo_a)
-    lo_b = gl.maximum(lo, len_a) - len_a
-    hi_b = gl.maximum(hi - len_a, lo_b)
-    nblk_a = gl.cdiv(hi_a - lo_a, 64)
-    nblk = nblk_a + gl.cdiv(hi_b - lo_b, 64)
+    lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _key_ranges(
+        t, split, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr, b_len_st, b_width,
+        HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT)
     a_idx_row = a_idx_ptr + t * a_idx_st
     b_idx_row = b_idx_ptr + t * b_idx_st
 
@@ -677,7 +690,7 @@ def _sparse_mla_decode_gluon_kernel(
     o5 = zero
     o6 = zero
     o7 = zero
-    R = len_a * 0 + R_MIN  # F16: the running scale exponent of the key tiles
+    R = nblk * 0 + R_MIN  # F16: the running scale exponent of the key tiles
 
     for j in range(nblk):
         kn = j + NS - 1

@@ -34,8 +34,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .decode import (_E2M1_ASM, _E4M3_ASM, LOG2E, _copy_layout, _e4m3_bf16, _issue, _load_idx,
-                     _pick, _ue8m0_bf16)
+from .decode import (_E2M1_ASM, _E4M3_ASM, LOG2E, _copy_layout, _e4m3_bf16, _issue,
+                     _key_ranges, _load_idx, _pick, _ue8m0_bf16)
 
 #: heads per CTA (the wgmma M)
 BH = gl.constexpr(64)
@@ -204,32 +204,9 @@ def _sparse_mla_decode_heads_kernel(
     mx_smem = gl.allocate_shared_memory(gl.float32, [BH, 2], PLAIN2)
 
     # ---- this program's column ranges ---------------------------------------------------
-    if HAS_LEN_A:
-        len_a = gl.load(a_len_ptr + t * a_len_st).to(gl.int32)
-        len_a = gl.minimum(gl.maximum(len_a, 0), a_width)
-    else:
-        len_a = a_width + 0
-    len_b = len_a * 0
-    if HAS_B:
-        if HAS_LEN_B:
-            len_b = gl.load(b_len_ptr + t * b_len_st).to(gl.int32)
-            len_b = gl.minimum(gl.maximum(len_b, 0), b_width)
-        else:
-            len_b = len_b + b_width
-    total = len_a + len_b
-    if SPLIT:
-        chunk = gl.cdiv(gl.cdiv(total, num_splits), 64) * 64
-        lo = split * chunk
-        hi = gl.minimum(lo + chunk, total)
-    else:
-        lo = total * 0
-        hi = total
-    lo_a = gl.minimum(lo, len_a)
-    hi_a = gl.maximum(gl.minimum(hi, len_a), lo_a)
-    lo_b = gl.maximum(lo, len_a) - len_a
-    hi_b = gl.maximum(hi - len_a, lo_b)
-    nblk_a = gl.cdiv(hi_a - lo_a, 64)
-    nblk = nblk_a + gl.cdiv(hi_b - lo_b, 64)
+    lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _key_ranges(
+        t, split, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr, b_len_st, b_width,
+        HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT)
     a_idx_row = a_idx_ptr + t * a_idx_st
     b_idx_row = b_idx_ptr + t * b_idx_st
 
