@@ -314,43 +314,52 @@ def _e4m3_bf16(b):
 
 
 @gluon.jit
-def _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3, k4, k5, k6,
-             SRC: gl.constexpr, NW: gl.constexpr):
-    """Raw bytes of one stage -> bf16 key tiles: groups 0..6 into ``k0..k6``, group 7 into
-    ``rope_s`` (for 584 records cp.async already put the raw bf16 tail there)."""
+def _dequant_group(g: gl.constexpr, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s,
+                   SRC: gl.constexpr, NW: gl.constexpr):
+    """Group ``g`` (64 dims) of stage ``s`` (records ``SRC``) as exact bf16 ``[64 keys, 64]``
+    registers in ``_copy_layout(16, NW)`` (584: group 7 is the raw RoPE tail of the ring)."""
     L16: gl.constexpr = _copy_layout(16, NW)
     if SRC == 288:
         # a thread's 8 bytes are the 16 dims of one e4m3 scale: viewed as [64 keys, 4 scale
         # groups, 8 bytes] the scale broadcasts (no per-element selects)
         L8: gl.constexpr = _copy_layout(8, NW)
-        for g in gl.static_range(8):
-            tile = _pick(g // 2, r0, r1, r2, r3, r4, r5, r6, r7).index(s)
-            raw = gl.reshape(tile.slice((g % 2) * 32, 32, dim=1).load(L8), [64, 4, 8])
-            sb = scale_s.slice(4 * g, 4, dim=1).load(gl.SliceLayout(2, raw.type.layout))
-            sc = gl.broadcast(gl.expand_dims(_e4m3_bf16(sb), 2), raw)[0]
-            lo, hi = gl.inline_asm_elementwise(_E2M1_ASM, "=r,=r,=r,=r,r,r,r", [raw, sc],
-                                               dtype=(gl.bfloat16, gl.bfloat16), is_pure=True,
-                                               pack=4)
-            x = gl.convert_layout(gl.reshape(gl.join(lo, hi), [64, 64]), L16)
-            _put(x, g, k0, k1, k2, k3, k4, k5, k6, rope_s)
+        tile = _pick(g // 2, r0, r1, r2, r3, r4, r5, r6, r7).index(s)
+        raw = gl.reshape(tile.slice((g % 2) * 32, 32, dim=1).load(L8), [64, 4, 8])
+        sb = scale_s.slice(4 * g, 4, dim=1).load(gl.SliceLayout(2, raw.type.layout))
+        sc = gl.broadcast(gl.expand_dims(_e4m3_bf16(sb), 2), raw)[0]
+        lo, hi = gl.inline_asm_elementwise(_E2M1_ASM, "=r,=r,=r,=r,r,r,r", [raw, sc],
+                                           dtype=(gl.bfloat16, gl.bfloat16), is_pure=True,
+                                           pack=4)
+        x = gl.convert_layout(gl.reshape(gl.join(lo, hi), [64, 64]), L16)
+    elif SRC == 584 and g == 7:
+        x = rope_ring.index(s).load(L16)
     else:
-        NG: gl.constexpr = 7 if SRC == 584 else 8
-        for g in gl.static_range(NG):
-            raw = _pick(g, r0, r1, r2, r3, r4, r5, r6, r7).index(s).load(L16)
-            if SRC == 584:
-                sc = _ue8m0_bf16(scale_s.slice(g, 1, dim=1).load(L16))
-                sc = gl.broadcast(sc, raw)[0]
-                x = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r,r,r", [raw, sc],
-                                              dtype=gl.bfloat16, is_pure=True, pack=4)
-            else:
-                # 528: two scales per 64 dims; a thread's 16 bytes lie in one half
-                raw3 = gl.reshape(raw, [64, 2, 32])
-                sb = scale_s.slice(2 * g, 2, dim=1).load(gl.SliceLayout(2, raw3.type.layout))
-                sc = gl.broadcast(gl.expand_dims(_ue8m0_bf16(sb), 2), raw3)[0]
-                x = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r,r,r", [raw3, sc],
-                                              dtype=gl.bfloat16, is_pure=True, pack=4)
-                x = gl.convert_layout(gl.reshape(x, [64, 64]), L16)
-            _put(x, g, k0, k1, k2, k3, k4, k5, k6, rope_s)
+        raw = _pick(g, r0, r1, r2, r3, r4, r5, r6, r7).index(s).load(L16)
+        if SRC == 584:
+            sc = _ue8m0_bf16(scale_s.slice(g, 1, dim=1).load(L16))
+            sc = gl.broadcast(sc, raw)[0]
+            x = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r,r,r", [raw, sc],
+                                          dtype=gl.bfloat16, is_pure=True, pack=4)
+        else:
+            # 528: two scales per 64 dims; a thread's 16 bytes lie in one half
+            raw3 = gl.reshape(raw, [64, 2, 32])
+            sb = scale_s.slice(2 * g, 2, dim=1).load(gl.SliceLayout(2, raw3.type.layout))
+            sc = gl.broadcast(gl.expand_dims(_ue8m0_bf16(sb), 2), raw3)[0]
+            x = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r,r,r", [raw3, sc],
+                                          dtype=gl.bfloat16, is_pure=True, pack=4)
+            x = gl.convert_layout(gl.reshape(x, [64, 64]), L16)
+    return x
+
+
+@gluon.jit
+def _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3, k4, k5, k6,
+             SRC: gl.constexpr, NW: gl.constexpr):
+    """Raw bytes of one stage -> bf16 key tiles: groups 0..6 into ``k0..k6``, group 7 into
+    ``rope_s`` (for 584 records cp.async already put the raw bf16 tail there)."""
+    NG: gl.constexpr = 7 if SRC == 584 else 8
+    for g in gl.static_range(NG):
+        x = _dequant_group(g, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, SRC, NW)
+        _put(x, g, k0, k1, k2, k3, k4, k5, k6, rope_s)
 
 
 @gluon.jit

@@ -34,50 +34,13 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .decode import (_E2M1_ASM, _E4M3_ASM, LOG2E, _copy_layout, _e4m3_bf16, _issue,
-                     _key_ranges, _load_idx, _pick, _ue8m0_bf16)
+from .decode import (LOG2E, _copy_layout, _issue,
+                     _dequant_group, _key_ranges, _load_idx)
 
 #: heads per CTA (the wgmma M)
 BH = gl.constexpr(64)
 #: warps per CTA (two warpgroups)
 NW = gl.constexpr(8)
-
-
-@gluon.jit
-def _dequant_group(g: gl.constexpr, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s,
-                   SRC: gl.constexpr):
-    """Group ``g`` (64 dims) of stage ``s`` (records ``SRC``) as exact bf16 ``[64 keys, 64]``
-    registers in ``_copy_layout(16, NW)`` (584: group 7 is the raw RoPE tail of the ring)."""
-    L16: gl.constexpr = _copy_layout(16, NW)
-    if SRC == 288:
-        # a thread's 8 bytes are the 16 dims of one e4m3 scale (see decode._dequant)
-        L8: gl.constexpr = _copy_layout(8, NW)
-        tile = _pick(g // 2, r0, r1, r2, r3, r4, r5, r6, r7).index(s)
-        raw = gl.reshape(tile.slice((g % 2) * 32, 32, dim=1).load(L8), [64, 4, 8])
-        sb = scale_s.slice(4 * g, 4, dim=1).load(gl.SliceLayout(2, raw.type.layout))
-        sc = gl.broadcast(gl.expand_dims(_e4m3_bf16(sb), 2), raw)[0]
-        lo, hi = gl.inline_asm_elementwise(_E2M1_ASM, "=r,=r,=r,=r,r,r,r", [raw, sc],
-                                           dtype=(gl.bfloat16, gl.bfloat16), is_pure=True,
-                                           pack=4)
-        x = gl.convert_layout(gl.reshape(gl.join(lo, hi), [64, 64]), L16)
-    elif SRC == 584 and g == 7:
-        x = rope_ring.index(s).load(L16)
-    else:
-        raw = _pick(g, r0, r1, r2, r3, r4, r5, r6, r7).index(s).load(L16)
-        if SRC == 584:
-            sc = _ue8m0_bf16(scale_s.slice(g, 1, dim=1).load(L16))
-            sc = gl.broadcast(sc, raw)[0]
-            x = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r,r,r", [raw, sc],
-                                          dtype=gl.bfloat16, is_pure=True, pack=4)
-        else:
-            # 528: two scales per 64 dims; a thread's 16 bytes lie in one half
-            raw3 = gl.reshape(raw, [64, 2, 32])
-            sb = scale_s.slice(2 * g, 2, dim=1).load(gl.SliceLayout(2, raw3.type.layout))
-            sc = gl.broadcast(gl.expand_dims(_ue8m0_bf16(sb), 2), raw3)[0]
-            x = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r,r,r", [raw3, sc],
-                                          dtype=gl.bfloat16, is_pure=True, pack=4)
-            x = gl.convert_layout(gl.reshape(x, [64, 64]), L16)
-    return x
 
 
 @gluon.jit
@@ -93,15 +56,15 @@ def _dequant_src(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC: gl.
     """Stage ``s`` (records ``SRC``) as the bf16 key tile ``[64 keys, 512]`` in registers (64
     per thread), stored by the caller in ONE shared store: membar puts a CTA barrier between
     any two stores into one allocation, even into disjoint column slices."""
-    x0 = _dequant_group(0, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
-    x1 = _dequant_group(1, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
-    x2 = _dequant_group(2, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
-    x3 = _dequant_group(3, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
+    x0 = _dequant_group(0, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC, NW)
+    x1 = _dequant_group(1, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC, NW)
+    x2 = _dequant_group(2, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC, NW)
+    x3 = _dequant_group(3, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC, NW)
     lo = _cat4(x0, x1, x2, x3)
-    x4 = _dequant_group(4, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
-    x5 = _dequant_group(5, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
-    x6 = _dequant_group(6, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
-    x7 = _dequant_group(7, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
+    x4 = _dequant_group(4, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC, NW)
+    x5 = _dequant_group(5, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC, NW)
+    x6 = _dequant_group(6, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC, NW)
+    x7 = _dequant_group(7, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC, NW)
     hi = _cat4(x4, x5, x6, x7)
     return gl.reshape(gl.permute(gl.join(lo, hi), (0, 2, 1)), [64, 512])
 
