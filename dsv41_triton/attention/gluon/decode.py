@@ -46,13 +46,14 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from .common import _finish_rows
+
 
 #: keys per block (the wgmma M of the swap-AB products)
 BN = 64
 #: record width -> (data bytes, scale bytes)
 SRC_BYTES = {584: (576, 8), 528: (512, 16), 288: (256, 32)}
 
-LOG2E = gl.constexpr(1.4426950408889634)
 
 # e4m3 byte pair -> bf16x2 with the e4m3 value * 2**-120 (sign at bit 15, exponent+mantissa at
 # bits 4..10 of each lane), then * 2**120 and * the scale: both multiplies are exact. The NaN
@@ -828,17 +829,8 @@ def _sparse_mla_decode_gluon_kernel(
         gl.store(pl_ptr + prow, lse2, mask=hmask)
         TO_BF16: gl.constexpr = False
     else:
-        den = l_safe
-        if HAS_SINK:
-            m_safe = gl.where(has, m_i, 0.0)
-            sink = gl.load(sink_ptr + h64 * sink_st, mask=hmask, other=float("-inf"))
-            den = den + gl.exp2(sink * LOG2E - m_safe)
-            # a NaN sink: NaN rows without keys too (docs/semantics.md)
-            inv = gl.where(has, 1.0 / den, gl.where(sink != sink, float("nan"), 0.0))
-        else:
-            inv = gl.where(has, 1.0 / den, 0.0)
+        inv, lse = _finish_rows(l_i, m_i, h64, hmask, sink_ptr, sink_st, HAS_SINK)
         orow = out_ptr + t * stride_ot + h64 * stride_oh
-        lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("inf"))
         gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
         TO_BF16: gl.constexpr = True
     inv = inv * o_unit

@@ -34,8 +34,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .decode import (LOG2E, _copy_layout, _issue,
-                     _dequant_group, _key_ranges, _load_idx)
+from .common import _finish_rows
+from .decode import _copy_layout, _dequant_group, _issue, _key_ranges, _load_idx
 
 #: heads per CTA (the wgmma M)
 BH = gl.constexpr(64)
@@ -275,16 +275,7 @@ def _sparse_mla_decode_heads_kernel(
         gl.store(po_ptr + (prow * 512)[:, None] + d[None, :], o * inv[:, None],
                  mask=hmask[:, None])
     else:
-        den = l_safe
-        if HAS_SINK:
-            m_safe = gl.where(has, m_o, 0.0)
-            sink = gl.load(sink_ptr + h64 * sink_st, mask=hmask, other=float("-inf"))
-            den = den + gl.exp2(sink * LOG2E - m_safe)
-            # a NaN sink: NaN rows without keys too (docs/semantics.md)
-            inv = gl.where(has, 1.0 / den, gl.where(sink != sink, float("nan"), 0.0))
-        else:
-            inv = gl.where(has, 1.0 / den, 0.0)
-        lse = gl.where(has, (m_o + gl.log2(l_safe)) * 0.6931471805599453, float("inf"))
+        inv, lse = _finish_rows(l_i, m_o, h64, hmask, sink_ptr, sink_st, HAS_SINK)
         gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
         orow = out_ptr + t * stride_ot + h64 * stride_oh
         gl.store(orow[:, None] + d[None, :], (o * inv[:, None]).to(gl.bfloat16),

@@ -27,6 +27,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from .common import _finish_rows
+
 #: keys per block (the N of S, the K of P V)
 BN = gl.constexpr(64)
 #: heads per CTA (the wgmma M)
@@ -34,8 +36,6 @@ BH = gl.constexpr(64)
 #: warps per CTA (two warpgroups)
 NUM_WARPS = 8
 
-LOG2E = gl.constexpr(1.4426950408889634)
-LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
@@ -175,18 +175,7 @@ def _sparse_mla_prefill_gluon_kernel(
     h = ht * BH + gl.arange(0, BH, layout=ROW_S)
     hmask = h < H
     h64 = h.to(gl.int64)
-    has = l_i != 0.0  # no key <=> l == 0 exactly; a NaN l propagates (docs/semantics.md)
-    l_safe = gl.where(has, l_i, 1.0)
-    den = l_safe
-    if HAS_SINK:
-        m_safe = gl.where(has, m_i, 0.0)
-        sink = gl.load(sink_ptr + h64 * sink_st, mask=hmask, other=float("-inf"))
-        den = den + gl.exp2(sink * LOG2E - m_safe)
-        # a NaN sink: NaN rows without keys too (docs/semantics.md)
-        inv = gl.where(has, 1.0 / den, gl.where(sink != sink, float("nan"), 0.0))
-    else:
-        inv = gl.where(has, 1.0 / den, 0.0)
-    lse = gl.where(has, (m_i + gl.log2(l_safe)) * LN2, float("inf"))
+    inv, lse = _finish_rows(l_i, m_i, h64, hmask, sink_ptr, sink_st, HAS_SINK)
     gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
 
     ho = ht * BH + gl.arange(0, BH, layout=ROW_O)

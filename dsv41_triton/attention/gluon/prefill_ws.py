@@ -28,6 +28,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
+from .common import _finish_rows
+
 BN = gl.constexpr(64)
 BH = gl.constexpr(64)
 #: warps of the default partition (the producer); each consumer warpgroup adds 4
@@ -35,8 +37,6 @@ NUM_WARPS = 4
 #: registers per thread of each consumer (setmaxnreg; the producer keeps the rest: 72)
 CONSUMER_REGS = gl.constexpr(216)
 
-LOG2E = gl.constexpr(1.4426950408889634)
-LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
@@ -208,18 +208,8 @@ def _consumer(C: gl.constexpr, idx_ptr, idx_st, n, rows, t, ht, H, qk_scale,
     h = ht * BH + gl.arange(0, BH, layout=ROW_S)
     hmask = h < H
     h64 = h.to(gl.int64)
-    has = l_tot != 0.0  # no key <=> l == 0 exactly; a NaN l propagates
-    l_safe = gl.where(has, l_tot, 1.0)
-    den = l_safe
-    if HAS_SINK:
-        m_s = gl.where(has, m_i, 0.0)
-        sink = gl.load(sink_ptr + h64 * sink_st, mask=hmask, other=float("-inf"))
-        den = den + gl.exp2(sink * LOG2E - m_s)
-        inv = gl.where(has, 1.0 / den, gl.where(sink != sink, float("nan"), 0.0))
-    else:
-        inv = gl.where(has, 1.0 / den, 0.0)
+    inv, lse = _finish_rows(l_tot, m_i, h64, hmask, sink_ptr, sink_st, HAS_SINK)
     if C == 0:
-        lse = gl.where(has, (m_i + gl.log2(l_safe)) * LN2, float("inf"))
         gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
     ho = ht * BH + gl.arange(0, BH, layout=ROW_O)
     do = 256 * C + gl.arange(0, 256, layout=gl.SliceLayout(0, O_L))

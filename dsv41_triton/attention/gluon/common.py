@@ -1,0 +1,28 @@
+"""Gluon device helpers shared by the sm_90 decode and prefill kernels."""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+LOG2E = gl.constexpr(1.4426950408889634)
+LN2 = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _finish_rows(l_i, m_i, h64, hmask, sink_ptr, sink_st, HAS_SINK: gl.constexpr):
+    """Per head row, from the online softmax's log2-domain max ``m_i`` and sum ``l_i`` (fp32):
+    ``(inv, lse)`` with ``inv`` = 1 / the denominator (the sink ``exp(sink - m)`` added) and
+    ``lse`` natural-log, sink excluded. A row without keys (``l == 0``) gets ``inv`` 0 (NaN for a
+    NaN sink) and ``lse`` +inf; a NaN ``l`` propagates (docs/semantics.md)."""
+    has = l_i != 0.0
+    l_safe = gl.where(has, l_i, 1.0)
+    den = l_safe
+    if HAS_SINK:
+        m_safe = gl.where(has, m_i, 0.0)
+        sink = gl.load(sink_ptr + h64 * sink_st, mask=hmask, other=float("-inf"))
+        den = den + gl.exp2(sink * LOG2E - m_safe)
+        inv = gl.where(has, 1.0 / den, gl.where(sink != sink, float("nan"), 0.0))
+    else:
+        inv = gl.where(has, 1.0 / den, 0.0)
+    lse = gl.where(has, (m_i + gl.log2(l_safe)) * LN2, float("inf"))
+    return inv, lse
