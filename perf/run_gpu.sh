@@ -34,10 +34,19 @@ bench_rc=$?
 tail -n 5 "$OUTDIR/bench.log"
 echo "harness rc=$bench_rc in $(( $(date +%s) - t0 )) s"
 
-echo "== Hopper decode (tl vs Gluon vs FlashMLA's kernel, issue 10's table)"
+echo "== Hopper decode (tl vs the Gluon kernels vs FlashMLA's kernel, issue 10's table)"
 if $PY -c "import torch,sys; sys.exit(torch.cuda.get_device_capability() != (9, 0))" 2>/dev/null; then
   $PY perf/bench_decode_hopper.py --csv "$OUTDIR/decode_hopper.csv" > "$OUTDIR/decode_hopper.log" 2>&1
   tail -n 16 "$OUTDIR/decode_hopper.log"
+else
+  echo "not an sm_90 GPU: skipped"
+fi
+
+echo "== Hopper prefill (tl vs Gluon vs FlashMLA's flash_mla_sparse_fwd, issue 11's table)"
+if $PY -c "import torch,sys; sys.exit(torch.cuda.get_device_capability() != (9, 0))" 2>/dev/null; then
+  BENCH_GLUON_VARIANTS=${BENCH_GLUON_VARIANTS:-eager,ws} $PY perf/bench_prefill.py --quick \
+    > "$OUTDIR/prefill_hopper.log" 2>&1
+  sed -n '/summary/,$p' "$OUTDIR/prefill_hopper.log" | head -16
 else
   echo "not an sm_90 GPU: skipped"
 fi
