@@ -100,8 +100,14 @@ def f16_supported(a, b) -> bool:
     return srcs == {584} or 584 not in srcs
 
 
-def heads_bucket(H: int) -> int:
-    return 8 if H <= 8 else 16 if H <= 16 else 32 if H <= 32 else 64 if H <= 64 else 128
+#: the pick tables' heads buckets: a bucket holds the head counts up to its value
+HEADS_BUCKETS = (8, 16, 32, 64, 128)
+
+
+def heads_bucket(H: int, beyond: int = 128) -> int:
+    """The smallest of ``HEADS_BUCKETS`` holding ``H``; ``beyond`` for more heads (the decode
+    table's 128 bucket takes them)."""
+    return next((b for b in HEADS_BUCKETS if H <= b), beyond)
 
 
 def tokens_bucket(T: int) -> int:

@@ -15,6 +15,8 @@ import torch
 
 from ..._utils import cdiv, is_interpreter
 from . import AVAILABLE, REASON
+from . import launch as _decode_launch
+from .launch import _cap
 
 #: the pick table: (major, minor) -> {heads bucket: variant}. Heads buckets: 8 (H <= 8), 16,
 #: 32, 64 (33..64), 128 (65..128), 1 << 30 (more); variants: "eager" (the O rescale every
@@ -44,15 +46,9 @@ VARIANT_ENV = "DSV41_PREFILL_GLUON_VARIANT"
 BLOCK_H = 64
 
 
-def _cap(device: torch.device):
-    return torch.cuda.get_device_capability(device)
-
-
 def heads_bucket(H: int) -> int:
-    for b in (8, 16, 32, 64, 128):
-        if H <= b:
-            return b
-    return 1 << 30
+    """``launch.heads_bucket`` with a bucket of its own (``1 << 30``) past 128 heads."""
+    return _decode_launch.heads_bucket(H, beyond=1 << 30)
 
 
 def _aligned(t: torch.Tensor) -> bool:
