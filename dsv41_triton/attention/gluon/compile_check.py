@@ -80,26 +80,23 @@ def resource_usage(k, flag: str = "--dump-resource-usage") -> str:
         os.unlink(path)
 
 
+def _regs_stack(k) -> tuple:
+    """(registers, stack bytes) of a compiled kernel from ``cuobjdump``; -1 where absent."""
+    use = resource_usage(k)
+    regs = [ln.split("REG:")[1].split()[0] for ln in use.splitlines() if "REG:" in ln]
+    stack = [ln.split("STACK:")[1].split()[0] for ln in use.splitlines() if "STACK:" in ln]
+    return int(regs[0]) if regs else -1, int(stack[0]) if stack else -1
+
+
 def loop_sass(k) -> dict:
     """SASS of the kernel's main loop (``cuobjdump -sass``): ``loop`` = instructions from the
     target of the longest backward branch to that branch, ``branches`` = (then, else)
     instruction counts of the if/else diamonds inside it, largest first (a block runs one side
     of each: per-block count = ``loop`` minus the side not taken), ``ops`` = opcode counts."""
     import collections
-    import os
     import re
-    import subprocess
-    import tempfile
 
-    import triton
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-        path = f.name
-    try:
-        text = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
-    finally:
-        os.unlink(path)
+    text = resource_usage(k, "-sass")
     rows = [(int(m.group(1), 16), m.group(2))
             for m in re.finditer(r"/\*([0-9a-f]{4,6})\*/\s+(.*?)\s*;", text)]
     at = {a: i for i, (a, _) in enumerate(rows)}
@@ -131,13 +128,11 @@ def summary(src_a: int, src_b: int, bh: int, split: bool, nw: int = 4, ns: int =
     variant); ``f16_mma`` / ``e4m3_cvt``: fp16 wgmma and the e4m3 -> f16x2 ``cvt`` in the PTX."""
     k = compile_decode(src_a, src_b, bh, split, nw=nw, ns=ns, overlap=overlap, f16=f16)
     ptx = k.asm["ptx"]
-    use = resource_usage(k)
-    regs = [ln.split("REG:")[1].split()[0] for ln in use.splitlines() if "REG:" in ln]
-    stack = [ln.split("STACK:")[1].split()[0] for ln in use.splitlines() if "STACK:" in ln]
+    regs, stack = _regs_stack(k)
     sass = resource_usage(k, "-sass")
     return {"wgmma": "wgmma.mma_async" in ptx, "cp_async": "cp.async" in ptx,
-            "shared": int(k.metadata.shared), "regs": int(regs[0]) if regs else -1,
-            "stack": int(stack[0]) if stack else -1, "bar_sync": sass.count("BAR.SYNC"),
+            "shared": int(k.metadata.shared), "regs": regs,
+            "stack": stack, "bar_sync": sass.count("BAR.SYNC"),
             "wgmma_ptx": ptx.count("wgmma.mma_async"),
             "f16_mma": ".f32.f16.f16" in ptx, "e4m3_cvt": "cvt.rn.f16x2.e4m3x2" in ptx}
 
@@ -185,13 +180,10 @@ def summary_prefill(lazy: bool = True, ws: bool = False) -> dict:
     of the warp-specialized kernel)."""
     k = compile_prefill(lazy, ws=ws)
     ptx = k.asm["ptx"]
-    usage = resource_usage(k)
-    regs = [ln.split("REG:")[1].split()[0] for ln in usage.splitlines() if "REG:" in ln]
-    stack = [ln.split("STACK:")[1].split()[0] for ln in usage.splitlines() if "STACK:" in ln]
+    regs, stack = _regs_stack(k)
     sass = k.asm.get("sass", "") or ""
     return {"wgmma": "wgmma.mma_async" in ptx, "cp_async": "cp.async" in ptx,
-            "shared": int(k.metadata.shared), "regs": int(regs[0]) if regs else -1,
-            "stack": int(stack[0]) if stack else -1,
+            "shared": int(k.metadata.shared), "regs": regs, "stack": stack,
             "bar_sync": sass.count("BAR.SYNC"), "local_st": sass.count("STL"),
             "setmaxnreg": sorted(set(ln.split("setmaxnreg")[1].strip().rstrip(";")
                                      for ln in ptx.splitlines() if "setmaxnreg" in ln))}
