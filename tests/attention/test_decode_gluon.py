@@ -33,16 +33,21 @@ def _need_gluon_gpu():
 # --------------------------------------------------------------------------------------------
 # CPU: compile-only
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("src_a,src_b,bh,split,nw,f16", [(584, 584, 8, False, 4, 0),
-                                                         (528, 288, 16, True, 8, 0),
-                                                         (584, 584, 8, False, 4, 1),
-                                                         (528, 288, 16, True, 4, 1),
-                                                         (528, 528, 8, True, 4, 1)])
-def test_gluon_decode_compiles_for_sm90(src_a, src_b, bh, split, nw, f16):
+@pytest.mark.parametrize("src_a,src_b,bh,split,nw,f16,ns", [(584, 584, 8, False, 4, 0, 3),
+                                                            (528, 288, 16, True, 8, 0, 3),
+                                                            (584, 584, 8, False, 4, 1, 3),
+                                                            (528, 288, 16, True, 4, 1, 3),
+                                                            (528, 528, 8, True, 4, 1, 3),
+                                                            (584, 584, 8, True, 4, 0, 1),
+                                                            (584, 584, 8, True, 4, 1, 1),
+                                                            (528, 288, 8, True, 4, 0, 1),
+                                                            (528, 288, 8, False, 4, 1, 1)])
+def test_gluon_decode_compiles_for_sm90(src_a, src_b, bh, split, nw, f16, ns):
     """The kernel compiles for sm_90 on this machine (in a subprocess without the interpreter,
     which would replace the functions Gluon calls); wgmma and cp.async are in the PTX; the
     fp16-operand variant (``F16``) has fp16 wgmma and the e4m3 -> f16x2 cvt, the bf16 one
-    neither."""
+    neither. One ring stage at 8 heads fits two CTAs per SM: 228 KB of shared memory per SM,
+    1 KB of it reserved per CTA (``launch.ctas_per_sm``)."""
     if not gluon_pkg.AVAILABLE:
         pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
     import json
@@ -52,13 +57,15 @@ def test_gluon_decode_compiles_for_sm90(src_a, src_b, bh, split, nw, f16):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-m", "dsv41_triton.attention.gluon.compile_check",
                         str(src_a), str(src_b), str(bh), str(int(split)), str(nw),
-                        str(f16)],
+                        str(f16), str(ns)],
                        env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     facts = json.loads(r.stdout.strip().splitlines()[-1])
     assert facts["wgmma"] and facts["cp_async"], facts
     assert facts["f16_mma"] == bool(f16) and facts["e4m3_cvt"] == bool(f16), facts
     assert 0 < facts["shared"] <= 227 * 1024, facts
+    if ns == 1:
+        assert facts["shared"] <= 228 * 1024 // 2 - 1024 and facts["regs"] <= 256, facts
 
 
 def test_gluon_f16_mixed_584_refused():
@@ -105,6 +112,25 @@ def test_gluon_pick_table():
                                                 "f16": True}
     with pytest.raises(ValueError, match="launch shape"):
         gl_launch.parse_shape("4:8:3:x")
+
+
+def test_gluon_ctas_per_sm_and_splits():
+    """Two resident CTAs per SM only for one ring stage, 4 warps, 8-head tiles and no 584
+    records mixed with 528/288; splits then fill twice the SMs."""
+    from types import SimpleNamespace as K
+    from dsv41_triton.attention.gluon import launch as gl_launch
+    a584, a528, b288 = K(src=584), K(src=528), K(src=288)
+    assert gl_launch.ctas_per_sm(1, 4, 8, a584, a584) == 2
+    assert gl_launch.ctas_per_sm(1, 4, 8, a528, b288) == 2
+    assert gl_launch.ctas_per_sm(1, 4, 8, a584, None) == 2
+    assert gl_launch.ctas_per_sm(1, 4, 8, a584, b288) == 1
+    assert gl_launch.ctas_per_sm(1, 4, 16, a584, a584) == 1
+    assert gl_launch.ctas_per_sm(3, 4, 8, a584, a584) == 1
+    assert gl_launch.ctas_per_sm(1, 8, 8, a584, a584) == 1
+    assert gl_launch.default_shape(128, 8, 640, 132 * 2) == (8, 2)
+    assert gl_launch.default_shape(128, 8, 640, 132) == (8, 1)
+    assert gl_launch.default_shape(1, 8, 640, 264) == (8, 10)
+    assert gl_launch.default_shape(512, 8, 640, 264) == (8, 1)
 
 
 def test_gluon_not_picked_without_gpu():
@@ -328,6 +354,48 @@ def test_gluon_launch_shapes_v41_gpu(device, monkeypatch, shape, T, H, swa_rec, 
     _check(_v41(device, T, H, swa_rec, extra_rec))
 
 
+#: one ring stage, two CTAs per SM (bf16 and fp16 operands)
+ONE_STAGE = ("4:0:1", "4:0:1:h")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ONE_STAGE)
+@pytest.mark.parametrize("T", [1, 2, 128])
+@pytest.mark.parametrize("H", [1, 3, 8, 16])
+@pytest.mark.parametrize("swa_rec,extra_rec", PAIRS)
+def test_gluon_one_stage_gpu(device, monkeypatch, shape, T, H, swa_rec, extra_rec):
+    """One ring stage: each block's gathers are issued into the stage the previous block's
+    dequant just read (its RoPE tail copied out first), under that block's products; split
+    keys at T <= 2 (up to 20 splits) and at T = 128 (two splits: two CTAs per SM)."""
+    _need_gluon_gpu()
+    from dsv41_triton.attention.gluon import launch as gl_launch
+    monkeypatch.setenv("DSV41_GLUON_SHAPE", shape)
+    _check(_case(device, T, H, swa_rec, extra_rec))
+    assert gl_launch.LAST_LAUNCH["fwd"][1][3] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ONE_STAGE)
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, 288)])
+def test_gluon_one_stage_edges_gpu(device, monkeypatch, shape, T, swa_rec, extra_rec):
+    """One ring stage: empty rows (len 0, only -1, only slots past the cache), a -inf sink,
+    V4.1 widths."""
+    _need_gluon_gpu()
+    monkeypatch.setenv("DSV41_GLUON_SHAPE", shape)
+    args = _case(device, T, 8, swa_rec, extra_rec, sink="-inf")
+    args["swa_lens"][0] = 0
+    args["extra_lens"][0] = 0
+    if T > 1:
+        args["swa_indices"][1] = -1
+        args["extra_indices"][1] = -1
+        args["swa_indices"][2] = 10 ** 6
+        args["extra_indices"][2] = 10 ** 7
+    o, lse = _check(args)
+    assert (o[0] == 0).all() and torch.isinf(lse[0]).all() and (lse[0] > 0).all()
+    _check(_v41(device, T, 8, swa_rec, extra_rec))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [1, 4])
 def test_gluon_nan_sink_gpu(device, monkeypatch, splits, swa_rec=584, extra_rec=288):
@@ -498,6 +566,8 @@ def _selects(indices, lens, slot, rows):
 #: many-heads kernel (decode_heads.py)
 NAN_KEY_CASES = ([(F16_SHAPE, 8, p) for p in F16_PAIRS if p[1]]
                  + [("4:0:3:b", 8, p) for p in PAIRS if p[1]]
+                 + [("4:0:1:b", 8, p) for p in PAIRS if p[1]]
+                 + [("4:0:1:h", 8, p) for p in F16_PAIRS if p[1]]
                  + [("8:64:2", 16, p) for p in PAIRS if p[1]])
 
 
@@ -528,7 +598,7 @@ def test_gluon_nan_keys_gpu(device, monkeypatch, shape, H, pair):
     _poison_slot(args["extra_cache"], extra_rec, sb, page)
     out = poison_(torch.empty(T, H, 512, dtype=torch.bfloat16, device=device))
     o, lse = sparse_mla_decode(**args, out=out, _kernel="gluon")
-    if shape == F16_SHAPE:
+    if shape.endswith(":h"):
         assert _last_is_f16()
     elif shape.endswith(":b"):
         assert not _last_is_f16()

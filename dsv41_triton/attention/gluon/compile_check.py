@@ -192,7 +192,8 @@ def summary_prefill(lazy: bool = True, ws: bool = False) -> dict:
 if __name__ == "__main__":
     # python -m dsv41_triton.attention.gluon.compile_check SRC_A SRC_B BH SPLIT NW [X [Y]] -> JSON
     # line. BH 64 (the many-heads kernel): X = NS, Y = OVERLAP 0/1; other BH (the few-heads
-    # kernel): X = F16 0/1, Y = "sass" for the main loop's instruction counts. Run with
+    # kernel): X = F16 0/1, then optionally NS and "sass" for the main loop's instruction
+    # counts. Run with
     # TRITON_INTERPRET unset: the interpreter replaces the functions Gluon calls.
     import json
     if len(sys.argv) in (3, 4) and sys.argv[1] == "prefill":
@@ -206,13 +207,17 @@ if __name__ == "__main__":
         ov = bool(int(sys.argv[7])) if len(sys.argv) == 8 else True
         print(json.dumps(summary(a, b, bh, bool(sp), nw, ns, ov)))
         sys.exit(0)
-    if len(sys.argv) in (6, 7, 8):
+    if len(sys.argv) in (6, 7, 8, 9):
+        # ... F16 [NS] [sass]: ring stages (default 3); "sass": the main loop's counts
         a, b, bh, sp, nw = (int(x) for x in sys.argv[1:6])
         f16 = len(sys.argv) >= 7 and bool(int(sys.argv[6]))
-        if len(sys.argv) == 8 and sys.argv[7] == "sass":  # ... F16 sass: main-loop counts
-            print(json.dumps(loop_sass(compile_decode(a, b, bh, bool(sp), nw=nw, f16=f16))))
+        rest = sys.argv[7:]
+        ns = int(rest[0]) if rest and rest[0].isdigit() else 3
+        if rest and rest[-1] == "sass":
+            print(json.dumps(loop_sass(compile_decode(a, b, bh, bool(sp), nw=nw, ns=ns,
+                                                      f16=f16))))
         else:
-            print(json.dumps(summary(a, b, bh, bool(sp), nw, f16=f16)))
+            print(json.dumps(summary(a, b, bh, bool(sp), nw, ns=ns, f16=f16)))
         sys.exit(0)
     combos = [(584, 584), (528, 288), (584, 288), (528, 528), (584, 528), (528, 584)]
     for a, b in combos:

@@ -23,6 +23,11 @@ online softmax. Per block:
 Splits write normalized fp32 partials and their log2-sum-exp, combined (with the sink) by the
 ``tl`` merge kernel. No host sync, fixed launch shapes: CUDA-graph safe.
 
+**One ring stage** (``NS = 1``, 8-head tiles, 4 warps): ~110 KB of shared memory, so two CTAs
+share an SM (``launch.ctas_per_sm``) and cover each other's latencies; block ``j + 1``'s
+gathers go into the stage as soon as block ``j``'s dequant has read it (584's RoPE tail is
+first copied into a key tile of its own), under block ``j``'s products.
+
 **fp16 operands** (``F16``): the key tiles are fp16 and hold ``value * 2**(127 - R)``, where
 ``R`` is a running maximum (like the softmax max) of the blocks' largest UE8M0 scale byte
 (``R_MIN`` at least; e2m1 blocks count as 127): e4m3 bytes become fp16 with one ``cvt`` per two
@@ -250,6 +255,9 @@ def _copy_keys(base, idx, bstride, page, s, r0, r1, r2, r3, r4, r5, r6, r7, rope
     DATA: gl.constexpr = 576 if SRC == 584 else (512 if SRC == 528 else 256)
     SB: gl.constexpr = 8 if SRC == 584 else (16 if SRC == 528 else 32)
     L16: gl.constexpr = _copy_layout(16, NW)
+    # the scale tile is [64, 16 | 32 | 64] bytes wide (4 threads per row)
+    SW: gl.constexpr = scale_s.shape[1]
+    LS: gl.constexpr = _copy_layout(SW // 4, NW)
     valid = idx >= 0
     slot = gl.where(valid, idx, 0)
     blk = slot // page
@@ -276,8 +284,11 @@ def _copy_keys(base, idx, bstride, page, s, r0, r1, r2, r3, r4, r5, r6, r7, rope
             # the raw bf16 RoPE tail (bytes 448..575) goes straight into its wgmma tile
             rp = (base + (data_off + 448)).to(gl.pointer_type(gl.bfloat16))
             cp.async_copy_global_to_shared(rope_s, rp[:, None] + c16[None, :], mask=vm)
-    sp = base + scale_off[:, None] + c16[None, :]
-    cp.async_copy_global_to_shared(scale_s, sp, mask=vm & (c16 < SB)[None, :])
+    cs = gl.arange(0, SW, layout=gl.SliceLayout(0, LS))
+    so = gl.convert_layout(scale_off, gl.SliceLayout(1, LS))
+    sp = base + so[:, None] + cs[None, :]
+    svm = gl.convert_layout(valid, gl.SliceLayout(1, LS))[:, None]
+    cp.async_copy_global_to_shared(scale_s, sp, mask=svm & (cs < SB)[None, :])
 
 
 @gluon.jit
@@ -615,16 +626,36 @@ def _sparse_mla_decode_gluon_kernel(
     t = (rest // num_splits).to(gl.int64)
 
     # ---- shared memory ----------------------------------------------------------------
+    # raw byte tiles per stage the record pair needs (584: 7, 528: 8, 288: 4), the scale tile
+    # as wide as the widest scale row (16 or 32 bytes), the RoPE ring only where 584 records
+    # are read
+    USE_584: gl.constexpr = SRC_A == 584 or (HAS_B and SRC_B == 584)
+    USE_528: gl.constexpr = SRC_A == 528 or (HAS_B and SRC_B == 528)
+    USE_288: gl.constexpr = SRC_A == 288 or (HAS_B and SRC_B == 288)
+    NRAW: gl.constexpr = 8 if USE_528 else (7 if USE_584 else 4)
     r0 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
     r1 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
     r2 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
     r3 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
-    r4 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
-    r5 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
-    r6 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
-    r7 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
-    rope_ring = gl.allocate_shared_memory(gl.bfloat16, [NS, 64, 64], KL)
-    scale_ring = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
+    if NRAW > 4:
+        r4 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
+        r5 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
+        r6 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
+    else:
+        r4 = r0
+        r5 = r0
+        r6 = r0
+    if NRAW > 7:
+        r7 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
+    else:
+        r7 = r0
+    scale_ring = gl.allocate_shared_memory(gl.uint8, [NS, 64, 32 if USE_288 else 16], PLAIN2)
+    if USE_584:
+        rope_ring = gl.allocate_shared_memory(gl.bfloat16, [NS, 64, 64], KL)
+    else:
+        # 528/288 only: group 7 is dequantized into this [64, 64] 16-bit tile (one stage
+        # suffices: it is rewritten only after the block's products are done)
+        rope_ring = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], KL)
     idx_ring = gl.allocate_shared_memory(gl.int32, [NS, 64], PLAIN1)
     k0 = gl.allocate_shared_memory(KDT, [64, 64], KL)
     k1 = gl.allocate_shared_memory(KDT, [64, 64], KL)
@@ -640,6 +671,11 @@ def _sparse_mla_decode_gluon_kernel(
         # RoPE ring stage (reinterpreted: same bytes, same swizzle)
         q_r = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], QL)
         p_r = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], QL)
+    # one ring stage (``NS == 1``): the next block's gathers are issued right after this
+    # block's dequant, so the RoPE tail the products read is first copied out of the ring
+    ONE: gl.constexpr = NS == 1
+    if ONE and USE_584:
+        k7t = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
 
     # ---- this program's column ranges ---------------------------------------------------
     lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _key_ranges(
@@ -677,10 +713,10 @@ def _sparse_mla_decode_gluon_kernel(
             qg = gl.load(qrow + (g * 64 + dq)[None, :], mask=(hq < H)[:, None], other=0.0)
             q_smem.index(g).store(qg)
 
-    # ---- prologue: NS - 1 blocks in flight ----------------------------------------------
+    # ---- prologue: NS - 1 blocks in flight (one with a single stage) ---------------------
     nidx = _load_idx(0, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b, hi_b,
                      b_rows, HAS_B, LI)
-    for i in gl.static_range(NS - 1):
+    for i in gl.static_range(1 if ONE else NS - 1):
         _issue(i, nidx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
                r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, SRC_A, SRC_B,
                HAS_B, NS, NW)
@@ -703,17 +739,26 @@ def _sparse_mla_decode_gluon_kernel(
     R = nblk * 0 + R_MIN  # F16: the running scale exponent of the key tiles
 
     for j in range(nblk):
-        kn = j + NS - 1
-        _issue(kn, nidx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
-               r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, SRC_A, SRC_B,
-               HAS_B, NS, NW)
-        nidx = _load_idx(kn + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b,
-                         hi_b, b_rows, HAS_B, LI)
-        cp.wait_group(NS - 1)
-        gl.thread_barrier()
         s = j % NS
-        rope_s = rope_ring.index(s)
+        if not ONE:
+            kn = j + NS - 1
+            _issue(kn, nidx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
+                   r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, SRC_A,
+                   SRC_B, HAS_B, NS, NW)
+            nidx = _load_idx(kn + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row,
+                             lo_b, hi_b, b_rows, HAS_B, LI)
+        cp.wait_group(0 if ONE else NS - 1)
+        gl.thread_barrier()
         scale_s = scale_ring.index(s)
+        if USE_584:
+            rope_s = rope_ring.index(s)
+        else:
+            rope_s = rope_ring.index(0)
+        # the group-7 wgmma operand: the ring's RoPE tile, or (one stage) its copy
+        if ONE and USE_584:
+            g7 = k7t
+        else:
+            g7 = rope_s
         if F16:
             k7 = rope_s._reinterpret(gl.float16, [64, 64], KL)
             r_old = R
@@ -727,12 +772,45 @@ def _sparse_mla_decode_gluon_kernel(
             else:
                 R = _prep_f16(s, r0, r1, r2, r3, r4, r5, r6, r7, scale_s, k0, k1, k2, k3, k4, k5,
                               k6, k7, R, SRC_A, NW)
-            fence_async_shared()
-            gl.thread_barrier()
-            cq = qk_h * _exp2i(R - 127)
-            sT = _qk_f16(k0, k1, k2, k3, k4, k5, k6, k7, rope_s, q_smem, q_r, zero, cq, qk_scale,
-                         ALL584)
+        else:
+            if HAS_B and SRC_A != SRC_B:
+                if j < nblk_a:
+                    _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, g7, scale_s, k0, k1, k2, k3, k4,
+                             k5, k6, SRC_A, NW)
+                else:
+                    _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, g7, scale_s, k0, k1, k2, k3, k4,
+                             k5, k6, SRC_B, NW)
+            else:
+                _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, g7, scale_s, k0, k1, k2, k3, k4,
+                         k5, k6, SRC_A, NW)
+        if ONE:
+            # the stage is read out (RoPE tail copied, ids in registers): the next block's
+            # gathers go into it now, under this block's products
+            if USE_584:
+                if HAS_B and SRC_A != SRC_B:
+                    if SRC_A == 584:
+                        if j < nblk_a:
+                            k7t.store(rope_s.load(L16))
+                    else:
+                        if j >= nblk_a:
+                            k7t.store(rope_s.load(L16))
+                else:
+                    k7t.store(rope_s.load(L16))
             kidx = idx_ring.index(s).load(gl.SliceLayout(1, ACC))
+        fence_async_shared()
+        gl.thread_barrier()
+        if ONE:
+            _issue(j + 1, nidx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride,
+                   b_page, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring,
+                   SRC_A, SRC_B, HAS_B, NS, NW)
+            nidx = _load_idx(j + 2, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row,
+                             lo_b, hi_b, b_rows, HAS_B, LI)
+        if F16:
+            cq = qk_h * _exp2i(R - 127)
+            sT = _qk_f16(k0, k1, k2, k3, k4, k5, k6, k7, g7, q_smem, q_r, zero, cq, qk_scale,
+                         ALL584)
+            if not ONE:
+                kidx = idx_ring.index(s).load(gl.SliceLayout(1, ACC))
             sT = gl.where((kidx >= 0)[:, None], sT, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(sT, axis=0))
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -746,24 +824,11 @@ def _sparse_mla_decode_gluon_kernel(
             fence_async_shared()
             gl.thread_barrier()
             alpha = alpha * _exp2i(r_old - R)
-            o0, o1, o2, o3, o4, o5, o6, o7 = _pv_f16(k0, k1, k2, k3, k4, k5, k6, k7, rope_s,
+            o0, o1, o2, o3, o4, o5, o6, o7 = _pv_f16(k0, k1, k2, k3, k4, k5, k6, k7, g7,
                                                      p_smem, p_r, o0, o1, o2, o3, o4, o5, o6, o7,
                                                      alpha, ALL584)
             gl.thread_barrier()
         else:
-            if HAS_B and SRC_A != SRC_B:
-                if j < nblk_a:
-                    _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3, k4,
-                             k5, k6, SRC_A, NW)
-                else:
-                    _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3, k4,
-                             k5, k6, SRC_B, NW)
-            else:
-                _dequant(s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s, k0, k1, k2, k3, k4,
-                             k5, k6, SRC_A, NW)
-            fence_async_shared()
-            gl.thread_barrier()
-
             # S^T = K Q^T  [64 keys, BH]
             acc = warpgroup_mma(k0, q_smem.index(0).permute((1, 0)), zero, use_acc=False,
                                 is_async=True)
@@ -773,10 +838,11 @@ def _sparse_mla_decode_gluon_kernel(
             acc = warpgroup_mma(k4, q_smem.index(4).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma(k5, q_smem.index(5).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma(k6, q_smem.index(6).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma(rope_s, q_smem.index(7).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(g7, q_smem.index(7).permute((1, 0)), acc, is_async=True)
             sT = warpgroup_mma_wait(0, deps=[acc])
 
-            kidx = idx_ring.index(s).load(gl.SliceLayout(1, ACC))
+            if not ONE:
+                kidx = idx_ring.index(s).load(gl.SliceLayout(1, ACC))
             sT = gl.where((kidx >= 0)[:, None], sT * qk_scale, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(sT, axis=0))
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -804,7 +870,7 @@ def _sparse_mla_decode_gluon_kernel(
                                is_async=True)
             o6 = warpgroup_mma(k6.permute((1, 0)), pT, o6 * alpha[None, :],
                                is_async=True)
-            o7 = warpgroup_mma(rope_s.permute((1, 0)), pT, o7 * alpha[None, :], is_async=True)
+            o7 = warpgroup_mma(g7.permute((1, 0)), pT, o7 * alpha[None, :], is_async=True)
             o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(
                 0, deps=[o0, o1, o2, o3, o4, o5, o6, o7])
             gl.thread_barrier()

@@ -22,7 +22,7 @@ from . import AVAILABLE, REASON
 #: many-heads kernel of decode_heads.py (8 warps, heads on the wgmma M).
 HEADS_SHAPE = "8:64:2"
 TESTED_SHAPES = ("4:0:3", "4:16:2", "8:16:3", "8:16:2", "8:32:3", "4:0:3:h", "4:8:3:h",
-                 HEADS_SHAPE)
+                 "4:0:1", "4:0:1:h", HEADS_SHAPE)
 #: the many-heads kernel's dequant order by default: True = block j + 1's keys are dequantized
 #: into registers while block j's O wgmma runs, False = after it (serial). A 4th shape field
 #: forces one (benchmark sweeps, tests): "8:64:2:1" serial, "8:64:2:2" overlapped. Serial: on
@@ -147,8 +147,9 @@ def pick(T: int, H: int, a, b, device: torch.device) -> bool:
     return table_shape(T, H, a, b, device) is not None
 
 
-#: launch-shape override for benchmarks: keys block_h, num_warps, stages (None = default);
-#: DSV41_GLUON_SHAPE="num_warps:block_h:stages" (0 = default) sets it from the environment
+#: launch-shape override for benchmarks: keys block_h, num_warps, stages, f16, variant and
+#: splits (absent = default); DSV41_GLUON_SHAPE="num_warps:block_h:stages[:x]" (0 = default)
+#: sets all but splits from the environment
 OVERRIDE = {}
 
 
@@ -171,22 +172,32 @@ def parse_shape(text: str) -> dict:
     return out
 
 
-def default_shape(T: int, H: int, total_width: int, sms: int, num_warps: int = 4):
+def default_shape(T: int, H: int, total_width: int, slots: int, num_warps: int = 4):
     """(block_h, num_splits): head tiles of 8/16/32 heads (at least 16 with 8 warps); splits
-    fill at most one wave of one CTA per SM (the kernel holds ~190 KB of shared memory)."""
+    fill at most one wave of ``slots`` resident CTAs (``ctas_per_sm`` times the SMs)."""
     bh = 8 if H <= 8 else 16 if H <= 16 else 32
     if num_warps == 8:
         bh = max(bh, 16)
-    return bh, default_splits(T, cdiv(H, bh), total_width, sms)
+    return bh, default_splits(T, cdiv(H, bh), total_width, slots)
 
 
-def default_splits(T: int, head_tiles: int, total_width: int, sms: int) -> int:
-    """Key splits that fill at most one wave of one CTA per SM (64-key blocks, at most 32)."""
+def default_splits(T: int, head_tiles: int, total_width: int, slots: int) -> int:
+    """Key splits that fill at most one wave of ``slots`` resident CTAs (64-key blocks, at
+    most 32)."""
     progs = T * head_tiles
     splits = 1
-    if progs < sms:
-        splits = max(1, min(sms // progs, cdiv(max(total_width, 1), 64), 32))
+    if progs < slots:
+        splits = max(1, min(slots // progs, cdiv(max(total_width, 1), 64), 32))
     return splits
+
+
+def ctas_per_sm(stages: int, num_warps: int, block_h: int, a, b) -> int:
+    """Resident CTAs per SM of the few-heads kernel: two with one ring stage, 4 warps and
+    8-head tiles (<= 113 KB of shared memory, 255 registers x 128 threads) unless 584 records
+    meet 528/288 ones (8 byte tiles and the RoPE ring: 117 KB); one otherwise (~180-225 KB)."""
+    srcs = {a.src} | ({b.src} if b is not None else set())
+    mixed = 584 in srcs and len(srcs) > 1
+    return 2 if (stages, num_warps, block_h) == (1, 4, 8) and not mixed else 1
 
 
 #: the last launch's compiled kernel and (block_h, splits) (benchmarks read registers)
@@ -211,8 +222,9 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
             or parse_shape(table_shape(T, H, a, b, q.device) or ""))
     nw = num_warps or over.get("num_warps") or 4
     stages = stages or over.get("stages") or 3
-    bh, ns = default_shape(T, H, width, _sms(q.device), nw)
-    bh = block_h or over.get("block_h") or bh
+    bh = block_h or over.get("block_h") or default_shape(T, H, width, 1, nw)[0]
+    slots = _sms(q.device) * ctas_per_sm(stages, nw, bh, a, b)
+    ns = default_shape(T, H, width, slots, nw)[1]
     bb = b if b is not None else a
     flags = dict(SRC_A=a.src, SRC_B=bb.src, HAS_B=b is not None, HAS_LEN_A=a.lens is not None,
                  HAS_LEN_B=bb.lens is not None, HAS_SINK=sink is not None)
@@ -221,7 +233,7 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
         from .decode_heads import _sparse_mla_decode_heads_kernel
         nw, stages = 8, 2
         n_ht = cdiv(H, 64)
-        ns = num_splits or default_splits(T, n_ht, width, _sms(q.device))
+        ns = num_splits or over.get("splits") or default_splits(T, n_ht, width, _sms(q.device))
         args, po, pl, sink_arg, sink_st = kernel_args(q, a, b, sink, out, lse, ns)
         overlap = HEADS_VARIANTS.get(over.get("variant"), HEADS_OVERLAP)
         k = _sparse_mla_decode_heads_kernel[(T * ns * n_ht,)](
@@ -232,7 +244,7 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
     else:
         if nw == 8:
             bh = max(bh, 16)  # two warpgroups split the heads: at least 8 each
-        ns = num_splits or ns
+        ns = num_splits or over.get("splits") or ns
         f16 = bool(over.get("f16", False)) if f16 is None else f16
         f16 = f16 and f16_supported(a, b)
         n_ht = cdiv(H, bh)
@@ -247,4 +259,5 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
 
 __all__ = ["PICK", "ENV", "OVERRIDE", "usable", "pick", "launch", "default_shape",
            "default_splits", "HEADS_SHAPE", "HEADS_OVERLAP", "HEADS_VARIANTS", "f16_supported",
-           "heads_bucket", "tokens_bucket", "table_shape", "parse_shape", "TESTED_SHAPES"]
+           "heads_bucket", "tokens_bucket", "table_shape", "parse_shape", "TESTED_SHAPES",
+           "ctas_per_sm"]
