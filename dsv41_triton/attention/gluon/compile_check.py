@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 
-def _signature(idx_dtype: str = "i32", few_heads: bool = False):
+def _signature(idx_dtype: str = "i32"):
     sig = {}
     ptr16 = []
     names = [
@@ -27,8 +27,6 @@ def _signature(idx_dtype: str = "i32", few_heads: bool = False):
         ("po_ptr", "*fp32"), ("pl_ptr", "*fp32"),
         ("H", "i32"), ("qk_scale", "fp32"), ("num_splits", "i32"), ("num_ht", "i32"),
     ]
-    if few_heads:
-        names.append(("cnt_ptr", "*i32"))
     for i, (n, ty) in enumerate(names):
         sig[n] = ty
         if ty.startswith("*") or n in ("a_bstride", "b_bstride", "stride_qt", "stride_qh"):
@@ -38,12 +36,12 @@ def _signature(idx_dtype: str = "i32", few_heads: bool = False):
 
 def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool = False,
                    has_b: bool = True, ns: int = 3, arch: int = 90, nw: int = 4,
-                   overlap: bool = True, f16: bool = False, merge: bool = False):
+                   overlap: bool = True, f16: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    sig, ptr16 = _signature(few_heads=bh != 64)
+    sig, ptr16 = _signature()
     consts = dict(SRC_A=src_a, SRC_B=src_b, HAS_B=has_b, HAS_LEN_A=True, HAS_LEN_B=True,
                   HAS_SINK=True, SPLIT=split)
     if bh == 64:
@@ -53,7 +51,7 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
         consts.update(NS=ns, OVERLAP=overlap)
     else:
         from .decode import _sparse_mla_decode_gluon_kernel as kern
-        consts.update(BH=bh, NS=ns, NW=nw, F16=f16, MERGE=merge)
+        consts.update(BH=bh, NS=ns, NW=nw, F16=f16)
     for k, v in consts.items():
         sig[k] = "constexpr"
     attrs = {(i,): [["tt.divisibility", 16]] for i in ptr16}

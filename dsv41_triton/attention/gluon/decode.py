@@ -51,7 +51,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import _finish_rows, _merge_if_last
+from .common import _finish_rows
 
 
 #: keys per block (the wgmma M of the swap-AB products)
@@ -593,20 +593,17 @@ def _sparse_mla_decode_gluon_kernel(
     sink_ptr, sink_st,
     out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
     po_ptr, pl_ptr,
-    H, qk_scale, num_splits, num_ht, cnt_ptr,
+    H, qk_scale, num_splits, num_ht,
     SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
     HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, HAS_SINK: gl.constexpr,
     SPLIT: gl.constexpr, BH: gl.constexpr, NS: gl.constexpr, NW: gl.constexpr,
-    F16: gl.constexpr = False, MERGE: gl.constexpr = False,
+    F16: gl.constexpr = False,
 ):
     """Grid ``T * num_splits * num_ht`` (head tile fastest, then split, then token); ``NW``
     warps (4 or 8: with 8, two warpgroups split the copies and the dequant by keys and the
     heads of the tile in the products; ``BH >= 16``).
-    ``F16``: fp16 wgmma operands (module docstring, "fp16 operands"). ``MERGE`` (with
-    ``SPLIT``): the last split CTA of a (token, head tile) merges the partials itself
-    (``common._merge_if_last``; ``cnt_ptr``: int32 counters, zero between launches), so no merge
-    launch follows. Other arguments as the ``tl`` decode kernel's
-    (``_sparse_mla_fwd_grouped_kernel``)."""
+    ``F16``: fp16 wgmma operands (module docstring, "fp16 operands").
+    Arguments as the ``tl`` decode kernel's (``_sparse_mla_fwd_grouped_kernel``)."""
     ACC: gl.constexpr = _acc_layout(BH, NW)
     L16: gl.constexpr = _copy_layout(16, NW)
     LI: gl.constexpr = gl.SliceLayout(1, L16)
@@ -911,8 +908,3 @@ def _sparse_mla_decode_gluon_kernel(
     _store_out(orow, 320, o5, inv, hmask, ACC, TO_BF16)
     _store_out(orow, 384, o6, inv, hmask, ACC, TO_BF16)
     _store_out(orow, 448, o7, inv, hmask, ACC, TO_BF16)
-    if SPLIT:
-        if MERGE:
-            _merge_if_last(cnt_ptr, po_ptr, pl_ptr, t, ht, num_splits, num_ht, H, sink_ptr,
-                           sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
-                           stride_lh, BH, NW, HAS_SINK)

@@ -22,7 +22,7 @@ from . import AVAILABLE, REASON
 #: many-heads kernel of decode_heads.py (8 warps, heads on the wgmma M).
 HEADS_SHAPE = "8:64:2"
 TESTED_SHAPES = ("4:0:3", "4:16:2", "8:16:3", "8:16:2", "8:32:3", "4:0:3:h", "4:8:3:h",
-                 "4:0:1", "4:0:1:h", "4:0:1:m", "4:0:1:hm", HEADS_SHAPE)
+                 "4:0:1", "4:0:1:h", HEADS_SHAPE)
 #: the many-heads kernel's dequant order by default: True = block j + 1's keys are dequantized
 #: into registers while block j's O wgmma runs, False = after it (serial). A 4th shape field
 #: forces one (benchmark sweeps, tests): "8:64:2:1" serial, "8:64:2:2" overlapped. Serial: on
@@ -155,44 +155,21 @@ OVERRIDE = {}
 
 def parse_shape(text: str) -> dict:
     """``"8:16:3"`` -> ``{num_warps: 8, block_h: 16, stages: 3}`` (0 or empty = default);
-    a 4th field: the few-heads kernel's letters ``h`` (``f16: True``, fp16 wgmma operands) or
-    ``b`` (``f16: False``), optionally with ``m`` (``merge: True``: the last split CTA merges,
-    no merge launch), or the many-heads kernel's variant ``1`` / ``2`` (``HEADS_VARIANTS``)."""
+    a 4th field ``h`` adds ``f16: True`` (fp16 wgmma operands), ``b`` ``f16: False``; ``1`` / ``2``
+    is the many-heads kernel's variant (``HEADS_VARIANTS``)."""
     if not text:
         return {}
     parts = text.split(":")
     extra = parts[3] if len(parts) == 4 else None
-    letters = extra is not None and extra.isalpha() and set(extra) <= set("hbm") and not (
-        "h" in extra and "b" in extra) and len(set(extra)) == len(extra)
-    if len(parts) not in (3, 4) or (extra is not None and not letters
-                                    and extra not in map(str, HEADS_VARIANTS)):
-        raise ValueError(f"launch shape {text!r}: expected num_warps:block_h:stages"
-                         "[:h|:b|:m|:hm|:bm|:1|:2]")
+    if len(parts) not in (3, 4) or extra not in (None, "h", "b", *map(str, HEADS_VARIANTS)):
+        raise ValueError(f"launch shape {text!r}: expected num_warps:block_h:stages[:h|:b|:1|:2]")
     nw, bh, st = (int(x) for x in parts[:3])
     out = {k: v for k, v in (("num_warps", nw), ("block_h", bh), ("stages", st)) if v}
-    if letters:
-        if "h" in extra or "b" in extra:
-            out["f16"] = "h" in extra
-        if "m" in extra:
-            out["merge"] = True
+    if extra in ("h", "b"):
+        out["f16"] = extra == "h"
     elif extra is not None:
         out["variant"] = int(extra)
     return out
-
-
-_COUNTERS = {}
-
-
-def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """int32 counters for the in-kernel split merge (``MERGE``): at least ``n``, zero between
-    launches (the merging CTA resets its own); one buffer per device, grown when too small."""
-    key = (device.type, device.index if device.index is not None
-           else torch.cuda.current_device())
-    c = _COUNTERS.get(key)
-    if c is None or c.numel() < n:
-        c = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[key] = c
-    return c
 
 
 def default_shape(T: int, H: int, total_width: int, slots: int, num_warps: int = 4):
@@ -270,17 +247,12 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
         ns = num_splits or over.get("splits") or ns
         f16 = bool(over.get("f16", False)) if f16 is None else f16
         f16 = f16 and f16_supported(a, b)
-        merge = bool(over.get("merge", False)) and ns > 1
         n_ht = cdiv(H, bh)
         args, po, pl, sink_arg, sink_st = kernel_args(q, a, b, sink, out, lse, ns)
-        cnt = split_counters(q.device, T * n_ht if merge else 1)
         k = _sparse_mla_decode_gluon_kernel[(T * ns * n_ht,)](
-            *args, H, float(softmax_scale) * 1.4426950408889634, ns, n_ht, cnt, **flags,
-            SPLIT=ns > 1, BH=bh, NS=stages, NW=nw, F16=f16, MERGE=merge, num_warps=nw)
+            *args, H, float(softmax_scale) * 1.4426950408889634, ns, n_ht, **flags,
+            SPLIT=ns > 1, BH=bh, NS=stages, NW=nw, F16=f16, num_warps=nw)
         LAST_LAUNCH["fwd"] = (k, (bh, ns, nw, stages, "f16" if f16 else "bf16"))
-        LAST_LAUNCH["merge"] = merge
-        if merge:
-            return
     if ns > 1:
         merge_splits(po, pl, sink, sink_arg, sink_st, out, lse, ns, sw=False)
 
@@ -288,4 +260,4 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
 __all__ = ["PICK", "ENV", "OVERRIDE", "usable", "pick", "launch", "default_shape",
            "default_splits", "HEADS_SHAPE", "HEADS_OVERLAP", "HEADS_VARIANTS", "f16_supported",
            "heads_bucket", "tokens_bucket", "table_shape", "parse_shape", "TESTED_SHAPES",
-           "ctas_per_sm", "split_counters"]
+           "ctas_per_sm"]
