@@ -1,5 +1,7 @@
-"""The many-heads Gluon decode kernel (``attention/gluon/decode_heads.py``, launch shape
-``8:64:2``: 64-head tiles on the wgmma M, two warpgroups) against the float64 reference.
+"""The many-heads Gluon decode kernels (``attention/gluon/decode_heads.py``, launch shape
+``8:64:2``: 64-head tiles on the wgmma M, two warpgroups; its warp-specialized variant
+``decode_heads_ws.py``, ``8:64:2:3``) against the float64 reference; every GPU contract test
+runs both (the ``heads_kernel`` fixture).
 
 CPU: compile-only for an sm_90 target where the installed Triton has the Gluon API (skipped
 otherwise). GPU-marked: heads 16..128 (one padded tile, two tiles, 65 = one head in the second
@@ -24,43 +26,66 @@ from test_decode_gluon import (LSE_TOL, OUT_TOL, PAIRS, _case, _check, _need_glu
                                _v41)
 
 SHAPE = "8:64:2"
+#: the warp-specialized kernel (decode_heads_ws.py)
+WS_SHAPE = "8:64:2:3"
+#: the kernels every GPU contract test runs: the default order (serial) and the ws kernel
+KERNELS = {"serial": SHAPE, "ws": WS_SHAPE}
+
+
+def _launch_module():
+    from dsv41_triton.attention.gluon import launch as gl_launch
+    assert gl_launch.HEADS_SHAPE == SHAPE and gl_launch.HEADS_WS_SHAPE == WS_SHAPE
+    return gl_launch
+
+
+@pytest.fixture(params=list(KERNELS))
+def heads_kernel(request, monkeypatch):
+    """Route ``_kernel='gluon'`` to the many-heads kernel: the default variant and the
+    warp-specialized one."""
+    monkeypatch.setenv("DSV41_GLUON_SHAPE", KERNELS[request.param])
+    yield _launch_module()
 
 
 @pytest.fixture
-def heads_kernel(monkeypatch):
-    """Route ``_kernel='gluon'`` to the many-heads kernel."""
-    from dsv41_triton.attention.gluon import launch as gl_launch
-    assert gl_launch.HEADS_SHAPE == SHAPE
+def heads_launch(monkeypatch):
+    """The many-heads launch shape (the variant set by the test)."""
     monkeypatch.setenv("DSV41_GLUON_SHAPE", SHAPE)
-    yield gl_launch
+    yield _launch_module()
 
 
 def _ran_heads(gl_launch, overlap=None):
+    """The last launch ran the many-heads kernel in the variant the shape in the environment
+    asks for (``overlap``: False / True / "ws", else from ``DSV41_GLUON_SHAPE``)."""
     k, shape = gl_launch.LAST_LAUNCH["fwd"]
     assert shape[0] == 64 and shape[2] == 8, shape
-    want = gl_launch.HEADS_OVERLAP if overlap is None else overlap
-    assert gl_launch.LAST_LAUNCH["heads_overlap"] is want
+    if overlap is None:
+        v = gl_launch.parse_shape(os.environ["DSV41_GLUON_SHAPE"]).get("variant")
+        overlap = gl_launch.HEADS_VARIANTS.get(v, gl_launch.HEADS_OVERLAP)
+    assert gl_launch.LAST_LAUNCH["heads_overlap"] == overlap
+    assert type(gl_launch.LAST_LAUNCH["heads_overlap"]) is type(overlap)
     return shape
 
 
 # --------------------------------------------------------------------------------------------
 # CPU: compile-only
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("variant", ["1", "0", "ws"])
 @pytest.mark.parametrize("src_a,src_b,split", [(584, 584, False), (528, 288, True),
                                                (528, 584, False)])
-def test_gluon_heads_compiles_for_sm90(src_a, src_b, split, overlap):
-    """Compiles for sm_90 (subprocess without the interpreter), both dequant orders: wgmma (32
-    for S, 4 for O), cp.async, shared memory within the 227 KB of one CTA, registers within
-    255 for 256 threads, no large spills, and few CTA barriers (the key tile in one store:
-    4 per block serial, 5 overlapped, 8 / 10 in the whole kernel; main had 12 per block and
-    23 / 30 with one store per 64-dim group)."""
+def test_gluon_heads_compiles_for_sm90(src_a, src_b, split, variant):
+    """Compiles for sm_90 (subprocess without the interpreter), both dequant orders and the
+    warp-specialized kernel: wgmma (32 for S, 4 for O), cp.async, shared memory within the
+    227 KB of one CTA, registers within 255 for 256 threads, no large spills, and few CTA
+    barriers (the key tile in one store: 4 per block serial, 5 overlapped, 8 / 10 in the whole
+    kernel; main had 12 per block and 23 / 30 with one store per 64-dim group). ws: the
+    partitions' register budgets (setmaxnreg: 224 for the 8 MMA warps, 48 for the producer),
+    the gathers (cp.async + its mbarrier arrive) only in the producer's loop, 5 barriers per
+    block in the consumers' loop (membar's around the mbarrier ops), 2 in the producer's."""
     if not gluon_pkg.AVAILABLE:
         pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-m", "dsv41_triton.attention.gluon.compile_check",
-                        str(src_a), str(src_b), "64", str(int(split)), "8", "2",
-                        str(int(overlap))],
+                        str(src_a), str(src_b), "64", str(int(split)), "8", "2", variant],
                        env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     facts = json.loads(r.stdout.strip().splitlines()[-1])
@@ -68,7 +93,14 @@ def test_gluon_heads_compiles_for_sm90(src_a, src_b, split, overlap):
     assert facts["wgmma_ptx"] == 36, facts
     assert 0 < facts["shared"] <= 227 * 1024, facts
     assert 0 < facts["regs"] <= 255 and 0 <= facts["stack"] <= 128, facts
-    assert facts["bar_sync"] <= (10 if overlap else 8), facts
+    if variant == "ws":
+        assert {"dec 224", "inc 48"} <= set(facts["setmaxnreg"]), facts
+        cons, prod = facts["consumer"], facts["producer"]
+        assert cons["bar_sync"] == 5 and prod["bar_sync"] == 2, facts
+        assert cons["spill_ld_st"] <= 4 and prod["spill_ld_st"] == 0, facts
+        assert 0 < prod["loop"] < cons["loop"], facts
+    else:
+        assert facts["bar_sync"] <= (10 if variant == "1" else 8), facts
 
 
 def test_gluon_heads_shape_in_pick_vocabulary():
@@ -77,8 +109,9 @@ def test_gluon_heads_shape_in_pick_vocabulary():
     assert SHAPE in gl_launch.TESTED_SHAPES
     assert gl_launch.parse_shape(SHAPE) == {"num_warps": 8, "block_h": 64, "stages": 2}
     assert gl_launch.parse_shape(SHAPE + ":1")["variant"] == 1
-    assert gl_launch.HEADS_VARIANTS == {1: False, 2: True}
-    for bad in (SHAPE + ":3", "8:64", "8:64:2:1:1"):
+    assert gl_launch.parse_shape(WS_SHAPE)["variant"] == 3 and WS_SHAPE in gl_launch.TESTED_SHAPES
+    assert gl_launch.HEADS_VARIANTS == {1: False, 2: True, 3: "ws"}
+    for bad in (SHAPE + ":4", "8:64", "8:64:2:1:1"):
         with pytest.raises(ValueError, match="launch shape"):
             gl_launch.parse_shape(bad)
     assert gl_launch.default_splits(128, 1, 640, 132) == 1
@@ -125,16 +158,16 @@ def test_gluon_heads_v41_shapes_gpu(device, heads_kernel, T, H, swa_rec, extra_r
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant,overlap", [("1", False), ("2", True)])
+@pytest.mark.parametrize("variant,overlap", [("1", False), ("2", True), ("3", "ws")])
 @pytest.mark.parametrize("T,H", [(1, 64), (128, 128)])
 @pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, 288), (584, 288)])
-def test_gluon_heads_variants_gpu(device, heads_kernel, monkeypatch, variant, overlap, T, H,
+def test_gluon_heads_variants_gpu(device, heads_launch, monkeypatch, variant, overlap, T, H,
                                   swa_rec, extra_rec):
-    """Both dequant orders forced by the launch shape's 4th field (serial / overlapped)."""
+    """Every variant forced by the launch shape's 4th field (serial / overlapped / ws)."""
     _need_gluon_gpu()
     monkeypatch.setenv("DSV41_GLUON_SHAPE", f"{SHAPE}:{variant}")
     _check(_v41(device, T, H, swa_rec, extra_rec))
-    _ran_heads(heads_kernel, overlap)
+    _ran_heads(heads_launch, overlap)
 
 
 @pytest.mark.gpu

@@ -36,7 +36,7 @@ def _signature(idx_dtype: str = "i32"):
 
 def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool = False,
                    has_b: bool = True, ns: int = 3, arch: int = 90, nw: int = 4,
-                   overlap: bool = True, f16: bool = False):
+                   overlap: bool = True, f16: bool = False, ws: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -44,7 +44,12 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
     sig, ptr16 = _signature()
     consts = dict(SRC_A=src_a, SRC_B=src_b, HAS_B=has_b, HAS_LEN_A=True, HAS_LEN_B=True,
                   HAS_SINK=True, SPLIT=split)
-    if bh == 64:
+    if bh == 64 and ws:
+        from .decode_heads import NW
+        from .decode_heads_ws import _sparse_mla_decode_heads_ws_kernel as kern
+        nw = NW.value
+        consts.update(NS=ns)
+    elif bh == 64:
         from .decode_heads import NW
         nw = NW.value
         from .decode_heads import _sparse_mla_decode_heads_kernel as kern
@@ -88,11 +93,14 @@ def _regs_stack(k) -> tuple:
     return int(regs[0]) if regs else -1, int(stack[0]) if stack else -1
 
 
-def loop_sass(k) -> dict:
+def loop_sass(k, contains: str = "") -> dict:
     """SASS of the kernel's main loop (``cuobjdump -sass``): ``loop`` = instructions from the
-    target of the longest backward branch to that branch, ``branches`` = (then, else)
-    instruction counts of the if/else diamonds inside it, largest first (a block runs one side
-    of each: per-block count = ``loop`` minus the side not taken), ``ops`` = opcode counts."""
+    target of the longest backward branch to that branch (``contains``: of the shortest one
+    whose body holds that opcode, e.g. ``HGMMA`` / ``LDGSTS`` for the consumer / producer loop
+    of a warp-specialized kernel), ``branches`` = (then, else) instruction counts of the if/else
+    diamonds inside it, largest first (a block runs one side of each: per-block count = ``loop``
+    minus the side not taken), ``bar_sync`` = CTA / named barriers in it, ``ops`` = opcode
+    counts."""
     import collections
     import re
 
@@ -102,8 +110,11 @@ def loop_sass(k) -> dict:
     at = {a: i for i, (a, _) in enumerate(rows)}
     back = [(a - int(m.group(1), 16), int(m.group(1), 16), a) for a, ins in rows
             for m in [re.search(r"BRA (0x[0-9a-f]+)", ins)] if m and int(m.group(1), 16) < a]
+    if contains:
+        back = [(-n, lo, hi) for n, lo, hi in back
+                if any(contains in ins for a, ins in rows if lo <= a <= hi)]
     if not back:
-        return {"loop": 0, "branches": [], "spill_ld_st": 0, "ops": {}}
+        return {"loop": 0, "branches": [], "spill_ld_st": 0, "bar_sync": 0, "ops": {}}
     _, lo, hi = max(back)
     body = [(a, ins) for a, ins in rows if lo <= a <= hi]
     branches = []
@@ -118,23 +129,39 @@ def loop_sass(k) -> dict:
                               for _, ins in body)
     return {"loop": len(body), "branches": sorted(branches, key=lambda b: -max(b)),
             "spill_ld_st": ops.get("LDL", 0) + ops.get("STL", 0),
+            "bar_sync": sum("BAR.SYNC" in ins for _, ins in body),
             "ops": dict(ops.most_common(12))}
 
 
+def _setmaxnreg(ptx: str) -> list:
+    """The distinct ``setmaxnreg`` requests of a PTX text as ``"inc 224"`` / ``"dec 48"``."""
+    import re
+    return sorted(set(" ".join(m) for m in
+                      re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+)", ptx)))
+
+
 def summary(src_a: int, src_b: int, bh: int, split: bool, nw: int = 4, ns: int = 3,
-            overlap: bool = True, f16: bool = False) -> dict:
+            overlap: bool = True, f16: bool = False, ws: bool = False) -> dict:
     """Facts of one compile: wgmma / cp.async present in the PTX, shared memory, registers,
     stack bytes (spills) and CTA barriers in the SASS (``overlap``: the many-heads kernel's
-    variant); ``f16_mma`` / ``e4m3_cvt``: fp16 wgmma and the e4m3 -> f16x2 ``cvt`` in the PTX."""
-    k = compile_decode(src_a, src_b, bh, split, nw=nw, ns=ns, overlap=overlap, f16=f16)
+    variant; ``ws``: its warp-specialized kernel, with the ``setmaxnreg`` requests and the
+    consumer / producer loops' SASS, ``loop_sass``); ``f16_mma`` / ``e4m3_cvt``: fp16 wgmma and
+    the e4m3 -> f16x2 ``cvt`` in the PTX."""
+    k = compile_decode(src_a, src_b, bh, split, nw=nw, ns=ns, overlap=overlap, f16=f16, ws=ws)
     ptx = k.asm["ptx"]
     regs, stack = _regs_stack(k)
     sass = resource_usage(k, "-sass")
-    return {"wgmma": "wgmma.mma_async" in ptx, "cp_async": "cp.async" in ptx,
-            "shared": int(k.metadata.shared), "regs": regs,
-            "stack": stack, "bar_sync": sass.count("BAR.SYNC"),
-            "wgmma_ptx": ptx.count("wgmma.mma_async"),
-            "f16_mma": ".f32.f16.f16" in ptx, "e4m3_cvt": "cvt.rn.f16x2.e4m3x2" in ptx}
+    out = {"wgmma": "wgmma.mma_async" in ptx, "cp_async": "cp.async" in ptx,
+           "shared": int(k.metadata.shared), "regs": regs,
+           "stack": stack, "bar_sync": sass.count("BAR.SYNC"),
+           "wgmma_ptx": ptx.count("wgmma.mma_async"),
+           "f16_mma": ".f32.f16.f16" in ptx, "e4m3_cvt": "cvt.rn.f16x2.e4m3x2" in ptx}
+    if ws:
+        out["setmaxnreg"] = _setmaxnreg(ptx)
+        for name, op in (("consumer", "HGMMA"), ("producer", "LDGSTS")):
+            lp = loop_sass(k, op)
+            out[name] = {key: lp[key] for key in ("loop", "branches", "spill_ld_st", "bar_sync")}
+    return out
 
 
 _PREFILL_ARGS = (
@@ -191,9 +218,9 @@ def summary_prefill(lazy: bool = True, ws: bool = False) -> dict:
 
 if __name__ == "__main__":
     # python -m dsv41_triton.attention.gluon.compile_check SRC_A SRC_B BH SPLIT NW [X [Y]] -> JSON
-    # line. BH 64 (the many-heads kernel): X = NS, Y = OVERLAP 0/1; other BH (the few-heads
-    # kernel): X = F16 0/1, then optionally NS and "sass" for the main loop's instruction
-    # counts. Run with
+    # line. BH 64 (the many-heads kernel): X = NS, Y = OVERLAP 0/1 or ws; other BH (the
+    # few-heads kernel): X = F16 0/1, then optionally NS and "sass" for the main loop's
+    # instruction counts. Run with
     # TRITON_INTERPRET unset: the interpreter replaces the functions Gluon calls.
     import json
     if len(sys.argv) in (3, 4) and sys.argv[1] == "prefill":
@@ -201,11 +228,19 @@ if __name__ == "__main__":
         ws = len(sys.argv) == 4 and bool(int(sys.argv[3]))
         print(json.dumps(summary_prefill(bool(int(sys.argv[2])), ws=ws)))
         sys.exit(0)
-    if len(sys.argv) in (6, 7, 8) and int(sys.argv[3]) == 64:
+    if len(sys.argv) in (6, 7, 8, 9) and int(sys.argv[3]) == 64:
+        # ... 64 SPLIT 8 NS Y [sass]: Y = OVERLAP 0/1 or "ws" (the warp-specialized kernel);
+        # "sass": the main loop's instruction counts (``loop_sass``) instead of the summary
         a, b, bh, sp, nw = (int(x) for x in sys.argv[1:6])
         ns = int(sys.argv[6]) if len(sys.argv) >= 7 else 2
-        ov = bool(int(sys.argv[7])) if len(sys.argv) == 8 else True
-        print(json.dumps(summary(a, b, bh, bool(sp), nw, ns, ov)))
+        y = sys.argv[7] if len(sys.argv) >= 8 else "1"
+        ws = y == "ws"
+        ov = (not ws) and bool(int(y))
+        if len(sys.argv) == 9 and sys.argv[8] == "sass":
+            k = compile_decode(a, b, bh, bool(sp), ns=ns, overlap=ov, ws=ws)
+            print(json.dumps(loop_sass(k, "HGMMA" if ws else "")))
+        else:
+            print(json.dumps(summary(a, b, bh, bool(sp), nw, ns, ov, ws=ws)))
         sys.exit(0)
     if len(sys.argv) in (6, 7, 8, 9):
         # ... F16 [NS] [sass]: ring stages (default 3); "sass": the main loop's counts

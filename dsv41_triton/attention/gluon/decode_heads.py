@@ -96,48 +96,17 @@ def _thread_sums(p):
 
 
 @gluon.jit
-def _sparse_mla_decode_heads_kernel(
-    q_ptr, stride_qt, stride_qh,
-    a_ptr, a_idx_ptr, a_idx_st, a_len_ptr, a_len_st, a_width, a_bstride, a_page, a_rows,
-    b_ptr, b_idx_ptr, b_idx_st, b_len_ptr, b_len_st, b_width, b_bstride, b_page, b_rows,
-    sink_ptr, sink_st,
-    out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
-    po_ptr, pl_ptr,
-    H, qk_scale, num_splits, num_ht,
-    SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
-    HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, HAS_SINK: gl.constexpr,
-    SPLIT: gl.constexpr, NS: gl.constexpr, OVERLAP: gl.constexpr = True,
-):
-    """Grid ``T * num_splits * num_ht`` (head tile of 64 fastest, then split, then token), 8
-    warps. Arguments as the ``tl`` decode kernel's (``_sparse_mla_fwd_grouped_kernel``)."""
-    SACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                   instr_shape=[16, 32, 16])
-    OACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                   instr_shape=[16, 256, 16])
-    L16: gl.constexpr = _copy_layout(16, NW)
-    LI: gl.constexpr = gl.SliceLayout(1, L16)
-    LB: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NW, 1], [1, 0])
+def _alloc_rings(SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
+                 NS: gl.constexpr):
+    """The raw-record ring of ``NS`` stages: ``[NS, 64 keys, 64]`` byte tiles ``r0..r7`` (as many
+    as the record pair needs: 584 7, 528 8, 288 4; the others alias ``r0``), the scale rows, the
+    bf16 RoPE tiles (584 only, else an alias of the scales) and the slot ids ``[NS, 64]``."""
     PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     PLAIN1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    # [64 heads, 2 warpgroups]: the S accumulator's row distribution with both warpgroups'
-    # entries in each thread's registers (SliceLayout(1, MX2) == SliceLayout(1, SACC))
-    MX2: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[8, 0], [0, 1]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0], [0, 0]], block_bases=[], shape=[64, 2])
     KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
-    WL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16)
-    # raw byte tiles per stage the record pair needs (584: 7, 528: 8, 288: 4) and the RoPE ring
     USE_584: gl.constexpr = SRC_A == 584 or (HAS_B and SRC_B == 584)
     USE_528: gl.constexpr = SRC_A == 528 or (HAS_B and SRC_B == 528)
     NRAW: gl.constexpr = 8 if USE_528 else (7 if USE_584 else 4)
-
-    pid = gl.program_id(0)
-    ht = pid % num_ht
-    rest = pid // num_ht
-    split = rest % num_splits
-    t = (rest // num_splits).to(gl.int64)
-
-    # ---- shared memory ----------------------------------------------------------------
     r0 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
     r1 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
     r2 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
@@ -160,6 +129,109 @@ def _sparse_mla_decode_heads_kernel(
     else:
         rope_ring = scale_ring  # never written: only 584 records copy a RoPE tail
     idx_ring = gl.allocate_shared_memory(gl.int32, [NS, 64], PLAIN1)
+    return r0, r1, r2, r3, r4, r5, r6, r7, scale_ring, rope_ring, idx_ring
+
+
+@gluon.jit
+def _qk_softmax(q_smem, k_smem, p_smem, mx_smem, kidx, m_i, l_part, zero_s, qk_scale):
+    """One block's ``S = Q K^T`` (the key tile stored and fenced, all warps past a barrier),
+    online exp2 softmax, P (bf16) stored to ``p_smem`` and fenced behind a barrier. ``kidx``:
+    the block's ids (``-1`` = no key) along S's columns. Returns (alpha, m_i, l_part)."""
+    SACC: gl.constexpr = zero_s.type.layout
+    # [64 heads, 2 warpgroups]: the S accumulator's row distribution with both warpgroups'
+    # entries in each thread's registers (SliceLayout(1, MX2) == SliceLayout(1, SACC))
+    MX2: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[8, 0], [0, 1]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0], [0, 0]], block_bases=[], shape=[64, 2])
+    LROW: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, l_part.type.layout))
+    # S = Q K^T [64 heads, 64 keys]
+    acc = warpgroup_mma(q_smem, k_smem.permute((1, 0)), zero_s, use_acc=False,
+                        is_async=True)
+    sc = warpgroup_mma_wait(0, deps=[acc])
+
+    sc = gl.where((kidx >= 0)[None, :], sc * qk_scale, float("-inf"))
+    # row max: each warpgroup's over its 32 keys (in-warp), exchanged through shared memory
+    mx_smem.store(gl.max(gl.reshape(sc, [BH, 2, 32]), axis=2))
+    gl.thread_barrier()
+    m_blk = gl.convert_layout(gl.max(mx_smem.load(MX2), axis=1), gl.SliceLayout(1, SACC))
+    m_new = gl.maximum(m_i, m_blk)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(sc - m_safe[:, None])
+    l_part = l_part * gl.convert_layout(alpha, LROW)[:, None, None] + _thread_sums(p)
+    m_i = m_new
+    p_smem.store(p.to(gl.bfloat16))
+    fence_async_shared()
+    gl.thread_barrier()
+    return alpha, m_i, l_part
+
+
+@gluon.jit
+def _heads_epilogue(o, l_part, m_i, t, split, ht, H, num_splits, sink_ptr, sink_st, out_ptr,
+                    stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, po_ptr, pl_ptr,
+                    HAS_SINK: gl.constexpr, SPLIT: gl.constexpr):
+    """Rows of one 64-head tile from ``o [64, 512]`` (O accumulator layout), the per-thread
+    row sums ``l_part`` and the row maxima ``m_i``: normalized fp32 partials + log2-sum-exp
+    (``SPLIT``) or bf16 out + lse with the sink (``_finish_rows``)."""
+    OACC: gl.constexpr = o.type.layout
+    l_i = gl.convert_layout(gl.sum(gl.sum(l_part, axis=2), axis=1), gl.SliceLayout(1, OACC))
+    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, OACC))
+    h = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, OACC))
+    hmask = h < H
+    h64 = h.to(gl.int64)
+    d = gl.arange(0, 512, layout=gl.SliceLayout(0, OACC))
+    has = l_i != 0.0  # no key <=> l == 0 exactly; a NaN l propagates (docs/semantics.md)
+    l_safe = gl.where(has, l_i, 1.0)
+    if SPLIT:
+        inv = gl.where(has, 1.0 / l_safe, 0.0)
+        prow = (t * num_splits + split) * H + h64
+        lse2 = gl.where(has, m_o + gl.log2(l_safe), float("-inf"))
+        gl.store(pl_ptr + prow, lse2, mask=hmask)
+        gl.store(po_ptr + (prow * 512)[:, None] + d[None, :], o * inv[:, None],
+                 mask=hmask[:, None])
+    else:
+        inv, lse = _finish_rows(l_i, m_o, h64, hmask, sink_ptr, sink_st, HAS_SINK)
+        gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
+        orow = out_ptr + t * stride_ot + h64 * stride_oh
+        gl.store(orow[:, None] + d[None, :], (o * inv[:, None]).to(gl.bfloat16),
+                 mask=hmask[:, None])
+
+
+@gluon.jit
+def _sparse_mla_decode_heads_kernel(
+    q_ptr, stride_qt, stride_qh,
+    a_ptr, a_idx_ptr, a_idx_st, a_len_ptr, a_len_st, a_width, a_bstride, a_page, a_rows,
+    b_ptr, b_idx_ptr, b_idx_st, b_len_ptr, b_len_st, b_width, b_bstride, b_page, b_rows,
+    sink_ptr, sink_st,
+    out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
+    po_ptr, pl_ptr,
+    H, qk_scale, num_splits, num_ht,
+    SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
+    HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, HAS_SINK: gl.constexpr,
+    SPLIT: gl.constexpr, NS: gl.constexpr, OVERLAP: gl.constexpr = True,
+):
+    """Grid ``T * num_splits * num_ht`` (head tile of 64 fastest, then split, then token), 8
+    warps. Arguments as the ``tl`` decode kernel's (``_sparse_mla_fwd_grouped_kernel``)."""
+    SACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                   instr_shape=[16, 32, 16])
+    OACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                   instr_shape=[16, 256, 16])
+    L16: gl.constexpr = _copy_layout(16, NW)
+    LI: gl.constexpr = gl.SliceLayout(1, L16)
+    LB: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NW, 1], [1, 0])
+    PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    WL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16)
+
+    pid = gl.program_id(0)
+    ht = pid % num_ht
+    rest = pid // num_ht
+    split = rest % num_splits
+    t = (rest // num_splits).to(gl.int64)
+
+    # ---- shared memory ----------------------------------------------------------------
+    r0, r1, r2, r3, r4, r5, r6, r7, scale_ring, rope_ring, idx_ring = _alloc_rings(
+        SRC_A, SRC_B, HAS_B, NS)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 512], WL)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 512], WL)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], KL)
@@ -191,7 +263,6 @@ def _sparse_mla_decode_heads_kernel(
     m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, SACC))
     zero_s = gl.full([BH, 64], 0.0, gl.float32, layout=SACC)
     l_part = _thread_sums(zero_s)  # per-thread partial sums of p, reduced once after the loop
-    LROW: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, l_part.type.layout))
     o = gl.full([BH, 512], 0.0, gl.float32, layout=OACC)
 
     if OVERLAP:
@@ -220,25 +291,8 @@ def _sparse_mla_decode_heads_kernel(
         fence_async_shared()
         gl.thread_barrier()
 
-        # S = Q K^T [64 heads, 64 keys]
-        acc = warpgroup_mma(q_smem, k_smem.permute((1, 0)), zero_s, use_acc=False,
-                            is_async=True)
-        sc = warpgroup_mma_wait(0, deps=[acc])
-
-        sc = gl.where((kidx >= 0)[None, :], sc * qk_scale, float("-inf"))
-        # row max: each warpgroup's over its 32 keys (in-warp), exchanged through shared memory
-        mx_smem.store(gl.max(gl.reshape(sc, [BH, 2, 32]), axis=2))
-        gl.thread_barrier()
-        m_blk = gl.convert_layout(gl.max(mx_smem.load(MX2), axis=1), gl.SliceLayout(1, SACC))
-        m_new = gl.maximum(m_i, m_blk)
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(sc - m_safe[:, None])
-        l_part = l_part * gl.convert_layout(alpha, LROW)[:, None, None] + _thread_sums(p)
-        m_i = m_new
-        p_smem.store(p.to(gl.bfloat16))
-        fence_async_shared()
-        gl.thread_barrier()
+        alpha, m_i, l_part = _qk_softmax(q_smem, k_smem, p_smem, mx_smem, kidx, m_i, l_part,
+                                         zero_s, qk_scale)
 
         # O = O * alpha + P K  [64 heads, 512]
         alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, OACC))
@@ -257,26 +311,6 @@ def _sparse_mla_decode_heads_kernel(
                                    scale_ring, SRC_A, SRC_B, HAS_B, NS)
         o = warpgroup_mma_wait(0, deps=[o])
     cp.wait_group(0)
-    l_i = gl.convert_layout(gl.sum(gl.sum(l_part, axis=2), axis=1), gl.SliceLayout(1, OACC))
-    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, OACC))
-
-    # ---- epilogue -----------------------------------------------------------------------
-    h = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, OACC))
-    hmask = h < H
-    h64 = h.to(gl.int64)
-    d = gl.arange(0, 512, layout=gl.SliceLayout(0, OACC))
-    has = l_i != 0.0  # no key <=> l == 0 exactly; a NaN l propagates (docs/semantics.md)
-    l_safe = gl.where(has, l_i, 1.0)
-    if SPLIT:
-        inv = gl.where(has, 1.0 / l_safe, 0.0)
-        prow = (t * num_splits + split) * H + h64
-        lse2 = gl.where(has, m_o + gl.log2(l_safe), float("-inf"))
-        gl.store(pl_ptr + prow, lse2, mask=hmask)
-        gl.store(po_ptr + (prow * 512)[:, None] + d[None, :], o * inv[:, None],
-                 mask=hmask[:, None])
-    else:
-        inv, lse = _finish_rows(l_i, m_o, h64, hmask, sink_ptr, sink_st, HAS_SINK)
-        gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
-        orow = out_ptr + t * stride_ot + h64 * stride_oh
-        gl.store(orow[:, None] + d[None, :], (o * inv[:, None]).to(gl.bfloat16),
-                 mask=hmask[:, None])
+    _heads_epilogue(o, l_part, m_i, t, split, ht, H, num_splits, sink_ptr, sink_st, out_ptr,
+                    stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, po_ptr, pl_ptr,
+                    HAS_SINK, SPLIT)

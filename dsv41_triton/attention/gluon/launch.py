@@ -21,15 +21,20 @@ from . import AVAILABLE, REASON
 #: test_decode_gluon_heads.py); PICK uses only these. ``block_h`` 64 (``HEADS_SHAPE``) is the
 #: many-heads kernel of decode_heads.py (8 warps, heads on the wgmma M).
 HEADS_SHAPE = "8:64:2"
+#: the warp-specialized many-heads kernel (decode_heads_ws.py: a cp.async producer partition
+#: beside the 8 MMA warps), selectable only by the launch shape for now
+HEADS_WS_SHAPE = "8:64:2:3"
 TESTED_SHAPES = ("4:0:3", "4:16:2", "8:16:3", "8:16:2", "8:32:3", "4:0:3:h", "4:8:3:h",
-                 "4:0:1", "4:0:1:h", HEADS_SHAPE)
+                 "4:0:1", "4:0:1:h", HEADS_SHAPE, HEADS_WS_SHAPE)
 #: the many-heads kernel's dequant order by default: True = block j + 1's keys are dequantized
 #: into registers while block j's O wgmma runs, False = after it (serial). A 4th shape field
-#: forces one (benchmark sweeps, tests): "8:64:2:1" serial, "8:64:2:2" overlapped. Serial: on
-#: the H200 (one run, T = 128) 55.9 / 103.6 / 56.6 us against 59.2 / 107.1 / 58.9 overlapped for
-#: 64 h 584+584, 128 h 584+584, 64 h 528+288 (the overlapped order spills).
+#: forces one (benchmark sweeps, tests): "8:64:2:1" serial, "8:64:2:2" overlapped, "8:64:2:3"
+#: the warp-specialized kernel (``HEADS_WS_SHAPE``: its own producer warps gather, the 8 MMA
+#: warps dequantize in the serial order; two ring stages only: three need ~264 KB of shared
+#: memory). Serial: on the H200 (one run, T = 128) 55.9 / 103.6 / 56.6 us against 59.2 / 107.1
+#: / 58.9 overlapped for 64 h 584+584, 128 h 584+584, 64 h 528+288 (the overlapped order spills).
 HEADS_OVERLAP = False
-HEADS_VARIANTS = {1: False, 2: True}
+HEADS_VARIANTS = {1: False, 2: True, 3: "ws"}
 
 #: the pick table: (major, minor) -> {(heads bucket, swa record, extra record or 0, tokens
 #: bucket): launch shape "num_warps:block_h:stages[:h|:b|:1|:2]" (0 = default; ":h" = fp16 wgmma
@@ -156,13 +161,14 @@ OVERRIDE = {}
 def parse_shape(text: str) -> dict:
     """``"8:16:3"`` -> ``{num_warps: 8, block_h: 16, stages: 3}`` (0 or empty = default);
     a 4th field ``h`` adds ``f16: True`` (fp16 wgmma operands), ``b`` ``f16: False``; ``1`` / ``2``
-    is the many-heads kernel's variant (``HEADS_VARIANTS``)."""
+    / ``3`` is the many-heads kernel's variant (``HEADS_VARIANTS``)."""
     if not text:
         return {}
     parts = text.split(":")
     extra = parts[3] if len(parts) == 4 else None
     if len(parts) not in (3, 4) or extra not in (None, "h", "b", *map(str, HEADS_VARIANTS)):
-        raise ValueError(f"launch shape {text!r}: expected num_warps:block_h:stages[:h|:b|:1|:2]")
+        raise ValueError(f"launch shape {text!r}: expected num_warps:block_h:stages"
+                         "[:h|:b|:1|:2|:3]")
     nw, bh, st = (int(x) for x in parts[:3])
     out = {k: v for k, v in (("num_warps", nw), ("block_h", bh), ("stages", st)) if v}
     if extra in ("h", "b"):
@@ -229,16 +235,24 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
     flags = dict(SRC_A=a.src, SRC_B=bb.src, HAS_B=b is not None, HAS_LEN_A=a.lens is not None,
                  HAS_LEN_B=bb.lens is not None, HAS_SINK=sink is not None)
     if bh == 64:
-        # the many-heads kernel: 64-head tiles, two warpgroups, two ring stages (shared memory)
-        from .decode_heads import _sparse_mla_decode_heads_kernel
+        # the many-heads kernel: 64-head tiles, two warpgroups (the warp-specialized variant: a
+        # producer partition besides), two ring stages (shared memory)
         nw, stages = 8, 2
         n_ht = cdiv(H, 64)
         ns = num_splits or over.get("splits") or default_splits(T, n_ht, width, _sms(q.device))
         args, po, pl, sink_arg, sink_st = kernel_args(q, a, b, sink, out, lse, ns)
         overlap = HEADS_VARIANTS.get(over.get("variant"), HEADS_OVERLAP)
-        k = _sparse_mla_decode_heads_kernel[(T * ns * n_ht,)](
-            *args, H, float(softmax_scale) * 1.4426950408889634, ns, n_ht, **flags,
-            SPLIT=ns > 1, NS=stages, OVERLAP=overlap, num_warps=nw)
+        grid = (T * ns * n_ht,)
+        qk_scale = float(softmax_scale) * 1.4426950408889634
+        if overlap == "ws":
+            from .decode_heads_ws import _sparse_mla_decode_heads_ws_kernel
+            k = _sparse_mla_decode_heads_ws_kernel[grid](
+                *args, H, qk_scale, ns, n_ht, **flags, SPLIT=ns > 1, NS=stages, num_warps=nw)
+        else:
+            from .decode_heads import _sparse_mla_decode_heads_kernel
+            k = _sparse_mla_decode_heads_kernel[grid](
+                *args, H, qk_scale, ns, n_ht, **flags, SPLIT=ns > 1, NS=stages, OVERLAP=overlap,
+                num_warps=nw)
         LAST_LAUNCH["heads_overlap"] = overlap
         LAST_LAUNCH["fwd"] = (k, (bh, ns, nw, stages))
     else:
@@ -258,6 +272,6 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
 
 
 __all__ = ["PICK", "ENV", "OVERRIDE", "usable", "pick", "launch", "default_shape",
-           "default_splits", "HEADS_SHAPE", "HEADS_OVERLAP", "HEADS_VARIANTS", "f16_supported",
-           "heads_bucket", "tokens_bucket", "table_shape", "parse_shape", "TESTED_SHAPES",
-           "ctas_per_sm"]
+           "default_splits", "HEADS_SHAPE", "HEADS_WS_SHAPE", "HEADS_OVERLAP", "HEADS_VARIANTS",
+           "f16_supported", "heads_bucket", "tokens_bucket", "table_shape", "parse_shape",
+           "TESTED_SHAPES", "ctas_per_sm"]

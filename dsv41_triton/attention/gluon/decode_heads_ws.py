@@ -1,0 +1,172 @@
+"""Warp-specialized many-heads sparse MLA decode for Hopper in Gluon: ``sparse_mla_decode``'s
+contract, the grid, the per-block math and the results of ``decode_heads.py`` (one CTA = one
+query token x 64 heads x one key split, heads on the wgmma M), with the global-memory work moved
+out of the MMA warps by ``gl.warp_specialize``:
+
+* **consumers** (the default partition, the kernel's 8 warps = two warpgroups): Q into shared
+  memory once, then per 64-key block ``j`` (ring stage ``j % NS``): wait ``ready[s]``, dequantize
+  the raw records into registers (``decode_heads._dequant_keys``), read the block's slot ids,
+  release the stage (``free[s]``), store the bf16 key tile, ``S = Q K^T``, online softmax, P,
+  ``O += P K`` (``decode_heads._qk_softmax``), then the row epilogue (``_heads_epilogue``).
+* **producer** (a worker of ``PRODUCER_WARPS`` warps, ``PRODUCER_REGS`` registers): per block,
+  wait ``free[s]``, store the block's checked slot ids (loaded one block ahead) to the ring,
+  ``cp.async`` the raw records (``decode._copy_keys``; invalid keys zero-filled), then each
+  thread's ``cp.async.mbarrier.arrive.noinc`` (its copies landed) and, after a producer barrier,
+  one plain arrive (the id stores): ``ready[s]`` has ``32 * PRODUCER_WARPS + 1`` arrivals.
+
+Synchronization is mbarriers between the partitions (``ready`` / ``free`` per stage, phase
+``(j // NS) & 1``; the producer's first ``NS`` waits pass on a fresh barrier) and named
+barriers inside each. ``NS`` ring stages: 2 fit in the 227 KB of one CTA (Q 64 KB + key tile
+64 KB + P 8 KB + 2 x 40 KB for 584 records); 3 do not for any record pair the kernel takes.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+
+from .decode import _copy_keys, _copy_layout, _key_ranges, _load_idx
+from .decode_heads import (BH, NW, _alloc_rings, _dequant_keys, _heads_epilogue, _qk_softmax,
+                           _thread_sums)
+
+#: warps of the producer partition (a worker; the kernel's own 8 warps are the consumers)
+PRODUCER_WARPS = gl.constexpr(4)
+#: registers per producer thread (setmaxnreg: 48 -> the consumers get 224, Triton 3.6; 40 gives
+#: them 232 but the producer spills, 24 leaves them at 240 and spills 104 bytes)
+PRODUCER_REGS = gl.constexpr(48)
+
+
+@gluon.jit
+def _producer(a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_row, b_bstride, b_page,
+              b_rows, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk,
+              r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, ready, free,
+              SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr, NS: gl.constexpr):
+    """Every block's slot ids and raw records into ring stage ``j % NS`` once it is free."""
+    LI: gl.constexpr = gl.SliceLayout(1, _copy_layout(16, PRODUCER_WARPS))
+    idx = _load_idx(0, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b, hi_b,
+                    b_rows, HAS_B, LI)
+    for j in range(nblk):
+        s = j % NS
+        mbarrier.wait(free.index(s), ((j // NS) & 1) ^ 1)
+        idx_ring.index(s).store(idx)
+        if j < nblk_a:
+            _copy_keys(a_ptr, idx, a_bstride, a_page, s, r0, r1, r2, r3, r4, r5, r6, r7,
+                       rope_ring.index(s), scale_ring.index(s), SRC_A, PRODUCER_WARPS)
+        else:
+            if HAS_B:
+                _copy_keys(b_ptr, idx, b_bstride, b_page, s, r0, r1, r2, r3, r4, r5, r6, r7,
+                           rope_ring.index(s), scale_ring.index(s), SRC_B, PRODUCER_WARPS)
+        cp.mbarrier_arrive(ready.index(s), increment_count=False)
+        gl.thread_barrier()  # every producer thread's id stores precede the one arrive
+        mbarrier.arrive(ready.index(s))
+        # the next block's ids: their latency passes while this partition waits for a stage
+        idx = _load_idx(j + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b,
+                        hi_b, b_rows, HAS_B, LI)
+
+
+@gluon.jit
+def _consumer(q_ptr, stride_qt, stride_qh, t, split, ht, H, qk_scale, num_splits, nblk_a, nblk,
+              sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
+              po_ptr, pl_ptr, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring,
+              k_smem, q_smem, p_smem, mx_smem, ready, free,
+              SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
+              HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, NS: gl.constexpr):
+    """8 warps: Q, then dequant + both wgmmas + softmax of every block, then the epilogue."""
+    SACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                   instr_shape=[16, 32, 16])
+    OACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                   instr_shape=[16, 256, 16])
+    LB: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NW, 1], [1, 0])
+    hq = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, LB))
+    dq = gl.arange(0, 512, layout=gl.SliceLayout(0, LB))
+    qrow = q_ptr + t * stride_qt + hq.to(gl.int64)[:, None] * stride_qh
+    # one store; fenced and behind a barrier before the first S wgmma (the key tile's)
+    q_smem.store(gl.load(qrow + dq[None, :], mask=(hq < H)[:, None], other=0.0))
+
+    m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, SACC))
+    zero_s = gl.full([BH, 64], 0.0, gl.float32, layout=SACC)
+    l_part = _thread_sums(zero_s)  # per-thread partial sums of p, reduced once after the loop
+    o = gl.full([BH, 512], 0.0, gl.float32, layout=OACC)
+    for j in range(nblk):
+        s = j % NS
+        if j > 0:
+            # block j - 1's ring reads are long done: the producer may refill its stage
+            mbarrier.arrive(free.index((j + NS - 1) % NS))
+        mbarrier.wait(ready.index(s), (j // NS) & 1)
+        kt = _dequant_keys(j, nblk_a, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
+                           SRC_A, SRC_B, HAS_B, NS)
+        kidx = idx_ring.index(s).load(gl.SliceLayout(0, SACC))
+        # (the key tile's write-after-read on block j - 1's O wgmmas, which each warpgroup
+        # waited: membar's barrier around the mbarrier ops above orders it)
+        k_smem.store(kt)
+        fence_async_shared()
+        gl.thread_barrier()
+        alpha, m_i, l_part = _qk_softmax(q_smem, k_smem, p_smem, mx_smem, kidx, m_i, l_part,
+                                         zero_s, qk_scale)
+        # O = O * alpha + P K  [64 heads, 512]
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, OACC))
+        o = warpgroup_mma(p_smem, k_smem, o * alpha_o[:, None], is_async=True)
+        o = warpgroup_mma_wait(0, deps=[o])
+    _heads_epilogue(o, l_part, m_i, t, split, ht, H, num_splits, sink_ptr, sink_st, out_ptr,
+                    stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, po_ptr, pl_ptr,
+                    HAS_SINK, SPLIT)
+
+
+@gluon.jit
+def _sparse_mla_decode_heads_ws_kernel(
+    q_ptr, stride_qt, stride_qh,
+    a_ptr, a_idx_ptr, a_idx_st, a_len_ptr, a_len_st, a_width, a_bstride, a_page, a_rows,
+    b_ptr, b_idx_ptr, b_idx_st, b_len_ptr, b_len_st, b_width, b_bstride, b_page, b_rows,
+    sink_ptr, sink_st,
+    out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
+    po_ptr, pl_ptr,
+    H, qk_scale, num_splits, num_ht,
+    SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
+    HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, HAS_SINK: gl.constexpr,
+    SPLIT: gl.constexpr, NS: gl.constexpr,
+):
+    """Grid ``T * num_splits * num_ht`` (head tile of 64 fastest, then split, then token);
+    launch with ``num_warps=NW`` (8 consumer warps; the producer's ``PRODUCER_WARPS`` run
+    besides). Arguments as ``decode_heads._sparse_mla_decode_heads_kernel``'s."""
+    WL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16)
+    KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+
+    pid = gl.program_id(0)
+    ht = pid % num_ht
+    rest = pid // num_ht
+    split = rest % num_splits
+    t = (rest // num_splits).to(gl.int64)
+
+    r0, r1, r2, r3, r4, r5, r6, r7, scale_ring, rope_ring, idx_ring = _alloc_rings(
+        SRC_A, SRC_B, HAS_B, NS)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 512], WL)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 512], WL)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], KL)
+    mx_smem = gl.allocate_shared_memory(gl.float32, [BH, 2], PLAIN2)
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NS):
+        # every producer thread's cp.async completion (noinc) + one arrive for the id stores
+        mbarrier.init(ready.index(i), count=32 * PRODUCER_WARPS + 1)
+        mbarrier.init(free.index(i), count=1)
+
+    lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _key_ranges(
+        t, split, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr, b_len_st, b_width,
+        HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT)
+    a_idx_row = a_idx_ptr + t * a_idx_st
+    b_idx_row = b_idx_ptr + t * b_idx_st
+
+    gl.warp_specialize([
+        (_consumer, (q_ptr, stride_qt, stride_qh, t, split, ht, H, qk_scale, num_splits, nblk_a,
+                     nblk, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
+                     stride_lh, po_ptr, pl_ptr, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring,
+                     scale_ring, idx_ring, k_smem, q_smem, p_smem, mx_smem, ready, free,
+                     SRC_A, SRC_B, HAS_B, HAS_SINK, SPLIT, NS)),
+        (_producer, (a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_row, b_bstride,
+                     b_page, b_rows, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk,
+                     r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, ready,
+                     free, SRC_A, SRC_B, HAS_B, NS)),
+    ], [PRODUCER_WARPS], [PRODUCER_REGS])
