@@ -9,7 +9,7 @@ Kernels: 4096 query tokens of one request x 640 keys each (the V4.1 pattern: the
 * ``workspace``: ``sparse_mla_prefill`` over a bf16 workspace (32768 compressed rows, then the
   window rows) with the combined index rows (top-k first, then the window), the ``tl`` kernel;
   ``gluon-lazy`` / ``gluon-eager`` / ``gluon-ws``: the same call on the Gluon sm_90 kernels (two
-  rescale variants and the warp-specialized kernel; sm_90 only; ``BENCH_GLUON_VARIANTS=eager,ws``
+  rescale variants and the warp-specialized kernel; sm_90 only; ``BENCH_GLUON_VARIANTS=eager,ws,wsp``
   picks which); ``flashmla``: FlashMLA's ``flash_mla_sparse_fwd`` on the same workspace
   and index rows, called directly (heads zero-padded to 64 / 128 outside the timed call; when
   ``flash_mla`` imports);
@@ -223,7 +223,7 @@ def kernel_fns(inp) -> List[tuple]:
     wl = torch.full((T,), W, dtype=torch.int32, device=q.device)
     fns = [("workspace", lambda: sparse_mla_prefill(q, inp["kv"], inp["idx"], None, inp["sink"],
                                                     None, out, _kernel="tl"))]
-    for variant in os.environ.get("BENCH_GLUON_VARIANTS", "eager,lazy,ws").split(","):
+    for variant in os.environ.get("BENCH_GLUON_VARIANTS", "eager,lazy,ws,wsp").split(","):
         fn = _gluon_fn(inp, variant)
         if fn is not None:
             fns.append((f"gluon-{variant}", fn))

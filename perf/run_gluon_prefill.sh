@@ -4,7 +4,8 @@
 # Run from the repo root (or a stage copy) with PYTHONPATH at it; FlashMLA joins the bench
 # when `import flash_mla` works (see third_party/FLASHMLA.txt). T_TESTS / T_BENCH / T_NCU:
 # per-step time limits in seconds. TESTS_K: a pytest -k filter for the tests step (e.g. the
-# warp-specialized kernel alone: "ws and not table and not eager and not lazy");
+# warp-specialized kernel alone: "ws and not wsp and not table and not eager and not lazy";
+# the persistent one: "wsp");
 # BENCH_GLUON_VARIANTS (e.g. eager,ws) for the bench; NCU_VARIANT (e.g. ws) for ncu.
 set -u
 OUT=${OUT:-/tmp/gluon-prefill-out}; mkdir -p "$OUT"

@@ -2,7 +2,8 @@
 
 CPU: a compile-only check for an sm_90 target, run when the installed Triton has the Gluon API
 the kernel needs (skipped otherwise, e.g. Triton 3.9); the pick table. GPU-marked: head counts
-1..128 (64-head tiles, padded), tokens 1..128, ragged lens, ``-1`` and out-of-range rows,
+1..128 (64-head tiles, padded), tokens 1..128 (and up to 1000: many items per CTA of the
+persistent variant), ragged lens, ``-1`` and out-of-range rows,
 empty rows, sinks (none, -inf, large, +inf, NaN), NaN propagation, layouts, int64 indices,
 a > 2 GiB workspace, CUDA graphs, hostile indices; skipped where the kernel cannot run.
 """
@@ -18,10 +19,11 @@ from dsv41_triton.testing import max_abs_err, poison_, rel_err
 
 OUT_TOL = 1e-2
 LSE_TOL = 1e-3
-VARIANTS = ("eager", "lazy", "ws")
-#: the kernel the contract tests pin: "table" (the pick table's variant) or "ws" (the
-#: warp-specialized kernel, gluon/prefill_ws.py)
-PINS = ("table", "ws")
+VARIANTS = ("eager", "lazy", "ws", "wsp")
+#: the kernel the contract tests pin: "table" (the pick table's variant), "ws" (the
+#: warp-specialized kernel, gluon/prefill_ws.py) or "wsp" (its persistent form,
+#: gluon/prefill_wsp.py)
+PINS = ("table", "ws", "wsp")
 
 
 @pytest.fixture(params=PINS)
@@ -45,11 +47,12 @@ def _need_gluon_gpu():
 # --------------------------------------------------------------------------------------------
 # CPU
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("lazy,ws", [(True, False), (False, False), (False, True)])
-def test_gluon_prefill_compiles_for_sm90(lazy, ws):
+@pytest.mark.parametrize("lazy,variant", [(True, "0"), (False, "0"), (False, "ws"),
+                                          (False, "wsp")])
+def test_gluon_prefill_compiles_for_sm90(lazy, variant):
     """The kernel compiles for sm_90 on this machine (in a subprocess without the interpreter);
-    wgmma and cp.async are in the PTX, shared memory fits; the warp-specialized one sets its
-    partitions' register budgets (setmaxnreg)."""
+    wgmma and cp.async are in the PTX, shared memory fits; the warp-specialized ones set their
+    partitions' register budgets (setmaxnreg) and spill nothing."""
     if not gluon_pkg.AVAILABLE:
         pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
     import json
@@ -58,15 +61,17 @@ def test_gluon_prefill_compiles_for_sm90(lazy, ws):
     import sys
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-m", "dsv41_triton.attention.gluon.compile_check",
-                        "prefill", str(int(lazy)), str(int(ws))], env=env, capture_output=True,
+                        "prefill", str(int(lazy)), variant], env=env, capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     facts = json.loads(r.stdout.strip().splitlines()[-1])
     assert facts["wgmma"] and facts["cp_async"], facts
     assert 0 < facts["shared"] <= 227 * 1024, facts
     assert 0 < facts["regs"] <= 255, facts
-    if ws:
+    if variant != "0":
         assert facts["setmaxnreg"], facts
+        assert facts["stack"] == 0 and facts["local_st"] == 0, facts
+        assert all(lp["local_ld_st"] == 0 for lp in facts["loops"]), facts
 
 
 def test_gluon_prefill_pick_table():
@@ -303,6 +308,32 @@ def test_gluon_prefill_cuda_graph_gpu(device, T, H, pin):
     assert torch.equal(out, o_e) and torch.equal(lse_g, l_e)
     ro, rl = sparse_mla_prefill_ref(**static)
     assert rel_err(out, ro) <= OUT_TOL and max_abs_err(lse_g, rl) <= LSE_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H", [(1000, 64), (700, 128), (300, 100)])
+def test_gluon_prefill_many_items_gpu(device, T, H, pin):
+    """Far more (token, head tile) items than SMs x 3 (the persistent kernel's loop wraps many
+    times), ragged lens with empty rows scattered (lens 0 and rows of only -1) between full
+    ones; every row checked, empty rows 0 / +inf."""
+    _need_gluon_gpu()
+    g = torch.Generator().manual_seed(T + H)
+    args = _case(device, T, H, S=4000, K=260)
+    args["lens"][torch.randperm(T, generator=g)[:T // 5].to(device)] = 260
+    args["lens"][torch.randperm(T, generator=g)[:T // 7].to(device)] = 0
+    only_neg = torch.randperm(T, generator=g)[:T // 13].to(device)
+    args["indices"][only_neg] = -1
+    o, lse = _check(args)
+    ix = args["indices"]
+    cols = torch.arange(ix.shape[1], device=device)[None, :]
+    live = ((ix >= 0) & (ix < 4000) & (cols < args["lens"][:, None])).any(1)
+    assert (~live).sum() >= T // 7
+    assert (o[~live] == 0).all() and (lse[~live] == float("inf")).all()
+    assert torch.isfinite(lse[live]).all()
+    # the same items again into a poisoned output (launch-to-launch state: none)
+    out = poison_(torch.empty_like(o))
+    o2, lse2 = sparse_mla_prefill(**args, out=out, _kernel="gluon")
+    assert torch.equal(o2, o) and torch.equal(lse2, lse)
 
 
 @pytest.mark.gpu

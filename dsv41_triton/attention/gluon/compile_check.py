@@ -176,20 +176,26 @@ _PREFILL_ARGS = (
 
 
 def compile_prefill(lazy: bool = True, has_len: bool = True, has_sink: bool = True,
-                    arch: int = 90, ws: bool = False):
-    """The Gluon prefill kernel (``ws``: the warp-specialized one) compiled for ``sm_<arch>``
-    (no GPU needed)."""
+                    arch: int = 90, ws: bool = False, variant: str = ""):
+    """The Gluon prefill kernel compiled for ``sm_<arch>`` (no GPU needed): ``variant`` "ws"
+    (or ``ws=True``: the warp-specialized one), "wsp" (the persistent warp-specialized one),
+    else ``prefill.py``'s (``lazy`` picks its rescale)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    if ws:
+    variant = variant or ("ws" if ws else "")
+    args = _PREFILL_ARGS
+    if variant == "wsp":
+        from .prefill_wsp import NUM_WARPS, _sparse_mla_prefill_gluon_wsp_kernel as kern
+        args = _PREFILL_ARGS + (("num_items", "i32"),)
+    elif variant == "ws":
         from .prefill_ws import NUM_WARPS, _sparse_mla_prefill_gluon_ws_kernel as kern
     else:
         from .prefill import NUM_WARPS, _sparse_mla_prefill_gluon_kernel as kern
 
-    sig = dict(_PREFILL_ARGS)
-    aligned = [i for i, (n, ty) in enumerate(_PREFILL_ARGS)
+    sig = dict(args)
+    aligned = [i for i, (n, ty) in enumerate(args)
                if ty.startswith("*") or n in ("stride_qt", "stride_qh", "kv_stride")]
     consts = dict(HAS_LEN=has_len, HAS_SINK=has_sink, LAZY=lazy)
     for k in consts:
@@ -201,19 +207,51 @@ def compile_prefill(lazy: bool = True, has_len: bool = True, has_sink: bool = Tr
                           options=dict(num_warps=NUM_WARPS))
 
 
-def summary_prefill(lazy: bool = True, ws: bool = False) -> dict:
+def loops_sass(k) -> list:
+    """Every loop of the kernel's SASS (``cuobjdump -sass``; a warp-specialized kernel has one
+    or two per partition), innermost first by address: ``(start, size, counts)`` with
+    ``counts`` = instructions, ``BAR.SYNC`` (named barriers), ``HGMMA``, ``LDGSTS``, mbarrier
+    waits (``SYNCS.PHASECHK``) and arrives (``SYNCS.ARRIVE`` + ``ARRIVES``), ``LDL``/``STL``."""
+    import re
+
+    text = resource_usage(k, "-sass")
+    rows = [(int(m.group(1), 16), m.group(2))
+            for m in re.finditer(r"/\*([0-9a-f]{4,6})\*/\s+(.*?)\s*;", text)]
+    op = [re.sub(r"^@!?U?P\w+ ", "", ins).split()[0] for _, ins in rows]
+    out = []
+    for j, (a, ins) in enumerate(rows):
+        # a loop's latch: a predicated backward branch (the mbarrier try-wait retry stubs
+        # branch back to themselves, then jump back unpredicated)
+        m = re.match(r"@!?P\d BRA (0x[0-9a-f]+)", ins)
+        if not m or int(m.group(1), 16) >= a or "PHASECHK" in rows[j - 1][1]:
+            continue
+        lo = int(m.group(1), 16)
+        body = [o for (b, _), o in zip(rows, op) if lo <= b <= a]
+        out.append({"start": hex(lo), "end": hex(a), "instructions": len(body),
+                    "bar_sync": sum(o.startswith("BAR.SYNC") for o in body),
+                    "hgmma": sum(o.startswith("HGMMA") for o in body),
+                    "ldgsts": sum(o.startswith("LDGSTS") for o in body),
+                    "mbar_wait": sum(o.startswith("SYNCS.PHASECHK") for o in body),
+                    "mbar_arrive": sum(o.startswith(("SYNCS.ARRIVE", "ARRIVES")) for o in body),
+                    "local_ld_st": sum(o.startswith(("LDL", "STL")) for o in body)})
+    return out
+
+
+def summary_prefill(lazy: bool = True, ws: bool = False, variant: str = "") -> dict:
     """Facts of one prefill compile: wgmma / cp.async in the PTX, shared memory, registers,
-    spill stores, CTA barriers in the SASS (``setmaxnreg``: the partitions' register budgets
-    of the warp-specialized kernel)."""
-    k = compile_prefill(lazy, ws=ws)
+    stack bytes, named barriers (``BAR.SYNC``) and local stores (``STL``) in the SASS, the
+    loops (``loops_sass``), and ``setmaxnreg`` (the partitions' register budgets of the
+    warp-specialized kernels)."""
+    k = compile_prefill(lazy, ws=ws, variant=variant)
     ptx = k.asm["ptx"]
     regs, stack = _regs_stack(k)
-    sass = k.asm.get("sass", "") or ""
+    sass = resource_usage(k, "-sass")
     return {"wgmma": "wgmma.mma_async" in ptx, "cp_async": "cp.async" in ptx,
             "shared": int(k.metadata.shared), "regs": regs, "stack": stack,
             "bar_sync": sass.count("BAR.SYNC"), "local_st": sass.count("STL"),
             "setmaxnreg": sorted(set(ln.split("setmaxnreg")[1].strip().rstrip(";")
-                                     for ln in ptx.splitlines() if "setmaxnreg" in ln))}
+                                     for ln in ptx.splitlines() if "setmaxnreg" in ln)),
+            "loops": loops_sass(k)}
 
 
 if __name__ == "__main__":
@@ -224,9 +262,11 @@ if __name__ == "__main__":
     # TRITON_INTERPRET unset: the interpreter replaces the functions Gluon calls.
     import json
     if len(sys.argv) in (3, 4) and sys.argv[1] == "prefill":
-        # python -m ...compile_check prefill LAZY [WS] -> JSON line
-        ws = len(sys.argv) == 4 and bool(int(sys.argv[3]))
-        print(json.dumps(summary_prefill(bool(int(sys.argv[2])), ws=ws)))
+        # python -m ...compile_check prefill LAZY [WS] -> JSON line; WS: 0, 1 (= ws) or a
+        # variant name (ws, wsp)
+        v = sys.argv[3] if len(sys.argv) == 4 else "0"
+        v = {"0": "", "1": "ws"}.get(v, v)
+        print(json.dumps(summary_prefill(bool(int(sys.argv[2])), variant=v)))
         sys.exit(0)
     if len(sys.argv) in (6, 7, 8, 9) and int(sys.argv[3]) == 64:
         # ... 64 SPLIT 8 NS Y [sass]: Y = OVERLAP 0/1 or "ws" (the warp-specialized kernel);

@@ -16,7 +16,7 @@ import torch
 from ..._utils import cdiv, is_interpreter
 from . import AVAILABLE, REASON
 from . import launch as _decode_launch
-from .launch import _cap
+from .launch import _cap, _sms
 
 #: the pick table: (major, minor) -> {heads bucket: variant}. Heads buckets: 8 (H <= 8), 16,
 #: 32, 64 (33..64), 128 (65..128), 1 << 30 (more); variants: "eager" (the O rescale every
@@ -35,12 +35,13 @@ PICK = {
 
 #: variants the GPU tests run (tests/attention/test_prefill_gluon.py); PICK uses only these.
 #: "ws": the warp-specialized kernel (``prefill_ws.py``: a producer warpgroup and two consumer
-#: warpgroups ping-ponging on alternate key blocks, eager rescale)
-VARIANTS = ("eager", "lazy", "ws")
+#: warpgroups ping-ponging on alternate key blocks, eager rescale); "wsp": its persistent form
+#: (``prefill_wsp.py``: one CTA per SM looping over (token, head tile) items)
+VARIANTS = ("eager", "lazy", "ws", "wsp")
 
 #: DSV41_PREFILL_KERNEL=tl|gluon|auto overrides the pick (benchmarks, tests)
 ENV = "DSV41_PREFILL_KERNEL"
-#: DSV41_PREFILL_GLUON_VARIANT=lazy|eager|ws pins the variant (benchmarks, tests)
+#: DSV41_PREFILL_GLUON_VARIANT=lazy|eager|ws|wsp pins the variant (benchmarks, tests)
 VARIANT_ENV = "DSV41_PREFILL_GLUON_VARIANT"
 #: heads per CTA (the kernel's wgmma M)
 BLOCK_H = 64
@@ -103,7 +104,9 @@ def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                or "eager")
     if variant not in VARIANTS:
         raise ValueError(f"{VARIANT_ENV}: expected one of {VARIANTS}, got {variant!r}")
-    if variant == "ws":
+    if variant == "wsp":
+        from .prefill_wsp import NUM_WARPS, _sparse_mla_prefill_gluon_wsp_kernel as kernel
+    elif variant == "ws":
         from .prefill_ws import NUM_WARPS, _sparse_mla_prefill_gluon_ws_kernel as kernel
     else:
         from .prefill import NUM_WARPS, _sparse_mla_prefill_gluon_kernel as kernel
@@ -112,14 +115,18 @@ def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     n_ht = cdiv(H, BLOCK_H)
     lens_arg = lens if lens is not None else indices
     sink_arg = sink if sink is not None else lse
-    k = kernel[(T * n_ht,)](
+    items = T * n_ht
+    # the persistent kernel: one CTA per SM (fewer for fewer items), each looping over items
+    grid = min(_sms(q.device), items) if variant == "wsp" else items
+    extra = (items,) if variant == "wsp" else ()
+    k = kernel[(grid,)](
         q, q.stride(0), q.stride(1),
         kv, kv_stride, S,
         indices, indices.stride(0), indices.shape[1],
         lens_arg, lens.stride(0) if lens is not None else 0,
         sink_arg, sink.stride(0) if sink is not None else 0,
         out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1),
-        H, float(softmax_scale) * 1.4426950408889634, n_ht,
+        H, float(softmax_scale) * 1.4426950408889634, n_ht, *extra,
         HAS_LEN=lens is not None, HAS_SINK=sink is not None, LAZY=variant == "lazy",
         num_warps=NUM_WARPS,
     )
