@@ -112,3 +112,27 @@ def large_offset_decode_case(device, T: int = 4, H: int = 16, W: int = 96) -> di
     lens = torch.full((T,), W, dtype=torch.int32, device=device)
     return dict(q=q, swa_cache=cache, swa_indices=slots, swa_lens=lens,
                 attn_sink=torch.randn(H, device=device))
+
+
+def assert_graph_replay(op, static: dict, fresh: dict, out: torch.Tensor, ref, *,
+                        out_tol: float, lse_tol: float, **kwargs) -> None:
+    """CUDA-graph safety of an attention op returning ``(out, lse)``: ``op(**static, out=out,
+    **kwargs)`` runs once eagerly, is captured, then ``fresh``'s tensors are copied into
+    ``static``'s of the same names, ``out`` is poisoned and the graph replayed. The replay's
+    ``out`` / ``lse`` must equal an eager call's bit for bit and ``ref(**static)`` within
+    ``out_tol`` (relative Frobenius) / ``lse_tol`` (max abs)."""
+    op(**static, out=out, **kwargs)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        _, lse_g = op(**static, out=out, **kwargs)
+    for name, t in fresh.items():
+        static[name].copy_(t)
+    poison_(out)
+    g.replay()
+    torch.cuda.synchronize()
+    o_e, l_e = op(**static, **kwargs)
+    assert torch.equal(out, o_e) and torch.equal(lse_g, l_e)
+    ro, rl = ref(**static)
+    e_o, e_l = rel_err(out, ro), max_abs_err(lse_g, rl)
+    assert e_o <= out_tol and e_l <= lse_tol, (e_o, e_l)

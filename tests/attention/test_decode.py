@@ -12,8 +12,8 @@ from dsv41_triton.attention._kernels import (GPU_CANDIDATES, MIN_BLOCK_N_GPU, Ke
 from dsv41_triton.attention.decode import sparse_mla_decode
 from dsv41_triton.attention.ref import sparse_mla_decode_ref
 from dsv41_triton.ops.records import (get_record_format)
-from dsv41_triton.testing import (large_offset_decode_case, max_abs_err, poison_, random_k_cache,
-                                  rel_err)
+from dsv41_triton.testing import (assert_graph_replay, large_offset_decode_case, max_abs_err,
+                                  poison_, random_k_cache, rel_err)
 
 OUT_TOL = 1e-2
 #: key block for explicit configs: small on the CPU (more blocks per split in small cases);
@@ -396,24 +396,10 @@ def test_decode_int64_offsets_gpu(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,H", [(1, 64), (32, 8), (128, 16)])
 def test_decode_cuda_graph_gpu(device, T, H):
-    args = _v41_case(device, T, H)
+    static = _v41_case(device, T, H)
     out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=device)
-    static = dict(args)
-    sparse_mla_decode(**static, out=out)  # compile outside the capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        _, lse_g = sparse_mla_decode(**static, out=out)
-    # new contents, same buffers
     fresh = _v41_case(device, T, H)
-    for name in ("q", "swa_indices", "swa_lens", "extra_indices", "extra_lens", "attn_sink"):
-        static[name].copy_(fresh[name])
-    poison_(out)
-    g.replay()
-    torch.cuda.synchronize()
-    o_e, l_e = sparse_mla_decode(**static)
-    assert torch.equal(out, o_e)
-    assert torch.equal(lse_g, l_e)
-    ro, rl = sparse_mla_decode_ref(**static)
-    assert rel_err(out, ro) <= OUT_TOL and max_abs_err(lse_g, rl) <= LSE_TOL
+    names = ("q", "swa_indices", "swa_lens", "extra_indices", "extra_lens", "attn_sink")
+    assert_graph_replay(sparse_mla_decode, static, {n: fresh[n] for n in names}, out,
+                        sparse_mla_decode_ref, out_tol=OUT_TOL, lse_tol=LSE_TOL)
 

@@ -12,11 +12,13 @@ from dsv41_triton.attention import gluon as gluon_pkg
 from dsv41_triton.attention.decode import sparse_mla_decode
 from dsv41_triton.attention.ref import sparse_mla_decode_ref
 from dsv41_triton.ops.records import (get_record_format)
-from dsv41_triton.testing import (large_offset_decode_case, max_abs_err, poison_, random_k_cache,
-                                  rel_err)
+from dsv41_triton.testing import (assert_graph_replay, large_offset_decode_case, max_abs_err,
+                                  poison_, random_k_cache, rel_err)
 
 OUT_TOL = 1e-2
 LSE_TOL = 1e-3
+#: the decode inputs a CUDA-graph replay test refreshes (the caches stay)
+GRAPH_INPUTS = ("q", "swa_indices", "swa_lens", "extra_indices", "extra_lens", "attn_sink")
 PAIRS = [(584, 584), (584, 528), (584, 288), (528, 584), (528, 528), (528, 288), (584, None),
          (528, None)]
 
@@ -102,7 +104,7 @@ def test_gluon_pick_table():
             assert sa in (584, 528) and sb in (584, 528, 288, 0)
             assert shape in gl_launch.TESTED_SHAPES, shape
             assert set(gl_launch.parse_shape(shape)) <= {"num_warps", "block_h", "stages",
-                                                         "f16"}
+                                                         "f16", "variant"}
     assert gl_launch.heads_bucket(8) == 8 and gl_launch.heads_bucket(9) == 16
     assert gl_launch.tokens_bucket(7) == 7 and gl_launch.tokens_bucket(8) == 32
     assert gl_launch.tokens_bucket(32) == 32 and gl_launch.tokens_bucket(129) == 1 << 30
@@ -289,21 +291,9 @@ def test_gluon_cuda_graph_gpu(device, T, H, swa_rec, extra_rec):
     _need_gluon_gpu()
     static = _v41(device, T, H, swa_rec, extra_rec)
     out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=device)
-    sparse_mla_decode(**static, out=out, _kernel="gluon")
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        _, lse_g = sparse_mla_decode(**static, out=out, _kernel="gluon")
     fresh = _v41(device, T, H, swa_rec, extra_rec)
-    for name in ("q", "swa_indices", "swa_lens", "extra_indices", "extra_lens", "attn_sink"):
-        static[name].copy_(fresh[name])
-    poison_(out)
-    g.replay()
-    torch.cuda.synchronize()
-    o_e, l_e = sparse_mla_decode(**static, _kernel="gluon")
-    assert torch.equal(out, o_e) and torch.equal(lse_g, l_e)
-    ro, rl = sparse_mla_decode_ref(**static)
-    assert rel_err(out, ro) <= OUT_TOL and max_abs_err(lse_g, rl) <= LSE_TOL
+    assert_graph_replay(sparse_mla_decode, static, {n: fresh[n] for n in GRAPH_INPUTS}, out,
+                        sparse_mla_decode_ref, out_tol=OUT_TOL, lse_tol=LSE_TOL, _kernel="gluon")
 
 
 @pytest.mark.gpu

@@ -20,10 +20,10 @@ from dsv41_triton.attention import gluon as gluon_pkg
 from dsv41_triton.attention.decode import sparse_mla_decode
 from dsv41_triton.attention.ref import sparse_mla_decode_ref
 from dsv41_triton.ops.records import get_record_format
-from dsv41_triton.testing import (large_offset_decode_case, max_abs_err, poison_, random_k_cache,
-                                  rel_err)
-from test_decode_gluon import (LSE_TOL, OUT_TOL, PAIRS, _case, _check, _need_gluon_gpu, _slots,
-                               _v41)
+from dsv41_triton.testing import (assert_graph_replay, large_offset_decode_case, max_abs_err,
+                                  poison_, random_k_cache, rel_err)
+from test_decode_gluon import (GRAPH_INPUTS, LSE_TOL, OUT_TOL, PAIRS, _case, _check,
+                               _need_gluon_gpu, _slots, _v41)
 
 SHAPE = "8:64:2"
 #: the warp-specialized kernel (decode_heads_ws.py)
@@ -243,22 +243,10 @@ def test_gluon_heads_cuda_graph_gpu(device, heads_kernel, T, H, swa_rec, extra_r
     _need_gluon_gpu()
     static = _v41(device, T, H, swa_rec, extra_rec)
     out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=device)
-    sparse_mla_decode(**static, out=out, _kernel="gluon")
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        _, lse_g = sparse_mla_decode(**static, out=out, _kernel="gluon")
-    _ran_heads(heads_kernel)
     fresh = _v41(device, T, H, swa_rec, extra_rec)
-    for name in ("q", "swa_indices", "swa_lens", "extra_indices", "extra_lens", "attn_sink"):
-        static[name].copy_(fresh[name])
-    poison_(out)
-    g.replay()
-    torch.cuda.synchronize()
-    o_e, l_e = sparse_mla_decode(**static, _kernel="gluon")
-    assert torch.equal(out, o_e) and torch.equal(lse_g, l_e)
-    ro, rl = sparse_mla_decode_ref(**static)
-    assert rel_err(out, ro) <= OUT_TOL and max_abs_err(lse_g, rl) <= LSE_TOL
+    assert_graph_replay(sparse_mla_decode, static, {n: fresh[n] for n in GRAPH_INPUTS}, out,
+                        sparse_mla_decode_ref, out_tol=OUT_TOL, lse_tol=LSE_TOL, _kernel="gluon")
+    _ran_heads(heads_kernel)
 
 
 @pytest.mark.gpu

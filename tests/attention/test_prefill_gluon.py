@@ -15,7 +15,7 @@ import torch
 from dsv41_triton.attention import gluon as gluon_pkg
 from dsv41_triton.attention.prefill import sparse_mla_prefill
 from dsv41_triton.attention.ref import sparse_mla_prefill_ref
-from dsv41_triton.testing import max_abs_err, poison_, rel_err
+from dsv41_triton.testing import assert_graph_replay, max_abs_err, poison_, rel_err
 
 OUT_TOL = 1e-2
 LSE_TOL = 1e-3
@@ -293,21 +293,10 @@ def test_gluon_prefill_cuda_graph_gpu(device, T, H, pin):
     _need_gluon_gpu()
     static = _case(device, T, H, S=1000, K=300)
     out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=device)
-    sparse_mla_prefill(**static, out=out, _kernel="gluon")
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        _, lse_g = sparse_mla_prefill(**static, out=out, _kernel="gluon")
     fresh = _case(device, T, H, S=1000, K=300)
-    for name in ("q", "kv", "indices", "lens", "attn_sink"):
-        static[name].copy_(fresh[name])
-    poison_(out)
-    g.replay()
-    torch.cuda.synchronize()
-    o_e, l_e = sparse_mla_prefill(**static, _kernel="gluon")
-    assert torch.equal(out, o_e) and torch.equal(lse_g, l_e)
-    ro, rl = sparse_mla_prefill_ref(**static)
-    assert rel_err(out, ro) <= OUT_TOL and max_abs_err(lse_g, rl) <= LSE_TOL
+    assert_graph_replay(sparse_mla_prefill, static,
+                        {n: fresh[n] for n in ("q", "kv", "indices", "lens", "attn_sink")}, out,
+                        sparse_mla_prefill_ref, out_tol=OUT_TOL, lse_tol=LSE_TOL, _kernel="gluon")
 
 
 @pytest.mark.gpu

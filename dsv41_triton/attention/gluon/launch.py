@@ -63,7 +63,10 @@ PICK = {
     # One ring stage, two CTAs per SM (perf/NOTES.md, "Gluon decode, one ring stage"), session
     # 4 sweep (us): 8 h 584+584 T=128 / 512: 4:0:1 39.0 / 107.4 vs 4:0:3 48.3 / 164.5 (tl: 40.8
     # at T=128 in the same call, 121.1 at T=512 in session 3's table); 8 h 528+288 T=128:
-    # 4:0:1:h 36.1 vs 4:0:3:h 46.8.
+    # 4:0:1:h 36.1 vs 4:0:3:h 46.8; T=512: 102.1 vs 163.0. Warp-specialized many-heads kernel
+    # (HEADS_WS_SHAPE) vs the serial one (HEADS_SHAPE), 584+584: 64 h T=128 / 512 53.7 / 187.8
+    # vs 56.2 / 197.0, 128 h T=128 100.5 vs 103.0 (64 h 528+288 T=128: 58.0 vs 56.6, T=1 20.5 vs
+    # 19.9: serial stays).
     (9, 0): {
         (8, 584, 584, 7): "4:0:3:h",
         (8, 584, 584, 32): "4:0:3:h",
@@ -72,13 +75,13 @@ PICK = {
         (8, 528, 288, 7): "4:0:3:h",
         (8, 528, 288, 32): "4:0:3:h",
         (8, 528, 288, 128): "4:0:1:h",
-        (8, 528, 288, 1 << 30): "4:0:3:h",
+        (8, 528, 288, 1 << 30): "4:0:1:h",
         (16, 528, 288, 128): "4:0:3:h",
         (64, 584, 584, 32): HEADS_SHAPE,
-        (64, 584, 584, 128): HEADS_SHAPE,
-        (64, 584, 584, 1 << 30): HEADS_SHAPE,
-        (128, 584, 584, 128): HEADS_SHAPE,
-        (128, 584, 584, 1 << 30): HEADS_SHAPE,
+        (64, 584, 584, 128): HEADS_WS_SHAPE,
+        (64, 584, 584, 1 << 30): HEADS_WS_SHAPE,
+        (128, 584, 584, 128): HEADS_WS_SHAPE,
+        (128, 584, 584, 1 << 30): HEADS_WS_SHAPE,
         (64, 528, 288, 128): HEADS_SHAPE,
         (64, 528, 288, 1 << 30): HEADS_SHAPE,
         (128, 528, 288, 128): HEADS_SHAPE,
