@@ -297,10 +297,14 @@ def test_gluon_cuda_graph_gpu(device, T, H, swa_rec, extra_rec):
 
 
 @pytest.mark.gpu
-def test_gluon_hostile_indices_gpu(device):
+@pytest.mark.parametrize("shape", ["", "4:0:1", "4:0:1:h"])
+def test_gluon_hostile_indices_gpu(device, monkeypatch, shape):
     """Slot ids far past the cache, INT32_MAX/MIN, lens past the width and negative: nothing
-    out of bounds is read (run under compute-sanitizer memcheck in perf/run_gpu.sh)."""
+    out of bounds is read (run under compute-sanitizer memcheck in perf/run_gpu.sh); the pick
+    table's shape and the one-stage ones."""
     _need_gluon_gpu()
+    if shape:
+        monkeypatch.setenv("DSV41_GLUON_SHAPE", shape)
     args = _case(device, 4, 3, 528, 288, Ws=70, K=90, page=64, nb_a=2, nb_b=2)
     ia, ib = args["swa_indices"], args["extra_indices"]
     ia[:, ::3] = 2 ** 31 - 1
