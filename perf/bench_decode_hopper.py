@@ -212,7 +212,7 @@ def main(argv=None):
     variants = [v for v in args.sweep.split(",") if v]
     sweep_rows = ([tuple(int(x) for x in r.split(",")) for r in args.sweep_rows.split(";")]
                   if args.sweep_rows else QUICK)
-    warm(rows, ["tl", "4:0:3", gluon_launch.HEADS_SHAPE])
+    warm(rows, ["tl", "4:0:3", gluon_launch.HEADS_SHAPE, ""])  # "": the pick table's shape
     warm([r for r in rows if r[0] <= 16], ["4:0:3:h"])
     if variants:
         warm(sweep_rows, variants)
