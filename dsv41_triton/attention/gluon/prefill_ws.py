@@ -105,6 +105,93 @@ def _qk(q_smem, kt, ready, C: gl.constexpr, ph, s_zero):
 
 
 @gluon.jit
+def _consumer_pair(C: gl.constexpr, i, ph, last, n, idx_row, rows, qk_scale, q_smem, ring,
+                   p_smem, m_smem, ready, free, m_bar, p_bar, q_free, m_i, l_i, o,
+                   FREES_Q: gl.constexpr):
+    """Consumer ``C``'s share of block pair ``i`` (barrier phase ``ph``): the QK of its own
+    block, the running max handed 0 -> 1 -> 0, P (its own from registers, the other's from
+    shared memory) times its value dims; frees the ring halves as it is done with them (and,
+    with ``FREES_Q``, Q after the QK of the ``last`` pair). Returns ``(m_i, l_i, o)``."""
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 64, 16])
+    O_L: gl.constexpr = o.type.layout
+    P_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
+    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+    COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
+    IL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    cidx = gl.arange(0, BN, layout=IL)
+    s_zero = gl.full([BH, BN], 0.0, gl.float32, layout=S_L)
+    # Q and the stages through an index the compiler cannot fold (``i >> 30`` is 0): the
+    # wgmma descriptors are formed in the loop instead of hoisted (and spilled) out of it
+    opaque = i >> 30
+    mine = ring.index(C + opaque)
+    other = ring.index(1 - C + opaque)
+    v_mine = mine.slice(256 * C, 256, dim=1)
+    v_other = other.slice(256 * C, 256, dim=1)
+    # this block's column validity, loaded one column a thread pair and moved to the
+    # accumulator's columns (the load's latency hides behind the QK product)
+    c = (2 * i + C) * BN + cidx
+    cm = c < n
+    ci = gl.load(idx_row + c, mask=cm, other=-1)
+    ok = gl.convert_layout(cm & (ci >= 0) & (ci < rows), COL_S)
+    sc = _qk(q_smem.index(opaque), mine, ready, C, ph, s_zero)
+    gl.thread_barrier()
+    if FREES_Q:
+        mbarrier.arrive(q_free, pred=last)  # the item's last QK: Q free
+    mbarrier.arrive(free.index(2 * C + 1 - C))  # the other half of my stage: QK done
+    sc = gl.where(ok[None, :], sc * qk_scale, float("-inf"))
+    if C == 0:
+        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+        m_smem.slice(0, BH).store(m_new)
+        gl.thread_barrier()
+        mbarrier.arrive(m_bar.index(0))
+    else:
+        mbarrier.wait(m_bar.index(0), ph)
+        m_new = gl.maximum(m_smem.slice(0, BH).load(ROW_S), gl.max(sc, axis=1))
+        m_smem.slice(BH, BH).store(m_new)
+        gl.thread_barrier()
+        mbarrier.arrive(m_bar.index(1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(sc - m_safe[:, None])
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    o = o * gl.convert_layout(alpha, ROW_O)[:, None]
+    pb = p.to(gl.bfloat16)
+    o = warpgroup_mma(gl.convert_layout(pb, P_A), v_mine, o, is_async=True)
+    if C == 0:
+        # consumer 1's max covers both blocks: P and the state move to it
+        mbarrier.wait(m_bar.index(1), ph)
+        m_1 = m_smem.slice(BH, BH).load(ROW_S)
+        m1_safe = gl.where(m_1 == float("-inf"), 0.0, m_1)
+        scale = gl.where(m_new == float("-inf"), 0.0, gl.exp2(m_safe - m1_safe))
+        # (from the bf16 P: the fp32 one is dead once the local PV is issued)
+        p_smem.index(0).store((pb.to(gl.float32) * scale[:, None]).to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(p_bar.index(0))
+        o = warpgroup_mma_wait(0, deps=[o])
+        o = o * gl.convert_layout(scale, ROW_O)[:, None]
+        l_i = l_i * scale
+        m_i = m_1
+    else:
+        p_smem.index(1).store(pb)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(p_bar.index(1))
+        o = warpgroup_mma_wait(0, deps=[o])
+        m_i = m_new
+    gl.thread_barrier()
+    mbarrier.arrive(free.index(2 * C + C))  # my half of my stage: local PV done
+    mbarrier.wait(p_bar.index(1 - C), ph)
+    o = warpgroup_mma(p_smem.index(1 - C), v_other, o, is_async=True)
+    o = warpgroup_mma_wait(0, deps=[o])
+    gl.thread_barrier()
+    mbarrier.arrive(free.index(2 * (1 - C) + C))  # my half of the other stage
+    return m_i, l_i, o
+
+
+@gluon.jit
 def _consumer(C: gl.constexpr, idx_ptr, idx_st, n, rows, t, ht, H, qk_scale,
               sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
               q_smem, ring, p_smem, m_smem, l_smem, q_bar, ready, free, m_bar, p_bar, l_bar,
@@ -117,87 +204,20 @@ def _consumer(C: gl.constexpr, idx_ptr, idx_st, n, rows, t, ht, H, qk_scale,
                                                   instr_shape=[16, 64, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 256, 16])
-    P_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
     ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
     ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
     idx_row = idx_ptr + t * idx_st
     npair = gl.cdiv(n, 2 * BN)
-    COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
-    IL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    cidx = gl.arange(0, BN, layout=IL)
 
     m_i = gl.full([BH], float("-inf"), gl.float32, layout=ROW_S)
     l_i = gl.full([BH], 0.0, gl.float32, layout=ROW_S)
-    s_zero = gl.full([BH, BN], 0.0, gl.float32, layout=S_L)
     o = gl.full([BH, 256], 0.0, gl.float32, layout=O_L)
 
     mbarrier.wait(q_bar, 0)
     for i in range(npair):
-        ph = i & 1
-        # Q and the stages through an index the compiler cannot fold (``i >> 30`` is 0): the
-        # wgmma descriptors are formed in the loop instead of hoisted (and spilled) out of it
-        opaque = i >> 30
-        mine = ring.index(C + opaque)
-        other = ring.index(1 - C + opaque)
-        v_mine = mine.slice(256 * C, 256, dim=1)
-        v_other = other.slice(256 * C, 256, dim=1)
-        # this block's column validity, loaded one column a thread pair and moved to the
-        # accumulator's columns (the load's latency hides behind the QK product)
-        c = (2 * i + C) * BN + cidx
-        cm = c < n
-        ci = gl.load(idx_row + c, mask=cm, other=-1)
-        ok = gl.convert_layout(cm & (ci >= 0) & (ci < rows), COL_S)
-        sc = _qk(q_smem.index(opaque), mine, ready, C, ph, s_zero)
-        gl.thread_barrier()
-        mbarrier.arrive(free.index(2 * C + 1 - C))  # the other half of my stage: QK done
-        sc = gl.where(ok[None, :], sc * qk_scale, float("-inf"))
-        if C == 0:
-            m_new = gl.maximum(m_i, gl.max(sc, axis=1))
-            m_smem.slice(0, BH).store(m_new)
-            gl.thread_barrier()
-            mbarrier.arrive(m_bar.index(0))
-        else:
-            mbarrier.wait(m_bar.index(0), ph)
-            m_new = gl.maximum(m_smem.slice(0, BH).load(ROW_S), gl.max(sc, axis=1))
-            m_smem.slice(BH, BH).store(m_new)
-            gl.thread_barrier()
-            mbarrier.arrive(m_bar.index(1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(sc - m_safe[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        o = o * gl.convert_layout(alpha, ROW_O)[:, None]
-        pb = p.to(gl.bfloat16)
-        o = warpgroup_mma(gl.convert_layout(pb, P_A), v_mine, o, is_async=True)
-        if C == 0:
-            # consumer 1's max covers both blocks: P and the state move to it
-            mbarrier.wait(m_bar.index(1), ph)
-            m_1 = m_smem.slice(BH, BH).load(ROW_S)
-            m1_safe = gl.where(m_1 == float("-inf"), 0.0, m_1)
-            scale = gl.where(m_new == float("-inf"), 0.0, gl.exp2(m_safe - m1_safe))
-            # (from the bf16 P: the fp32 one is dead once the local PV is issued)
-            p_smem.index(0).store((pb.to(gl.float32) * scale[:, None]).to(gl.bfloat16))
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(p_bar.index(0))
-            o = warpgroup_mma_wait(0, deps=[o])
-            o = o * gl.convert_layout(scale, ROW_O)[:, None]
-            l_i = l_i * scale
-            m_i = m_1
-        else:
-            p_smem.index(1).store(pb)
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(p_bar.index(1))
-            o = warpgroup_mma_wait(0, deps=[o])
-            m_i = m_new
-        gl.thread_barrier()
-        mbarrier.arrive(free.index(2 * C + C))  # my half of my stage: local PV done
-        mbarrier.wait(p_bar.index(1 - C), ph)
-        o = warpgroup_mma(p_smem.index(1 - C), v_other, o, is_async=True)
-        o = warpgroup_mma_wait(0, deps=[o])
-        gl.thread_barrier()
-        mbarrier.arrive(free.index(2 * (1 - C) + C))  # my half of the other stage
+        m_i, l_i, o = _consumer_pair(C, i, i & 1, i == npair - 1, n, idx_row, rows, qk_scale,
+                                     q_smem, ring, p_smem, m_smem, ready, free, m_bar, p_bar,
+                                     q_bar, m_i, l_i, o, False)
 
     # ---- epilogue: the row sums of both consumers -----------------------------------------
     l_smem.slice(BH * C, BH).store(l_i)

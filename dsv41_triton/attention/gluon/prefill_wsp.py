@@ -50,11 +50,10 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
-                                                              warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (mbarrier)
 
 from .common import _finish_rows
-from .prefill_ws import BH, BN, CONSUMER_REGS, NUM_WARPS, _fill, _qk
+from .prefill_ws import BH, BN, CONSUMER_REGS, NUM_WARPS, _consumer_pair, _fill
 
 __all__ = ["NUM_WARPS", "_sparse_mla_prefill_gluon_wsp_kernel"]
 
@@ -128,13 +127,8 @@ def _consumer(C: gl.constexpr, pid, grid, num_items, num_ht, width, len_ptr, len
                                                   instr_shape=[16, 64, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 256, 16])
-    P_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
     ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
     ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
-    COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
-    IL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    cidx = gl.arange(0, BN, layout=IL)
-    s_zero = gl.full([BH, BN], 0.0, gl.float32, layout=S_L)
 
     g = 0
     k = 0
@@ -151,68 +145,9 @@ def _consumer(C: gl.constexpr, pid, grid, num_items, num_ht, width, len_ptr, len
         gl.thread_barrier()
         mbarrier.arrive(q_free, pred=npair == 0)
         for i in range(npair):
-            ph = (g + i) & 1
-            # stage / Q descriptors through an index the compiler cannot fold (0): formed in
-            # the loop instead of hoisted and spilled (as prefill_ws)
-            opaque = i >> 30
-            mine = ring.index(C + opaque)
-            other = ring.index(1 - C + opaque)
-            v_mine = mine.slice(256 * C, 256, dim=1)
-            v_other = other.slice(256 * C, 256, dim=1)
-            c = (2 * i + C) * BN + cidx
-            cm = c < n
-            ci = gl.load(idx_row + c, mask=cm, other=-1)
-            ok = gl.convert_layout(cm & (ci >= 0) & (ci < rows), COL_S)
-            sc = _qk(q_smem.index(opaque), mine, ready, C, ph, s_zero)
-            gl.thread_barrier()
-            mbarrier.arrive(q_free, pred=i == npair - 1)  # the item's last QK: Q free
-            mbarrier.arrive(free.index(2 * C + 1 - C))  # the other half of my stage: QK done
-            sc = gl.where(ok[None, :], sc * qk_scale, float("-inf"))
-            if C == 0:
-                m_new = gl.maximum(m_i, gl.max(sc, axis=1))
-                m_smem.slice(0, BH).store(m_new)
-                gl.thread_barrier()
-                mbarrier.arrive(m_bar.index(0))
-            else:
-                mbarrier.wait(m_bar.index(0), ph)
-                m_new = gl.maximum(m_smem.slice(0, BH).load(ROW_S), gl.max(sc, axis=1))
-                m_smem.slice(BH, BH).store(m_new)
-                gl.thread_barrier()
-                mbarrier.arrive(m_bar.index(1))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(sc - m_safe[:, None])
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            o = o * gl.convert_layout(alpha, ROW_O)[:, None]
-            pb = p.to(gl.bfloat16)
-            o = warpgroup_mma(gl.convert_layout(pb, P_A), v_mine, o, is_async=True)
-            if C == 0:
-                mbarrier.wait(m_bar.index(1), ph)
-                m_1 = m_smem.slice(BH, BH).load(ROW_S)
-                m1_safe = gl.where(m_1 == float("-inf"), 0.0, m_1)
-                scale = gl.where(m_new == float("-inf"), 0.0, gl.exp2(m_safe - m1_safe))
-                p_smem.index(0).store((pb.to(gl.float32) * scale[:, None]).to(gl.bfloat16))
-                fence_async_shared()
-                gl.thread_barrier()
-                mbarrier.arrive(p_bar.index(0))
-                o = warpgroup_mma_wait(0, deps=[o])
-                o = o * gl.convert_layout(scale, ROW_O)[:, None]
-                l_i = l_i * scale
-                m_i = m_1
-            else:
-                p_smem.index(1).store(pb)
-                fence_async_shared()
-                gl.thread_barrier()
-                mbarrier.arrive(p_bar.index(1))
-                o = warpgroup_mma_wait(0, deps=[o])
-                m_i = m_new
-            gl.thread_barrier()
-            mbarrier.arrive(free.index(2 * C + C))  # my half of my stage: local PV done
-            mbarrier.wait(p_bar.index(1 - C), ph)
-            o = warpgroup_mma(p_smem.index(1 - C), v_other, o, is_async=True)
-            o = warpgroup_mma_wait(0, deps=[o])
-            gl.thread_barrier()
-            mbarrier.arrive(free.index(2 * (1 - C) + C))  # my half of the other stage
+            m_i, l_i, o = _consumer_pair(C, i, (g + i) & 1, i == npair - 1, n, idx_row, rows,
+                                         qk_scale, q_smem, ring, p_smem, m_smem, ready, free,
+                                         m_bar, p_bar, q_free, m_i, l_i, o, True)
         g += npair
 
         # ---- the item's rows: both consumers' row sums (buffer k & 1), sink, stores ------
