@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -317,8 +318,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: seconds a rank waits at launch_local's exit barriers for its peers
+EXIT_BARRIER_TIMEOUT_S = 300.0
+
+
 def _spawn_entry(local_rank: int, world_size: int, port: int, fn: Callable, args: tuple,
-                 env: Dict[str, str]) -> None:
+                 env: Dict[str, str], done) -> None:
     os.environ.update(env)
     os.environ.update({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank),
                        "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
@@ -327,23 +332,35 @@ def _spawn_entry(local_rank: int, world_size: int, port: int, fn: Callable, args
     try:
         fn(*args)
         if dist.is_available() and dist.is_initialized():
-            dist.barrier()  # no rank tears its group down while a peer still uses it
-    finally:
+            dist.barrier()
+        # every rank is past its last collective before any tears its group down, and every
+        # group is down before any process exits (a peer's socket closing under a live gloo
+        # group, or gloo's threads met by the interpreter's teardown, abort the process)
+        done.wait(EXIT_BARRIER_TIMEOUT_S)
         shutdown_tp()
+        done.wait(EXIT_BARRIER_TIMEOUT_S)
+    except BaseException:
+        shutdown_tp()
+        raise
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip the interpreter's teardown: fn's results are written, the group is gone
 
 
 def launch_local(fn: Callable, world_size: int, args: tuple = (),
                  env: Optional[Mapping[str, str]] = None) -> None:
     """Run ``fn(*args)`` in ``world_size`` fresh processes on this machine with torchrun's
     environment set (``fn`` then calls :func:`init_tp_from_env`) plus ``env``; raises if any
-    rank fails. ``fn`` must be importable (a module-level function); the default process group
-    is destroyed when it returns."""
+    rank fails. ``fn`` must be importable (a module-level function); when it returns on every
+    rank, the ranks meet, destroy the default process group, meet again and exit (without the
+    interpreter's teardown)."""
     import torch.multiprocessing as mp
 
     if world_size < 1:
         raise ValueError(f"world_size: expected >= 1, got {world_size}")
-    mp.spawn(_spawn_entry, args=(world_size, free_port(), fn, tuple(args), dict(env or {})),
-             nprocs=world_size, join=True)
+    done = mp.get_context("spawn").Barrier(world_size)
+    mp.spawn(_spawn_entry, args=(world_size, free_port(), fn, tuple(args), dict(env or {}),
+                                 done), nprocs=world_size, join=True)
 
 
 __all__ = [
