@@ -229,6 +229,48 @@ def _rows_per_lane_layout(w, nw):
 # device helpers
 # ------------------------------------------------------------------------------------------
 @gluon.jit
+def _alloc_rings(SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
+                 NS: gl.constexpr, SCALE_W: gl.constexpr, GROUP7_TILE: gl.constexpr):
+    """The raw-record ring of ``NS`` stages: ``[NS, 64 keys, 64]`` byte tiles ``r0..r7`` (as many
+    as the record pair needs: 584 7, 528 8, 288 4; the others alias ``r0``), the scale rows
+    ``[NS, 64, SCALE_W]``, the bf16 RoPE tiles ``[NS, 64, 64]`` where 584 records are read (else,
+    with ``GROUP7_TILE``, one ``[1, 64, 64]`` tile for a dequantized group 7, or an alias of the
+    scales) and the slot ids ``[NS, 64]``."""
+    PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    PLAIN1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    USE_584: gl.constexpr = SRC_A == 584 or (HAS_B and SRC_B == 584)
+    USE_528: gl.constexpr = SRC_A == 528 or (HAS_B and SRC_B == 528)
+    NRAW: gl.constexpr = 8 if USE_528 else (7 if USE_584 else 4)
+    r0 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
+    r1 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
+    r2 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
+    r3 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
+    if NRAW > 4:
+        r4 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
+        r5 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
+        r6 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
+    else:
+        r4 = r0
+        r5 = r0
+        r6 = r0
+    if NRAW > 7:
+        r7 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
+    else:
+        r7 = r0
+    scale_ring = gl.allocate_shared_memory(gl.uint8, [NS, 64, SCALE_W], PLAIN2)
+    if USE_584:
+        rope_ring = gl.allocate_shared_memory(gl.bfloat16, [NS, 64, 64], KL)
+    elif GROUP7_TILE:
+        # one stage suffices: group 7 is rewritten only after the block's products are done
+        rope_ring = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], KL)
+    else:
+        rope_ring = scale_ring  # never written: only 584 records copy a RoPE tail
+    idx_ring = gl.allocate_shared_memory(gl.int32, [NS, 64], PLAIN1)
+    return r0, r1, r2, r3, r4, r5, r6, r7, scale_ring, rope_ring, idx_ring
+
+
+@gluon.jit
 def _load_idx(k, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b, hi_b, b_rows,
               HAS_B: gl.constexpr, L: gl.constexpr):
     """Slot ids of block ``k`` ([BN] int32 in ``L``), ``-1`` where a key is not read."""
@@ -608,8 +650,6 @@ def _sparse_mla_decode_gluon_kernel(
     L16: gl.constexpr = _copy_layout(16, NW)
     LI: gl.constexpr = gl.SliceLayout(1, L16)
     LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-    PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    PLAIN1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, 64], gl.bfloat16)
     KDT: gl.constexpr = gl.float16 if F16 else gl.bfloat16
@@ -626,37 +666,10 @@ def _sparse_mla_decode_gluon_kernel(
     t = (rest // num_splits).to(gl.int64)
 
     # ---- shared memory ----------------------------------------------------------------
-    # raw byte tiles per stage the record pair needs (584: 7, 528: 8, 288: 4), the scale tile
-    # as wide as the widest scale row (16 or 32 bytes), the RoPE ring only where 584 records
-    # are read
     USE_584: gl.constexpr = SRC_A == 584 or (HAS_B and SRC_B == 584)
-    USE_528: gl.constexpr = SRC_A == 528 or (HAS_B and SRC_B == 528)
     USE_288: gl.constexpr = SRC_A == 288 or (HAS_B and SRC_B == 288)
-    NRAW: gl.constexpr = 8 if USE_528 else (7 if USE_584 else 4)
-    r0 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
-    r1 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
-    r2 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
-    r3 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
-    if NRAW > 4:
-        r4 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
-        r5 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
-        r6 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
-    else:
-        r4 = r0
-        r5 = r0
-        r6 = r0
-    if NRAW > 7:
-        r7 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
-    else:
-        r7 = r0
-    scale_ring = gl.allocate_shared_memory(gl.uint8, [NS, 64, 32 if USE_288 else 16], PLAIN2)
-    if USE_584:
-        rope_ring = gl.allocate_shared_memory(gl.bfloat16, [NS, 64, 64], KL)
-    else:
-        # 528/288 only: group 7 is dequantized into this [64, 64] 16-bit tile (one stage
-        # suffices: it is rewritten only after the block's products are done)
-        rope_ring = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], KL)
-    idx_ring = gl.allocate_shared_memory(gl.int32, [NS, 64], PLAIN1)
+    r0, r1, r2, r3, r4, r5, r6, r7, scale_ring, rope_ring, idx_ring = _alloc_rings(
+        SRC_A, SRC_B, HAS_B, NS, 32 if USE_288 else 16, True)
     k0 = gl.allocate_shared_memory(KDT, [64, 64], KL)
     k1 = gl.allocate_shared_memory(KDT, [64, 64], KL)
     k2 = gl.allocate_shared_memory(KDT, [64, 64], KL)

@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .common import _finish_rows
-from .decode import _copy_layout, _dequant_group, _issue, _key_ranges, _load_idx
+from .decode import _alloc_rings, _copy_layout, _dequant_group, _issue, _key_ranges, _load_idx
 
 #: heads per CTA (the wgmma M)
 BH = gl.constexpr(64)
@@ -93,43 +93,6 @@ def _thread_sums(p):
     sum of its own 8 keys (no data movement: in that layout key = warpgroup * 32 + 8 * i +
     2 * (lane % 4) + e with ``i``, ``e`` register bits)."""
     return gl.sum(gl.sum(gl.reshape(p, [64, 2, 4, 4, 2]), axis=4), axis=2)
-
-
-@gluon.jit
-def _alloc_rings(SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
-                 NS: gl.constexpr):
-    """The raw-record ring of ``NS`` stages: ``[NS, 64 keys, 64]`` byte tiles ``r0..r7`` (as many
-    as the record pair needs: 584 7, 528 8, 288 4; the others alias ``r0``), the scale rows, the
-    bf16 RoPE tiles (584 only, else an alias of the scales) and the slot ids ``[NS, 64]``."""
-    PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    PLAIN1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
-    USE_584: gl.constexpr = SRC_A == 584 or (HAS_B and SRC_B == 584)
-    USE_528: gl.constexpr = SRC_A == 528 or (HAS_B and SRC_B == 528)
-    NRAW: gl.constexpr = 8 if USE_528 else (7 if USE_584 else 4)
-    r0 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
-    r1 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
-    r2 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
-    r3 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
-    if NRAW > 4:
-        r4 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
-        r5 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
-        r6 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
-    else:
-        r4 = r0
-        r5 = r0
-        r6 = r0
-    if NRAW > 7:
-        r7 = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
-    else:
-        r7 = r0
-    scale_ring = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], PLAIN2)
-    if USE_584:
-        rope_ring = gl.allocate_shared_memory(gl.bfloat16, [NS, 64, 64], KL)
-    else:
-        rope_ring = scale_ring  # never written: only 584 records copy a RoPE tail
-    idx_ring = gl.allocate_shared_memory(gl.int32, [NS, 64], PLAIN1)
-    return r0, r1, r2, r3, r4, r5, r6, r7, scale_ring, rope_ring, idx_ring
 
 
 @gluon.jit
@@ -231,7 +194,7 @@ def _sparse_mla_decode_heads_kernel(
 
     # ---- shared memory ----------------------------------------------------------------
     r0, r1, r2, r3, r4, r5, r6, r7, scale_ring, rope_ring, idx_ring = _alloc_rings(
-        SRC_A, SRC_B, HAS_B, NS)
+        SRC_A, SRC_B, HAS_B, NS, 64, False)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 512], WL)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 512], WL)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], KL)

@@ -27,8 +27,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .decode import _copy_keys, _copy_layout, _key_ranges, _load_idx
-from .decode_heads import (BH, NW, _alloc_rings, _dequant_keys, _heads_epilogue, _qk_softmax,
+from .decode import _alloc_rings, _copy_keys, _copy_layout, _key_ranges, _load_idx
+from .decode_heads import (BH, NW, _dequant_keys, _heads_epilogue, _qk_softmax,
                            _thread_sums)
 
 #: warps of the producer partition (a worker; the kernel's own 8 warps are the consumers)
@@ -141,7 +141,7 @@ def _sparse_mla_decode_heads_ws_kernel(
     t = (rest // num_splits).to(gl.int64)
 
     r0, r1, r2, r3, r4, r5, r6, r7, scale_ring, rope_ring, idx_ring = _alloc_rings(
-        SRC_A, SRC_B, HAS_B, NS)
+        SRC_A, SRC_B, HAS_B, NS, 64, False)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 512], WL)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 512], WL)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], KL)
