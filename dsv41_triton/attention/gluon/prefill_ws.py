@@ -58,21 +58,28 @@ def _producer(q_ptr, stride_qt, stride_qh, kv_ptr, kv_stride, rows, idx_ptr, idx
     npair = gl.cdiv(n, 2 * BN)
     r = gl.arange(0, BN, layout=gl.SliceLayout(1, LC))
     for i in range(npair):
-        ph = (i & 1) ^ 1
-        c0 = (2 * i) * BN + r
-        ok0 = c0 < n
-        ix0 = gl.load(idx_row + c0, mask=ok0, other=-1).to(gl.int64)
-        ok0 = ok0 & (ix0 >= 0) & (ix0 < rows)
-        off0 = gl.multiple_of(gl.where(ok0, ix0 * kv_stride, 0), 8)
-        c1 = (2 * i + 1) * BN + r
-        ok1 = c1 < n
-        ix1 = gl.load(idx_row + c1, mask=ok1, other=-1).to(gl.int64)
-        ok1 = ok1 & (ix1 >= 0) & (ix1 < rows)
-        off1 = gl.multiple_of(gl.where(ok1, ix1 * kv_stride, 0), 8)
-        _fill(kv_ptr, off0, ok0, d, ring, ready, free, 0, 0, ph)
-        _fill(kv_ptr, off1, ok1, d, ring, ready, free, 1, 1, ph)
-        _fill(kv_ptr, off0, ok0, d, ring, ready, free, 0, 1, ph)
-        _fill(kv_ptr, off1, ok1, d, ring, ready, free, 1, 0, ph)
+        _fill_pair(kv_ptr, kv_stride, rows, idx_row, n, i, r, d, ring, ready, free, (i & 1) ^ 1)
+
+
+@gluon.jit
+def _fill_pair(kv_ptr, kv_stride, rows, idx_row, n, i, r, d, ring, ready, free, ph):
+    """Block pair ``i``'s rows (columns ``128 i ..`` of ``idx_row``; ``r``: the block's 64 row
+    offsets) into ring stages 0 and 1 in the order their halves free up: (0, 0), (1, 1), (0, 1),
+    (1, 0); ``ph``: the ``free`` phase to wait for."""
+    c0 = (2 * i) * BN + r
+    ok0 = c0 < n
+    ix0 = gl.load(idx_row + c0, mask=ok0, other=-1).to(gl.int64)
+    ok0 = ok0 & (ix0 >= 0) & (ix0 < rows)
+    off0 = gl.multiple_of(gl.where(ok0, ix0 * kv_stride, 0), 8)
+    c1 = (2 * i + 1) * BN + r
+    ok1 = c1 < n
+    ix1 = gl.load(idx_row + c1, mask=ok1, other=-1).to(gl.int64)
+    ok1 = ok1 & (ix1 >= 0) & (ix1 < rows)
+    off1 = gl.multiple_of(gl.where(ok1, ix1 * kv_stride, 0), 8)
+    _fill(kv_ptr, off0, ok0, d, ring, ready, free, 0, 0, ph)
+    _fill(kv_ptr, off1, ok1, d, ring, ready, free, 1, 1, ph)
+    _fill(kv_ptr, off0, ok0, d, ring, ready, free, 0, 1, ph)
+    _fill(kv_ptr, off1, ok1, d, ring, ready, free, 1, 0, ph)
 
 
 @gluon.jit

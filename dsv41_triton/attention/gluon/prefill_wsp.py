@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (mbarrier)
 
 from .common import _finish_rows
-from .prefill_ws import BH, BN, CONSUMER_REGS, NUM_WARPS, _consumer_pair, _fill
+from .prefill_ws import BH, BN, CONSUMER_REGS, NUM_WARPS, _consumer_pair, _fill_pair
 
 __all__ = ["NUM_WARPS", "_sparse_mla_prefill_gluon_wsp_kernel"]
 
@@ -96,21 +96,8 @@ def _producer(pid, grid, num_items, num_ht, width, len_ptr, len_st, q_ptr, strid
         idx_row = idx_ptr + t * idx_st
         npair = gl.cdiv(n, 2 * BN)
         for i in range(npair):
-            ph = ((g + i) & 1) ^ 1
-            c0 = (2 * i) * BN + r
-            ok0 = c0 < n
-            ix0 = gl.load(idx_row + c0, mask=ok0, other=-1).to(gl.int64)
-            ok0 = ok0 & (ix0 >= 0) & (ix0 < rows)
-            off0 = gl.multiple_of(gl.where(ok0, ix0 * kv_stride, 0), 8)
-            c1 = (2 * i + 1) * BN + r
-            ok1 = c1 < n
-            ix1 = gl.load(idx_row + c1, mask=ok1, other=-1).to(gl.int64)
-            ok1 = ok1 & (ix1 >= 0) & (ix1 < rows)
-            off1 = gl.multiple_of(gl.where(ok1, ix1 * kv_stride, 0), 8)
-            _fill(kv_ptr, off0, ok0, d, ring, ready, free, 0, 0, ph)
-            _fill(kv_ptr, off1, ok1, d, ring, ready, free, 1, 1, ph)
-            _fill(kv_ptr, off0, ok0, d, ring, ready, free, 0, 1, ph)
-            _fill(kv_ptr, off1, ok1, d, ring, ready, free, 1, 0, ph)
+            _fill_pair(kv_ptr, kv_stride, rows, idx_row, n, i, r, d, ring, ready, free,
+                       ((g + i) & 1) ^ 1)
         g += npair
         k += 1
 
