@@ -199,6 +199,36 @@ def _consumer_pair(C: gl.constexpr, i, ph, last, n, idx_row, rows, qk_scale, q_s
 
 
 @gluon.jit
+def _consumer_rows(C: gl.constexpr, l_i, m_i, o, t, ht, H, sink_ptr, sink_st, out_ptr, stride_ot,
+                   stride_oh, lse_ptr, stride_lt, stride_lh, l_buf, l_mine, l_other, ph,
+                   HAS_SINK: gl.constexpr):
+    """Consumer ``C``'s rows of one (token ``t``, head tile ``ht``): its row sums handed to the
+    other consumer through ``l_buf`` (``[2 * BH]`` fp32; ``l_mine`` / ``l_other``: the two
+    mbarriers, ``ph`` the other's phase), the sink (``_finish_rows``), lse (consumer 0) and its
+    256 value dims of the output."""
+    ROW_S: gl.constexpr = gl.SliceLayout(1, gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
+    O_L: gl.constexpr = o.type.layout
+    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+    l_buf.slice(BH * C, BH).store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(l_mine)
+    mbarrier.wait(l_other, ph)
+    l_tot = l_i + l_buf.slice(BH * (1 - C), BH).load(ROW_S)
+    h = ht * BH + gl.arange(0, BH, layout=ROW_S)
+    hmask = h < H
+    h64 = h.to(gl.int64)
+    inv, lse = _finish_rows(l_tot, m_i, h64, hmask, sink_ptr, sink_st, HAS_SINK)
+    if C == 0:
+        gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
+    ho = ht * BH + gl.arange(0, BH, layout=ROW_O)
+    do = 256 * C + gl.arange(0, 256, layout=gl.SliceLayout(0, O_L))
+    v = (o * gl.convert_layout(inv, ROW_O)[:, None]).to(gl.bfloat16)
+    op = out_ptr + t * stride_ot + ho.to(gl.int64)[:, None] * stride_oh + do[None, :]
+    gl.store(op, v, mask=(ho < H)[:, None], cache_modifier=".cs")
+
+
+@gluon.jit
 def _consumer(C: gl.constexpr, idx_ptr, idx_st, n, rows, t, ht, H, qk_scale,
               sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
               q_smem, ring, p_smem, m_smem, l_smem, q_bar, ready, free, m_bar, p_bar, l_bar,
@@ -212,7 +242,6 @@ def _consumer(C: gl.constexpr, idx_ptr, idx_st, n, rows, t, ht, H, qk_scale,
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 256, 16])
     ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
-    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
     idx_row = idx_ptr + t * idx_st
     npair = gl.cdiv(n, 2 * BN)
 
@@ -226,23 +255,9 @@ def _consumer(C: gl.constexpr, idx_ptr, idx_st, n, rows, t, ht, H, qk_scale,
                                      q_smem, ring, p_smem, m_smem, ready, free, m_bar, p_bar,
                                      q_bar, m_i, l_i, o, False)
 
-    # ---- epilogue: the row sums of both consumers -----------------------------------------
-    l_smem.slice(BH * C, BH).store(l_i)
-    gl.thread_barrier()
-    mbarrier.arrive(l_bar.index(C))
-    mbarrier.wait(l_bar.index(1 - C), 0)
-    l_tot = l_i + l_smem.slice(BH * (1 - C), BH).load(ROW_S)
-    h = ht * BH + gl.arange(0, BH, layout=ROW_S)
-    hmask = h < H
-    h64 = h.to(gl.int64)
-    inv, lse = _finish_rows(l_tot, m_i, h64, hmask, sink_ptr, sink_st, HAS_SINK)
-    if C == 0:
-        gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
-    ho = ht * BH + gl.arange(0, BH, layout=ROW_O)
-    do = 256 * C + gl.arange(0, 256, layout=gl.SliceLayout(0, O_L))
-    v = (o * gl.convert_layout(inv, ROW_O)[:, None]).to(gl.bfloat16)
-    op = out_ptr + t * stride_ot + ho.to(gl.int64)[:, None] * stride_oh + do[None, :]
-    gl.store(op, v, mask=(ho < H)[:, None], cache_modifier=".cs")
+    _consumer_rows(C, l_i, m_i, o, t, ht, H, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh,
+                   lse_ptr, stride_lt, stride_lh, l_smem, l_bar.index(C), l_bar.index(1 - C),
+                   0, HAS_SINK)
 
 
 @gluon.jit

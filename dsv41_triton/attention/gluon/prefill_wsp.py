@@ -52,8 +52,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (mbarrier)
 
-from .common import _finish_rows
-from .prefill_ws import BH, BN, CONSUMER_REGS, NUM_WARPS, _consumer_pair, _fill_pair
+from .prefill_ws import (BH, BN, CONSUMER_REGS, NUM_WARPS, _consumer_pair, _consumer_rows,
+                         _fill_pair)
 
 __all__ = ["NUM_WARPS", "_sparse_mla_prefill_gluon_wsp_kernel"]
 
@@ -115,7 +115,6 @@ def _consumer(C: gl.constexpr, pid, grid, num_items, num_ht, width, len_ptr, len
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 256, 16])
     ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
-    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
 
     g = 0
     k = 0
@@ -139,22 +138,10 @@ def _consumer(C: gl.constexpr, pid, grid, num_items, num_ht, width, len_ptr, len
 
         # ---- the item's rows: both consumers' row sums (buffer k & 1), sink, stores ------
         lb = k & 1
-        l_smem.index(lb).slice(BH * C, BH).store(l_i)
-        gl.thread_barrier()
-        mbarrier.arrive(l_bar.index(2 * lb + C))
-        mbarrier.wait(l_bar.index(2 * lb + 1 - C), (k >> 1) & 1)
-        l_tot = l_i + l_smem.index(lb).slice(BH * (1 - C), BH).load(ROW_S)
-        h = ht * BH + gl.arange(0, BH, layout=ROW_S)
-        hmask = h < H
-        h64 = h.to(gl.int64)
-        inv, lse = _finish_rows(l_tot, m_i, h64, hmask, sink_ptr, sink_st, HAS_SINK)
-        if C == 0:
-            gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
-        ho = ht * BH + gl.arange(0, BH, layout=ROW_O)
-        do = 256 * C + gl.arange(0, 256, layout=gl.SliceLayout(0, O_L))
-        v = (o * gl.convert_layout(inv, ROW_O)[:, None]).to(gl.bfloat16)
-        op = out_ptr + t * stride_ot + ho.to(gl.int64)[:, None] * stride_oh + do[None, :]
-        gl.store(op, v, mask=(ho < H)[:, None], cache_modifier=".cs")
+        _consumer_rows(C, l_i, m_i, o, t, ht, H, sink_ptr, sink_st, out_ptr, stride_ot,
+                       stride_oh, lse_ptr, stride_lt, stride_lh, l_smem.index(lb),
+                       l_bar.index(2 * lb + C), l_bar.index(2 * lb + 1 - C), (k >> 1) & 1,
+                       HAS_SINK)
         k += 1
 
 
