@@ -229,6 +229,15 @@ def _rows_per_lane_layout(w, nw):
 # device helpers
 # ------------------------------------------------------------------------------------------
 @gluon.jit
+def _program_ids(num_ht, num_splits):
+    """This CTA's (head tile, key split, token) of a grid ``T * num_splits * num_ht`` (head
+    tile fastest, then split, then token; the token as int64)."""
+    pid = gl.program_id(0)
+    rest = pid // num_ht
+    return pid % num_ht, rest % num_splits, (rest // num_splits).to(gl.int64)
+
+
+@gluon.jit
 def _alloc_rings(SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
                  NS: gl.constexpr, SCALE_W: gl.constexpr, GROUP7_TILE: gl.constexpr):
     """The raw-record ring of ``NS`` stages: ``[NS, 64 keys, 64]`` byte tiles ``r0..r7`` (as many
@@ -659,11 +668,7 @@ def _sparse_mla_decode_gluon_kernel(
         gl.static_assert(ALL584 or (SRC_A != 584 and ((not HAS_B) or SRC_B != 584)),
                          "F16: 584 records mixed with 528/288 records are not supported")
 
-    pid = gl.program_id(0)
-    ht = pid % num_ht
-    rest = pid // num_ht
-    split = rest % num_splits
-    t = (rest // num_splits).to(gl.int64)
+    ht, split, t = _program_ids(num_ht, num_splits)
 
     # ---- shared memory ----------------------------------------------------------------
     USE_584: gl.constexpr = SRC_A == 584 or (HAS_B and SRC_B == 584)

@@ -35,7 +35,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .common import _finish_rows
-from .decode import _alloc_rings, _copy_layout, _dequant_group, _issue, _key_ranges, _load_idx
+from .decode import (_alloc_rings, _copy_layout, _dequant_group, _issue, _key_ranges, _load_idx,
+                     _program_ids)
 
 #: heads per CTA (the wgmma M)
 BH = gl.constexpr(64)
@@ -93,6 +94,21 @@ def _thread_sums(p):
     sum of its own 8 keys (no data movement: in that layout key = warpgroup * 32 + 8 * i +
     2 * (lane % 4) + e with ``i``, ``e`` register bits)."""
     return gl.sum(gl.sum(gl.reshape(p, [64, 2, 4, 4, 2]), axis=4), axis=2)
+
+
+@gluon.jit
+def _alloc_tiles():
+    """The bf16 key tile ``[64 keys, 512]``, Q ``[64 heads, 512]`` (NVMMA-swizzled), P ``[64,
+    64]`` and the two warpgroups' row maxima of S ``[64, 2]`` fp32 (one exchange, one barrier
+    per block)."""
+    PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    WL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 512], WL)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 512], WL)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], KL)
+    mx_smem = gl.allocate_shared_memory(gl.float32, [BH, 2], PLAIN2)
+    return k_smem, q_smem, p_smem, mx_smem
 
 
 @gluon.jit
@@ -182,24 +198,12 @@ def _sparse_mla_decode_heads_kernel(
     L16: gl.constexpr = _copy_layout(16, NW)
     LI: gl.constexpr = gl.SliceLayout(1, L16)
     LB: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NW, 1], [1, 0])
-    PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
-    WL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16)
-
-    pid = gl.program_id(0)
-    ht = pid % num_ht
-    rest = pid // num_ht
-    split = rest % num_splits
-    t = (rest // num_splits).to(gl.int64)
+    ht, split, t = _program_ids(num_ht, num_splits)
 
     # ---- shared memory ----------------------------------------------------------------
     r0, r1, r2, r3, r4, r5, r6, r7, scale_ring, rope_ring, idx_ring = _alloc_rings(
         SRC_A, SRC_B, HAS_B, NS, 64, False)
-    k_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 512], WL)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 512], WL)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], KL)
-    # the two warpgroups' row maxima of S (one exchange, one barrier per block)
-    mx_smem = gl.allocate_shared_memory(gl.float32, [BH, 2], PLAIN2)
+    k_smem, q_smem, p_smem, mx_smem = _alloc_tiles()
 
     # ---- this program's column ranges ---------------------------------------------------
     lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _key_ranges(

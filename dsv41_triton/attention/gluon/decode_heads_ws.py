@@ -27,8 +27,9 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .decode import _alloc_rings, _copy_keys, _copy_layout, _key_ranges, _load_idx
-from .decode_heads import (BH, NW, _dequant_keys, _heads_epilogue, _qk_softmax,
+from .decode import (_alloc_rings, _copy_keys, _copy_layout, _key_ranges, _load_idx,
+                     _program_ids)
+from .decode_heads import (BH, NW, _alloc_tiles, _dequant_keys, _heads_epilogue, _qk_softmax,
                            _thread_sums)
 
 #: warps of the producer partition (a worker; the kernel's own 8 warps are the consumers)
@@ -130,22 +131,11 @@ def _sparse_mla_decode_heads_ws_kernel(
     """Grid ``T * num_splits * num_ht`` (head tile of 64 fastest, then split, then token);
     launch with ``num_warps=NW`` (8 consumer warps; the producer's ``PRODUCER_WARPS`` run
     besides). Arguments as ``decode_heads._sparse_mla_decode_heads_kernel``'s."""
-    WL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16)
-    KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
-    PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-
-    pid = gl.program_id(0)
-    ht = pid % num_ht
-    rest = pid // num_ht
-    split = rest % num_splits
-    t = (rest // num_splits).to(gl.int64)
+    ht, split, t = _program_ids(num_ht, num_splits)
 
     r0, r1, r2, r3, r4, r5, r6, r7, scale_ring, rope_ring, idx_ring = _alloc_rings(
         SRC_A, SRC_B, HAS_B, NS, 64, False)
-    k_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 512], WL)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 512], WL)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], KL)
-    mx_smem = gl.allocate_shared_memory(gl.float32, [BH, 2], PLAIN2)
+    k_smem, q_smem, p_smem, mx_smem = _alloc_tiles()
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NS):
