@@ -155,38 +155,19 @@ mul.rn.f16x2 $1, t1, $4;
 # (sign, 3 magnitude bits) is an fp16 bit pattern once its magnitude bits sit at bits 9..11 and
 # its sign at bit 15: the value * 2**-14 (code 1 is the subnormal 0.5 * 2**-14); the 2**14 is
 # in the scale. prmt puts b and b >> 4 into the two halves, two shifts and two masks do the rest.
-_E2M1_F16_ASM = gl.constexpr("""{
-.reg .b32 w4, t, m, s;
-shr.b32 w4, $4, 4;
-prmt.b32 t, $4, w4, 0x0400;
-shl.b32 m, t, 9;
-shl.b32 s, t, 12;
-and.b32 m, m, 0x0E000E00;
-and.b32 s, s, 0x80008000;
-or.b32 t, m, s;
-mul.rn.f16x2 $0, t, $5;
-prmt.b32 t, $4, w4, 0x1511;
-shl.b32 m, t, 9;
-shl.b32 s, t, 12;
-and.b32 m, m, 0x0E000E00;
-and.b32 s, s, 0x80008000;
-or.b32 t, m, s;
-mul.rn.f16x2 $1, t, $5;
-prmt.b32 t, $4, w4, 0x2622;
-shl.b32 m, t, 9;
-shl.b32 s, t, 12;
-and.b32 m, m, 0x0E000E00;
-and.b32 s, s, 0x80008000;
-or.b32 t, m, s;
-mul.rn.f16x2 $2, t, $6;
-prmt.b32 t, $4, w4, 0x3733;
-shl.b32 m, t, 9;
-shl.b32 s, t, 12;
-and.b32 m, m, 0x0E000E00;
-and.b32 s, s, 0x80008000;
-or.b32 t, m, s;
-mul.rn.f16x2 $3, t, $6;
-}""")
+def _e2m1_f16_asm() -> str:
+    """The PTX of ``_E2M1_F16_ASM``: per byte ``b0..b3``, its ``prmt`` selector (the byte and
+    its high nibble into the two halves), its result and its scale operand."""
+    lines = ["{", ".reg .b32 w4, t, m, s;", "shr.b32 w4, $4, 4;"]
+    for sel, out, scale in (("0x0400", 0, 5), ("0x1511", 1, 5), ("0x2622", 2, 6),
+                            ("0x3733", 3, 6)):
+        lines += [f"prmt.b32 t, $4, w4, {sel};", "shl.b32 m, t, 9;", "shl.b32 s, t, 12;",
+                  "and.b32 m, m, 0x0E000E00;", "and.b32 s, s, 0x80008000;", "or.b32 t, m, s;",
+                  f"mul.rn.f16x2 ${out}, t, ${scale};"]
+    return "\n".join(lines + ["}"])
+
+
+_E2M1_F16_ASM = gl.constexpr(_e2m1_f16_asm())
 
 #: F16: the exponent an e2m1 block counts as (its tiles hold ``value * 2**-14 * scale``)
 E2M1_EXP = gl.constexpr(141)
