@@ -208,6 +208,54 @@ def _check(args, out=None, scale=None):
     return o, lse
 
 
+def _empty_rows_case(device, T, H, swa_rec, extra_rec, sink="rand"):
+    """``_case`` with token 0 of len 0 and, for ``T > 1``, token 1 of only ``-1`` and token 2
+    of only slots past the cache (``_check_empty_rows``)."""
+    args = _case(device, T, H, swa_rec, extra_rec, sink=sink)
+    args["swa_lens"][0] = 0
+    args["extra_lens"][0] = 0
+    if T > 1:
+        args["swa_indices"][1] = -1
+        args["extra_indices"][1] = -1
+        args["swa_indices"][2] = 10 ** 6
+        args["extra_indices"][2] = 10 ** 7
+    return args
+
+
+def _check_empty_rows(args):
+    """``_check`` of an ``_empty_rows_case``: its rows without keys are 0 with lse +inf."""
+    T = args["q"].shape[0]
+    o, lse = _check(args)
+    assert (o[0] == 0).all() and torch.isinf(lse[0]).all() and (lse[0] > 0).all()
+    if T > 1:
+        assert (o[1:3] == 0).all() and torch.isinf(lse[1:3]).all()
+    return o, lse
+
+
+def _check_layouts(device, H, K, swa_rec, extra_rec):
+    """Padded block stride, 4-D cache view, odd page size (5), strided q/out, int64 window
+    ids, 3 tokens of ``H`` heads and ``K`` extra keys; nothing outside the owned rows of the
+    poisoned output is written."""
+    T, page = 3, 5
+    fmt = get_record_format(swa_rec)
+    ca = random_k_cache(7, page, swa_rec, device,
+                        block_stride=fmt.block_bytes(page) + 576 * 2)
+    cb = random_k_cache(11, page, extra_rec, device)
+    ia = _slots(T, 19, 7 * page, device).long()
+    ib = _slots(T, K, 11 * page, device)
+    la = torch.tensor([19, 3, 11], dtype=torch.int32, device=device)
+    qbig = torch.randn(T, 2 * H, 1024).to(torch.bfloat16).to(device)
+    q = qbig[:, ::2, 256:768]
+    obig = poison_(torch.empty(T, H + 2, 600, dtype=torch.bfloat16, device=device))
+    out = obig[:, 1:H + 1, 50:562]
+    args = dict(q=q, swa_cache=ca.unsqueeze(2), swa_indices=ia, swa_lens=la, extra_cache=cb,
+                extra_indices=ib, extra_lens=None, attn_sink=torch.randn(H, device=device))
+    _check(args, out=out)
+    _check(args, out=out, scale=0.01)
+    assert torch.isnan(obig[:, 0]).all() and torch.isnan(obig[:, H + 1]).all()
+    assert torch.isnan(obig[:, :, :50]).all() and torch.isnan(obig[:, :, 562:]).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("H", [1, 3, 8, 16, 32, 64, 128])
 @pytest.mark.parametrize("swa_rec,extra_rec", PAIRS)
@@ -238,18 +286,7 @@ def test_gluon_sinks_gpu(device, sink, T):
 def test_gluon_empty_rows_gpu(device, T):
     """Rows with len 0, rows of only -1, rows whose every slot is past the cache."""
     _need_gluon_gpu()
-    args = _case(device, T, 8, 584, 528)
-    args["swa_lens"][0] = 0
-    args["extra_lens"][0] = 0
-    if T > 1:
-        args["swa_indices"][1] = -1
-        args["extra_indices"][1] = -1
-        args["swa_indices"][2] = 10 ** 6
-        args["extra_indices"][2] = 10 ** 7
-    o, lse = _check(args)
-    assert (o[0] == 0).all() and torch.isinf(lse[0]).all() and (lse[0] > 0).all()
-    if T > 1:
-        assert (o[1:3] == 0).all() and torch.isinf(lse[1:3]).all()
+    _check_empty_rows(_empty_rows_case(device, T, 8, 584, 528))
 
 
 @pytest.mark.gpu
@@ -257,24 +294,7 @@ def test_gluon_layouts_gpu(device, swa_rec=584, extra_rec=288):
     """Padded block stride, 4-D cache view, odd page size, strided q/out, int64 indices;
     nothing outside the owned rows is written."""
     _need_gluon_gpu()
-    T, H, page = 3, 3, 5
-    fmt = get_record_format(swa_rec)
-    ca = random_k_cache(7, page, swa_rec, device,
-                        block_stride=fmt.block_bytes(page) + 576 * 2)
-    cb = random_k_cache(11, page, extra_rec, device)
-    ia = _slots(T, 19, 7 * page, device).long()
-    ib = _slots(T, 33, 11 * page, device)
-    la = torch.tensor([19, 3, 11], dtype=torch.int32, device=device)
-    qbig = torch.randn(T, 2 * H, 1024).to(torch.bfloat16).to(device)
-    q = qbig[:, ::2, 256:768]
-    obig = poison_(torch.empty(T, H + 2, 600, dtype=torch.bfloat16, device=device))
-    out = obig[:, 1:H + 1, 50:562]
-    args = dict(q=q, swa_cache=ca.unsqueeze(2), swa_indices=ia, swa_lens=la, extra_cache=cb,
-                extra_indices=ib, extra_lens=None, attn_sink=torch.randn(H, device=device))
-    _check(args, out=out)
-    _check(args, out=out, scale=0.01)
-    assert torch.isnan(obig[:, 0]).all() and torch.isnan(obig[:, H + 1]).all()
-    assert torch.isnan(obig[:, :, :50]).all() and torch.isnan(obig[:, :, 562:]).all()
+    _check_layouts(device, 3, 33, swa_rec, extra_rec)
 
 
 @pytest.mark.gpu
@@ -377,16 +397,7 @@ def test_gluon_one_stage_edges_gpu(device, monkeypatch, shape, T, swa_rec, extra
     V4.1 widths."""
     _need_gluon_gpu()
     monkeypatch.setenv("DSV41_GLUON_SHAPE", shape)
-    args = _case(device, T, 8, swa_rec, extra_rec, sink="-inf")
-    args["swa_lens"][0] = 0
-    args["extra_lens"][0] = 0
-    if T > 1:
-        args["swa_indices"][1] = -1
-        args["extra_indices"][1] = -1
-        args["swa_indices"][2] = 10 ** 6
-        args["extra_indices"][2] = 10 ** 7
-    o, lse = _check(args)
-    assert (o[0] == 0).all() and torch.isinf(lse[0]).all() and (lse[0] > 0).all()
+    _check_empty_rows(_empty_rows_case(device, T, 8, swa_rec, extra_rec, sink="-inf"))
     _check(_v41(device, T, 8, swa_rec, extra_rec))
 
 
@@ -499,18 +510,7 @@ def test_gluon_f16_nan_sink_gpu(device, f16_shape, monkeypatch, splits, swa_rec,
 def test_gluon_f16_empty_rows_gpu(device, f16_shape, T, swa_rec, extra_rec):
     """len 0, only -1, only slots past the cache: out 0, lse +inf."""
     _need_gluon_gpu()
-    args = _case(device, T, 8, swa_rec, extra_rec)
-    args["swa_lens"][0] = 0
-    args["extra_lens"][0] = 0
-    if T > 1:
-        args["swa_indices"][1] = -1
-        args["extra_indices"][1] = -1
-        args["swa_indices"][2] = 10 ** 6
-        args["extra_indices"][2] = 10 ** 7
-    o, lse = _check(args)
-    assert (o[0] == 0).all() and torch.isinf(lse[0]).all() and (lse[0] > 0).all()
-    if T > 1:
-        assert (o[1:3] == 0).all() and torch.isinf(lse[1:3]).all()
+    _check_empty_rows(_empty_rows_case(device, T, 8, swa_rec, extra_rec))
 
 
 @pytest.mark.gpu
