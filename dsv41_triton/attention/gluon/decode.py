@@ -509,10 +509,11 @@ def _qk_f16(k0, k1, k2, k3, k4, k5, k6, k7, rope_s, q16, q_r, zero, cq, qk_scale
 
 
 @gluon.jit
-def _pv_f16(k0, k1, k2, k3, k4, k5, k6, k7, rope_s, p16, p_r, o0, o1, o2, o3, o4, o5, o6, o7,
-            alpha, ROPE: gl.constexpr):
-    """``O^T_g = O^T_g * alpha + K_g^T P^T`` (fp16 ``P``; with ``ROPE`` group 7 is the bf16 RoPE
-    tile against the bf16 ``P * 2**(127 - R)``)."""
+def _pv(k0, k1, k2, k3, k4, k5, k6, k7, rope_s, p16, p_r, o0, o1, o2, o3, o4, o5, o6, o7,
+        alpha, ROPE: gl.constexpr):
+    """``O^T_g = O^T_g * alpha + K_g^T P^T`` for the 8 groups, waited (``P`` in ``p16``, bf16 or
+    fp16 as the key tiles; with ``ROPE`` group 7 is the bf16 RoPE tile ``rope_s`` against the
+    bf16 ``P * 2**(127 - R)`` in ``p_r``, else ``k7`` against ``p16``)."""
     pT = p16.permute((1, 0))
     o0 = warpgroup_mma(k0.permute((1, 0)), pT, o0 * alpha[None, :], is_async=True)
     o1 = warpgroup_mma(k1.permute((1, 0)), pT, o1 * alpha[None, :], is_async=True)
@@ -823,9 +824,9 @@ def _sparse_mla_decode_gluon_kernel(
             fence_async_shared()
             gl.thread_barrier()
             alpha = alpha * _exp2i(r_old - R)
-            o0, o1, o2, o3, o4, o5, o6, o7 = _pv_f16(k0, k1, k2, k3, k4, k5, k6, k7, g7,
-                                                     p_smem, p_r, o0, o1, o2, o3, o4, o5, o6, o7,
-                                                     alpha, ALL584)
+            o0, o1, o2, o3, o4, o5, o6, o7 = _pv(k0, k1, k2, k3, k4, k5, k6, k7, g7, p_smem,
+                                                 p_r, o0, o1, o2, o3, o4, o5, o6, o7, alpha,
+                                                 ALL584)
             gl.thread_barrier()
         else:
             # S^T = K Q^T  [64 keys, BH]
@@ -854,24 +855,9 @@ def _sparse_mla_decode_gluon_kernel(
             gl.thread_barrier()
 
             # O^T_g = O^T_g * alpha + K_g^T P^T
-            pT = p_smem.permute((1, 0))
-            o0 = warpgroup_mma(k0.permute((1, 0)), pT, o0 * alpha[None, :],
-                               is_async=True)
-            o1 = warpgroup_mma(k1.permute((1, 0)), pT, o1 * alpha[None, :],
-                               is_async=True)
-            o2 = warpgroup_mma(k2.permute((1, 0)), pT, o2 * alpha[None, :],
-                               is_async=True)
-            o3 = warpgroup_mma(k3.permute((1, 0)), pT, o3 * alpha[None, :],
-                               is_async=True)
-            o4 = warpgroup_mma(k4.permute((1, 0)), pT, o4 * alpha[None, :],
-                               is_async=True)
-            o5 = warpgroup_mma(k5.permute((1, 0)), pT, o5 * alpha[None, :],
-                               is_async=True)
-            o6 = warpgroup_mma(k6.permute((1, 0)), pT, o6 * alpha[None, :],
-                               is_async=True)
-            o7 = warpgroup_mma(g7.permute((1, 0)), pT, o7 * alpha[None, :], is_async=True)
-            o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(
-                0, deps=[o0, o1, o2, o3, o4, o5, o6, o7])
+            o0, o1, o2, o3, o4, o5, o6, o7 = _pv(k0, k1, k2, k3, k4, k5, k6, g7, g7, p_smem,
+                                                 p_smem, o0, o1, o2, o3, o4, o5, o6, o7, alpha,
+                                                 False)
             gl.thread_barrier()
     cp.wait_group(0)
     l_i = gl.sum(l_part, axis=0)
