@@ -29,7 +29,7 @@ def _need_gluon_gpu():
     if not gluon_pkg.AVAILABLE:
         pytest.skip(f"gluon kernels unavailable: {gluon_pkg.REASON}")
     if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon decode kernel targets sm_90")
+        pytest.skip("the Gluon kernels target sm_90")
 
 
 # --------------------------------------------------------------------------------------------
@@ -208,6 +208,20 @@ def _check(args, out=None, scale=None):
     return o, lse
 
 
+def _hostile_case(device, H):
+    """4 tokens of ``H`` heads (528 window, 288 extra keys, 2 blocks of 64 slots each) whose slot
+    ids are INT32_MAX / INT32_MIN / one past the last slot / 10**9 in places, window lens past
+    the width and negative."""
+    args = _case(device, 4, H, 528, 288, Ws=70, K=90, page=64, nb_a=2, nb_b=2)
+    ia, ib = args["swa_indices"], args["extra_indices"]
+    ia[:, ::3] = 2 ** 31 - 1
+    ia[:, 1::5] = -(2 ** 31)
+    ib[:, ::4] = 2 * 64  # exactly one past the last slot
+    ib[:, 2::7] = 10 ** 9
+    args["swa_lens"][:] = torch.tensor([70, 10 ** 6, -5, 33], dtype=torch.int32)
+    return args
+
+
 def _empty_rows_case(device, T, H, swa_rec, extra_rec, sink="rand"):
     """``_case`` with token 0 of len 0 and, for ``T > 1``, token 1 of only ``-1`` and token 2
     of only slots past the cache (``_check_empty_rows``)."""
@@ -325,14 +339,7 @@ def test_gluon_hostile_indices_gpu(device, monkeypatch, shape):
     _need_gluon_gpu()
     if shape:
         monkeypatch.setenv("DSV41_GLUON_SHAPE", shape)
-    args = _case(device, 4, 3, 528, 288, Ws=70, K=90, page=64, nb_a=2, nb_b=2)
-    ia, ib = args["swa_indices"], args["extra_indices"]
-    ia[:, ::3] = 2 ** 31 - 1
-    ia[:, 1::5] = -(2 ** 31)
-    ib[:, ::4] = 2 * 64  # exactly one past the last slot
-    ib[:, 2::7] = 10 ** 9
-    args["swa_lens"][:] = torch.tensor([70, 10 ** 6, -5, 33], dtype=torch.int32)
-    _check(args)
+    _check(_hostile_case(device, 3))
 
 
 @pytest.mark.gpu

@@ -22,7 +22,7 @@ from dsv41_triton.attention.ref import sparse_mla_decode_ref
 from dsv41_triton.testing import (assert_graph_replay, large_offset_decode_case, max_abs_err,
                                   poison_, rel_err)
 from test_decode_gluon import (GRAPH_INPUTS, LSE_TOL, OUT_TOL, PAIRS, _case, _check,
-                               _check_empty_rows, _check_layouts, _empty_rows_case,
+                               _check_empty_rows, _check_layouts, _empty_rows_case, _hostile_case,
                                _need_gluon_gpu, _v41)
 
 SHAPE = "8:64:2"
@@ -226,14 +226,7 @@ def test_gluon_heads_cuda_graph_gpu(device, heads_kernel, T, H, swa_rec, extra_r
 def test_gluon_heads_hostile_indices_gpu(device, heads_kernel):
     """Slot ids far past the cache, INT32_MAX/MIN, lens past the width and negative."""
     _need_gluon_gpu()
-    args = _case(device, 4, 64, 528, 288, Ws=70, K=90, page=64, nb_a=2, nb_b=2)
-    ia, ib = args["swa_indices"], args["extra_indices"]
-    ia[:, ::3] = 2 ** 31 - 1
-    ia[:, 1::5] = -(2 ** 31)
-    ib[:, ::4] = 2 * 64  # exactly one past the last slot
-    ib[:, 2::7] = 10 ** 9
-    args["swa_lens"][:] = torch.tensor([70, 10 ** 6, -5, 33], dtype=torch.int32)
-    _check(args)
+    _check(_hostile_case(device, 64))
 
 
 @pytest.mark.gpu

@@ -16,6 +16,7 @@ from dsv41_triton.attention import gluon as gluon_pkg
 from dsv41_triton.attention.prefill import sparse_mla_prefill
 from dsv41_triton.attention.ref import sparse_mla_prefill_ref
 from dsv41_triton.testing import assert_graph_replay, max_abs_err, poison_, rel_err
+from test_decode_gluon import _need_gluon_gpu
 
 OUT_TOL = 1e-2
 LSE_TOL = 1e-3
@@ -33,15 +34,6 @@ def pin(request, monkeypatch):
     if request.param != "table":
         monkeypatch.setenv(pl.VARIANT_ENV, request.param)
     return request.param
-
-
-def _need_gluon_gpu():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    if not gluon_pkg.AVAILABLE:
-        pytest.skip(f"gluon kernels unavailable: {gluon_pkg.REASON}")
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon prefill kernel targets sm_90")
 
 
 # --------------------------------------------------------------------------------------------
