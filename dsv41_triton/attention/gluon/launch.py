@@ -161,9 +161,9 @@ def pick(T: int, H: int, a, b, device: torch.device) -> bool:
     return table_shape(T, H, a, b, device) is not None
 
 
-#: launch-shape override for benchmarks: keys block_h, num_warps, stages, f16, variant and
-#: splits (absent = default); DSV41_GLUON_SHAPE="num_warps:block_h:stages[:x]" (0 = default)
-#: sets all but splits from the environment
+#: launch-shape override for benchmarks: keys block_h, num_warps, stages, f16 and variant
+#: (absent = default); DSV41_GLUON_SHAPE="num_warps:block_h:stages[:x]" (0 = default) sets it
+#: from the environment
 OVERRIDE = {}
 
 
@@ -187,12 +187,16 @@ def parse_shape(text: str) -> dict:
     return out
 
 
-def default_shape(T: int, H: int, total_width: int, slots: int, num_warps: int = 4):
-    """(block_h, num_splits): head tiles of 8/16/32 heads (at least 16 with 8 warps); splits
-    fill at most one wave of ``slots`` resident CTAs (``ctas_per_sm`` times the SMs)."""
+def default_block_h(H: int, num_warps: int = 4) -> int:
+    """Head tiles of 8/16/32 heads (at least 16 with 8 warps: 8 per warpgroup)."""
     bh = 8 if H <= 8 else 16 if H <= 16 else 32
-    if num_warps == 8:
-        bh = max(bh, 16)
+    return max(bh, 16) if num_warps == 8 else bh
+
+
+def default_shape(T: int, H: int, total_width: int, slots: int, num_warps: int = 4):
+    """(block_h, num_splits): ``default_block_h``; splits fill at most one wave of ``slots``
+    resident CTAs (``ctas_per_sm`` times the SMs)."""
+    bh = default_block_h(H, num_warps)
     return bh, default_splits(T, cdiv(H, bh), total_width, slots)
 
 
@@ -237,7 +241,7 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
             or parse_shape(table_shape(T, H, a, b, q.device) or ""))
     nw = num_warps or over.get("num_warps") or 4
     stages = stages or over.get("stages") or 3
-    bh = block_h or over.get("block_h") or default_shape(T, H, width, 1, nw)[0]
+    bh = block_h or over.get("block_h") or default_block_h(H, nw)
     slots = _sms(q.device) * ctas_per_sm(stages, nw, bh, a, b)
     ns = default_shape(T, H, width, slots, nw)[1]
     bb = b if b is not None else a
@@ -248,7 +252,7 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
         # producer partition besides), two ring stages (shared memory)
         nw, stages = 8, 2
         n_ht = cdiv(H, 64)
-        ns = num_splits or over.get("splits") or default_splits(T, n_ht, width, _sms(q.device))
+        ns = num_splits or default_splits(T, n_ht, width, _sms(q.device))
         args, po, pl, sink_arg, sink_st = kernel_args(q, a, b, sink, out, lse, ns)
         overlap = HEADS_VARIANTS.get(over.get("variant"), HEADS_OVERLAP)
         grid = (T * ns * n_ht,)
@@ -267,7 +271,7 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
     else:
         if nw == 8:
             bh = max(bh, 16)  # two warpgroups split the heads: at least 8 each
-        ns = num_splits or over.get("splits") or ns
+        ns = num_splits or ns
         f16 = bool(over.get("f16", False)) if f16 is None else f16
         f16 = f16 and f16_supported(a, b)
         n_ht = cdiv(H, bh)
@@ -280,7 +284,7 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
         merge_splits(po, pl, sink, sink_arg, sink_st, out, lse, ns, sw=False)
 
 
-__all__ = ["PICK", "ENV", "OVERRIDE", "usable", "pick", "launch", "default_shape",
-           "default_splits", "HEADS_SHAPE", "HEADS_WS_SHAPE", "HEADS_OVERLAP", "HEADS_VARIANTS",
-           "f16_supported", "heads_bucket", "tokens_bucket", "table_shape", "parse_shape",
+__all__ = ["PICK", "ENV", "OVERRIDE", "usable", "pick", "launch", "default_block_h",
+           "default_shape", "default_splits", "HEADS_SHAPE", "HEADS_WS_SHAPE", "HEADS_OVERLAP",
+           "HEADS_VARIANTS", "f16_supported", "heads_bucket", "tokens_bucket", "table_shape", "parse_shape",
            "TESTED_SHAPES", "ctas_per_sm"]
