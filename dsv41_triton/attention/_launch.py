@@ -3,6 +3,8 @@ kernel of ``_sparse_kernel.py``, then the split merge of ``_merge_kernel.py`` wh
 Launch shapes come from ``_configs.py``."""
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -10,10 +12,12 @@ import torch
 
 from .._utils import HEAD_DIM, cdiv, is_interpreter, next_power_of_2
 from ._configs import MIN_BLOCK_N_GPU, KernelConfig, default_config
-from ._merge_kernel import _merge_kernel
+from ._merge_kernel import HAS_GDC, _merge_kernel
 from ._sparse_kernel import SRC_BF16, SRC_BYTES, _sparse_mla_fwd_grouped_kernel
 
 LOG2E = 1.4426950408889634
+#: DSV41_PDL=0 turns the programmatic dependent launch of the split merge off (benchmarks)
+PDL_ENV = "DSV41_PDL"
 
 #: the last attention launch's compiled kernel and config (for benchmarks: registers, spills)
 LAST_LAUNCH = {}
@@ -67,12 +71,13 @@ def launch(q: torch.Tensor, a: KeySet, b: Optional[KeySet], sink: Optional[torch
               HAS_LEN_B=bb.lens is not None, HAS_SINK=sink is not None,
               SPLIT=ns > 1, BH=bh, BN=cfg.block_n, DOT_F32=interp, SW=interp,
               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    pdl = ns > 1 and pdl_enabled(q.device)
     k = _sparse_mla_fwd_grouped_kernel[grid](*args, PAGE_LOG2_A=_page_log2(a.page),
                                              PAGE_LOG2_B=_page_log2(bb.page),
-                                             LAZY=cfg.lazy_rescale, **kw)
+                                             LAZY=cfg.lazy_rescale, PDL=pdl, **kw)
     LAST_LAUNCH["fwd"] = (k, cfg)
     if ns > 1:
-        merge_splits(po, pl, sink, sink_arg, sink_st, out, lse, ns, sw=interp)
+        merge_splits(po, pl, sink, sink_arg, sink_st, out, lse, ns, sw=interp, pdl=pdl)
 
 
 def kernel_args(q: torch.Tensor, a: KeySet, b: Optional[KeySet], sink: Optional[torch.Tensor],
@@ -109,16 +114,39 @@ def kernel_args(q: torch.Tensor, a: KeySet, b: Optional[KeySet], sink: Optional[
     return args, po, pl, sink_arg, sink_st
 
 
-def merge_splits(po, pl, sink, sink_arg, sink_st, out, lse, ns: int, sw: bool) -> None:
-    """Merge ``ns`` split partials into ``out``/``lse`` and apply the sink (one launch)."""
+@functools.lru_cache(maxsize=16)
+def _pdl_capable(device: torch.device) -> bool:
+    return (HAS_GDC and device.type == "cuda" and not torch.version.hip
+            and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether the ``tl`` split kernel's merge is a programmatic dependent launch (sm_90+,
+    CUDA, a Triton with ``gdc_wait``; not in the interpreter; ``DSV41_PDL=0`` turns it off):
+    the split kernel triggers it at its start, so the merge's launch overlaps the split
+    kernel (H200: 0.5-0.8 us less at T = 1; the Gluon split kernels measured 0.7-1.0 us
+    slower with it, so they launch the merge plainly)."""
+    return (not is_interpreter() and os.environ.get(PDL_ENV, "1") != "0"
+            and _pdl_capable(device))
+
+
+def merge_splits(po, pl, sink, sink_arg, sink_st, out, lse, ns: int, sw: bool,
+                 pdl: bool = False) -> None:
+    """Merge ``ns`` split partials into ``out``/``lse`` and apply the sink (one launch;
+    ``pdl``: a programmatic dependent launch of the split kernel just launched, which triggers
+    it)."""
     T, H = out.shape[0], out.shape[1]
     mbh = min(16, next_power_of_2(H))
     m_ht = cdiv(H, mbh)
-    _merge_kernel[(T * m_ht,)](
+    nsp = max(2, next_power_of_2(ns))
+    # value dims per program: all splits' [nsp, mbh, dc] partials in <= 8192 fp32 registers
+    dc = max(16, min(128, 8192 // (nsp * mbh)))
+    extra = dict(launch_pdl=True) if pdl else {}
+    _merge_kernel[(T * m_ht * (HEAD_DIM // dc),)](
         po, pl, sink_arg, sink_st, out, out.stride(0), out.stride(1),
         lse, lse.stride(0), lse.stride(1), H, ns, m_ht,
-        NSP=max(2, next_power_of_2(ns)), BH=mbh,
-        HAS_SINK=sink is not None, SW=sw, num_warps=4,
+        NSP=nsp, BH=mbh, HAS_SINK=sink is not None, SW=sw, DC=dc, PDL=pdl, num_warps=4,
+        **extra,
     )
 
 

@@ -6,26 +6,43 @@ import triton.language as tl
 
 from ..ops._codecs import f32_to_bf16
 
+try:  # programmatic dependent launch (Triton >= 3.4): the merge waits on the split kernel
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    HAS_GDC = True
+except ImportError:  # pragma: no cover - older Triton: launches stay stream-ordered
+    gdc_launch_dependents = gdc_wait = None
+    HAS_GDC = False
+
 
 @triton.jit
 def _merge_kernel(po_ptr, pl_ptr, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh,
                   lse_ptr, stride_lt, stride_lh, H, num_splits, num_ht,
                   NSP: tl.constexpr, BH: tl.constexpr, HAS_SINK: tl.constexpr,
-                  SW: tl.constexpr):
+                  SW: tl.constexpr, DC: tl.constexpr, PDL: tl.constexpr = False):
     """Combine split partials: ``po [T, NS, H, 512]`` (each normalized by its own sum) and
     ``pl [T, NS, H]`` (log2-sum-exp, -inf = empty) -> out bf16, lse fp32 (natural log), with
     the sink in the denominator. Empty rows: out 0 (NaN under a NaN sink), lse +inf; a NaN
-    partial: NaN. Grid ``T * num_ht``."""
+    partial: NaN. Grid ``T * num_ht * (512 // DC)``: one program per (token, head tile, ``DC``
+    value dims), all splits loaded at once (one round trip). ``PDL``: launched as a
+    programmatic dependent of the split kernel; it waits for that grid (and its writes) before
+    reading the partials."""
     pid = tl.program_id(0)
-    ht = pid % num_ht
-    t = (pid // num_ht).to(tl.int64)
+    dc = pid % (512 // DC)
+    rest = pid // (512 // DC)
+    ht = rest % num_ht
+    t = (rest // num_ht).to(tl.int64)
     h = ht * BH + tl.arange(0, BH)
     hmask = h < H
     h64 = h.to(tl.int64)
     sp = tl.arange(0, NSP)
+    d = dc * DC + tl.arange(0, DC)
     lrow = (t * num_splits + sp[:, None]) * H + h64[None, :]
-    lse2 = tl.load(pl_ptr + lrow, mask=(sp[:, None] < num_splits) & hmask[None, :],
-                   other=float("-inf"))
+    smask = (sp[:, None] < num_splits) & hmask[None, :]
+    if PDL:
+        gdc_wait()
+    lse2 = tl.load(pl_ptr + lrow, mask=smask, other=float("-inf"))
+    o = tl.load(po_ptr + lrow[:, :, None] * 512 + d[None, None, :], mask=smask[:, :, None],
+                other=0.0)
     m = tl.max(lse2, 0)
     # a NaN partial makes the row NaN (the GPU max would skip it)
     m = tl.where(tl.sum((lse2 != lse2).to(tl.int32), 0) > 0, float("nan"), m)
@@ -41,17 +58,10 @@ def _merge_kernel(po_ptr, pl_ptr, sink_ptr, sink_st, out_ptr, stride_ot, stride_
         inv = tl.where(has, 1.0 / den, tl.where(sink != sink, float("nan"), 0.0))
     else:
         inv = tl.where(has, 1.0 / den, 0.0)
-    d = tl.arange(0, 512)
-    acc = tl.zeros([BH, 512], tl.float32)
-    for s in range(num_splits):
-        prow = (t * num_splits + s) * H + h64
-        ls = tl.load(pl_ptr + prow, mask=hmask, other=float("-inf"))
-        ws = tl.exp2(ls - m_safe)
-        o = tl.load(po_ptr + prow[:, None] * 512 + d[None, :], mask=hmask[:, None], other=0.0)
-        acc += ws[:, None] * o
+    acc = tl.sum(w[:, :, None] * o, 0)
     o = f32_to_bf16(acc * inv[:, None], SW)
     tl.store(out_ptr + t * stride_ot + h64[:, None] * stride_oh + d[None, :], o,
              mask=hmask[:, None])
     lse = tl.where(has, (m + tl.log2(tl.where(has, l_sum, 1.0))) * 0.6931471805599453,
                    float("inf"))
-    tl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
+    tl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask & (h * 0 + dc == 0))

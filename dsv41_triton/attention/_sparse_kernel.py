@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from ..ops._codecs import e4m3_bits_to_f32, exp2_int, f32_to_bf16
+from ._merge_kernel import gdc_launch_dependents
 
 SRC_BF16 = 0
 #: SRC -> (data_bytes, scale_bytes); bf16 rows have neither
@@ -276,6 +277,7 @@ def _sparse_mla_fwd_grouped_kernel(
     HAS_SINK: tl.constexpr, SPLIT: tl.constexpr,
     BH: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr, SW: tl.constexpr,
     PAGE_LOG2_A: tl.constexpr, PAGE_LOG2_B: tl.constexpr, LAZY: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid: ``T * num_splits * num_ht`` programs (head tile fastest, then split, then token).
 
@@ -283,7 +285,10 @@ def _sparse_mla_fwd_grouped_kernel(
     ``[T, width]`` (int32/int64), lens ``[T]``; out ``[T, H, 512]`` bf16, lse ``[T, H]`` fp32
     (not SPLIT) or partials ``po [T, NS, H, 512]`` / ``pl [T, NS, H]`` fp32 (log2 domain).
     Eight ``[BH, 64]`` accumulators and Q pieces, eight ``[BN, 64]`` key pieces per step.
+    ``PDL``: lets the split merge (a programmatic dependent launch) start its launch now.
     """
+    if PDL:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     ht = pid % num_ht
     rest = pid // num_ht

@@ -374,6 +374,29 @@ def test_decode_gpu_configs(device, cand, splits, swa_rec, extra_rec):
     _check(_v41_case(device, 19, 40, extra_rec, swa_rec=swa_rec), cfg)
 
 
+def test_split_merge_pdl_off_without_gpu():
+    """The programmatic dependent launch of the split merge is never used on the CPU or in
+    the interpreter (it needs sm_90+ and griddepcontrol)."""
+    from dsv41_triton.attention._launch import pdl_enabled
+    assert not pdl_enabled(torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H,splits", [(1, 64, 10), (7, 8, 3), (33, 40, 20)])
+def test_decode_split_merge_pdl_gpu(device, monkeypatch, T, H, splits):
+    """The tl split kernel with its merge as a programmatic dependent launch (the sm_90
+    default) gives the same bits as the stream-ordered merge (``DSV41_PDL=0``), and matches
+    the reference."""
+    from dsv41_triton.attention._launch import PDL_ENV
+    args = _v41_case(device, T, H)
+    cfg = KernelConfig(16, 64, splits, 4, 2)
+    monkeypatch.setenv(PDL_ENV, "0")
+    o0, l0 = (x.clone() for x in _check(args, cfg)[:2])
+    monkeypatch.setenv(PDL_ENV, "1")
+    o1, l1 = _check(args, cfg)[:2]
+    assert torch.equal(o0, o1) and torch.equal(l0, l1)
+
+
 @pytest.mark.gpu
 def test_decode_small_block_refused_gpu(device):
     args = _case(device, 2, 8)
