@@ -100,12 +100,13 @@ def test_gluon_pick_table():
     for cap, table in gl_launch.PICK.items():
         assert isinstance(cap, tuple) and len(cap) == 2
         for (hb, sa, sb, tb), shape in table.items():
-            assert hb in (8, 16, 32, 64, 128) and tb in (7, 32, 128, 1 << 30)
+            assert hb in (8, 16, 32, 64, 128) and tb in (1, 7, 32, 128, 1 << 30)
             assert sa in (584, 528) and sb in (584, 528, 288, 0)
             assert shape in gl_launch.TESTED_SHAPES, shape
             assert set(gl_launch.parse_shape(shape)) <= {"num_warps", "block_h", "stages",
                                                          "f16", "variant"}
     assert gl_launch.heads_bucket(8) == 8 and gl_launch.heads_bucket(9) == 16
+    assert gl_launch.tokens_bucket(1) == 1 and gl_launch.tokens_bucket(2) == 7
     assert gl_launch.tokens_bucket(7) == 7 and gl_launch.tokens_bucket(8) == 32
     assert gl_launch.tokens_bucket(32) == 32 and gl_launch.tokens_bucket(129) == 1 << 30
     assert gl_launch.parse_shape("8:16:3") == {"num_warps": 8, "block_h": 16, "stages": 3}

@@ -40,7 +40,7 @@ HEADS_VARIANTS = {1: False, 2: True, 3: "ws"}
 #: bucket): launch shape "num_warps:block_h:stages[:h|:b|:1|:2]" (0 = default; ":h" = fp16 wgmma
 #: operands of the few-heads kernel, its ``F16``; ":1"/":2" the many-heads kernel's serial /
 #: overlapped dequant)}. Heads buckets: 8 (H <= 8), 16, 32, 64, 128 (larger); tokens buckets:
-#: 7 (T <= 7), 32 (8..32), 128, 1 << 30. Only shapes where a Gluon kernel measured faster than
+#: 1, 7 (2..7), 32 (8..32), 128, 1 << 30. Only shapes where a Gluon kernel measured faster than
 #: the tl kernel and the other Gluon variants on the H200 are listed (perf/NOTES.md, "Gluon
 #: decode for Hopper", "Gluon decode, many heads", "Gluon decode, fp16 operands (few heads)");
 #: a missing key means the tl kernel.
@@ -67,7 +67,16 @@ PICK = {
     # (HEADS_WS_SHAPE) vs the serial one (HEADS_SHAPE), 584+584: 64 h T=128 / 512 53.7 / 187.8
     # vs 56.2 / 197.0, 128 h T=128 100.5 vs 103.0 (64 h 528+288 T=128: 58.0 vs 56.6, T=1 20.5 vs
     # 19.9: serial stays).
+    # One token (session 5, tl with its merge as a programmatic dependent launch, one run,
+    # us): 64 h 584+584 T=1 4:8:3:h 16.7 vs tl 17.5 (4:8:3 17.3, 4:16:2 19.1, 4:0:3:h 21.6;
+    # at T=2 / 7 4:8:3:h loses: 22.2 / 38.2 vs tl 18.4 / 26.7); 64 h 528+288 T=1 16.8 vs 17.9;
+    # 16 h 584+584 T=1 16.1 vs 17.4; 128 h T=1: tl (18.3 vs 22.1).
     (9, 0): {
+        (8, 584, 584, 1): "4:0:3:h",
+        (8, 528, 288, 1): "4:0:3:h",
+        (16, 584, 584, 1): "4:8:3:h",
+        (64, 584, 584, 1): "4:8:3:h",
+        (64, 528, 288, 1): "4:8:3:h",
         (8, 584, 584, 7): "4:0:3:h",
         (8, 584, 584, 32): "4:0:3:h",
         (8, 584, 584, 128): "4:0:1",
@@ -125,7 +134,8 @@ def heads_bucket(H: int, beyond: int = 128) -> int:
 
 
 def tokens_bucket(T: int) -> int:
-    return 7 if T <= 7 else 32 if T <= 32 else 128 if T <= 128 else 1 << 30
+    """The pick table's tokens bucket: 1, 7 (2..7), 32, 128 or ``1 << 30``."""
+    return 1 if T <= 1 else 7 if T <= 7 else 32 if T <= 32 else 128 if T <= 128 else 1 << 30
 
 
 def usable(q: torch.Tensor, a, b) -> bool:
