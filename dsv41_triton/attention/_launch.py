@@ -18,6 +18,12 @@ from ._sparse_kernel import SRC_BF16, SRC_BYTES, _sparse_mla_fwd_grouped_kernel
 LOG2E = 1.4426950408889634
 #: DSV41_PDL=0 turns the programmatic dependent launch of the split merge off (benchmarks)
 PDL_ENV = "DSV41_PDL"
+#: a split merge of at most this many (token, head tile) programs is latency-bound: it loads
+#: every split's partial at once over value-dim chunks, and follows the tl split kernel as a
+#: programmatic dependent launch. H200 (one run, us): 64 h T=1 auto 16.8 -> 14.1, tl 18.7 ->
+#: 15.3; 8 h T=1 13.9 -> 12.8. With 128 programs (8 h T=128) both lost (Gluon 39.2 -> 41.4,
+#: tl 41.6 -> 48.0), so larger merges keep the loop over splits and the plain launch.
+SMALL_MERGE = 16
 
 #: the last attention launch's compiled kernel and config (for benchmarks: registers, spills)
 LAST_LAUNCH = {}
@@ -71,7 +77,7 @@ def launch(q: torch.Tensor, a: KeySet, b: Optional[KeySet], sink: Optional[torch
               HAS_LEN_B=bb.lens is not None, HAS_SINK=sink is not None,
               SPLIT=ns > 1, BH=bh, BN=cfg.block_n, DOT_F32=interp, SW=interp,
               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    pdl = ns > 1 and pdl_enabled(q.device)
+    pdl = ns > 1 and small_merge(T, H) and pdl_enabled(q.device)
     k = _sparse_mla_fwd_grouped_kernel[grid](*args, PAGE_LOG2_A=_page_log2(a.page),
                                              PAGE_LOG2_B=_page_log2(bb.page),
                                              LAZY=cfg.lazy_rescale, PDL=pdl, **kw)
@@ -124,10 +130,21 @@ def pdl_enabled(device: torch.device) -> bool:
     """Whether the ``tl`` split kernel's merge is a programmatic dependent launch (sm_90+,
     CUDA, a Triton with ``gdc_wait``; not in the interpreter; ``DSV41_PDL=0`` turns it off):
     the split kernel triggers it at its start, so the merge's launch overlaps the split
-    kernel (H200: 0.5-0.8 us less at T = 1; the Gluon split kernels measured 0.7-1.0 us
-    slower with it, so they launch the merge plainly)."""
+    kernel (used for ``small_merge`` launches: H200 0.5-0.8 us less at T = 1, 0.7 us more at 8
+    heads T = 128; the Gluon split kernels measured 0.3-1.0 us slower with it, so they launch
+    the merge plainly)."""
     return (not is_interpreter() and os.environ.get(PDL_ENV, "1") != "0"
             and _pdl_capable(device))
+
+
+def _merge_head_tile(H: int) -> int:
+    return min(16, next_power_of_2(H))
+
+
+def small_merge(T: int, H: int) -> bool:
+    """Whether the split merge of ``T`` tokens x ``H`` heads has at most ``SMALL_MERGE``
+    (token, head tile) programs."""
+    return T * cdiv(H, _merge_head_tile(H)) <= SMALL_MERGE
 
 
 def merge_splits(po, pl, sink, sink_arg, sink_st, out, lse, ns: int, sw: bool,
@@ -136,11 +153,12 @@ def merge_splits(po, pl, sink, sink_arg, sink_st, out, lse, ns: int, sw: bool,
     ``pdl``: a programmatic dependent launch of the split kernel just launched, which triggers
     it)."""
     T, H = out.shape[0], out.shape[1]
-    mbh = min(16, next_power_of_2(H))
+    mbh = _merge_head_tile(H)
     m_ht = cdiv(H, mbh)
     nsp = max(2, next_power_of_2(ns))
-    # value dims per program: all splits' [nsp, mbh, dc] partials in <= 8192 fp32 registers
-    dc = max(16, min(128, 8192 // (nsp * mbh)))
+    # a small merge: value-dim chunks with all splits' [nsp, mbh, dc] partials in <= 8192
+    # fp32 registers; else one program per (token, head tile) looping over the splits
+    dc = max(16, min(128, 8192 // (nsp * mbh))) if small_merge(T, H) else HEAD_DIM
     extra = dict(launch_pdl=True) if pdl else {}
     _merge_kernel[(T * m_ht * (HEAD_DIM // dc),)](
         po, pl, sink_arg, sink_st, out, out.stride(0), out.stride(1),

@@ -18,12 +18,13 @@ except ImportError:  # pragma: no cover - older Triton: launches stay stream-ord
 def _merge_kernel(po_ptr, pl_ptr, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh,
                   lse_ptr, stride_lt, stride_lh, H, num_splits, num_ht,
                   NSP: tl.constexpr, BH: tl.constexpr, HAS_SINK: tl.constexpr,
-                  SW: tl.constexpr, DC: tl.constexpr, PDL: tl.constexpr = False):
+                  SW: tl.constexpr, DC: tl.constexpr = 512, PDL: tl.constexpr = False):
     """Combine split partials: ``po [T, NS, H, 512]`` (each normalized by its own sum) and
     ``pl [T, NS, H]`` (log2-sum-exp, -inf = empty) -> out bf16, lse fp32 (natural log), with
     the sink in the denominator. Empty rows: out 0 (NaN under a NaN sink), lse +inf; a NaN
     partial: NaN. Grid ``T * num_ht * (512 // DC)``: one program per (token, head tile, ``DC``
-    value dims), all splits loaded at once (one round trip). ``PDL``: launched as a
+    value dims); ``DC`` 512 loops over the splits, a smaller ``DC`` loads every split's
+    partial at once (one round trip: for launches of few programs). ``PDL``: launched as a
     programmatic dependent of the split kernel; it waits for that grid (and its writes) before
     reading the partials."""
     pid = tl.program_id(0)
@@ -41,8 +42,9 @@ def _merge_kernel(po_ptr, pl_ptr, sink_ptr, sink_st, out_ptr, stride_ot, stride_
     if PDL:
         gdc_wait()
     lse2 = tl.load(pl_ptr + lrow, mask=smask, other=float("-inf"))
-    o = tl.load(po_ptr + lrow[:, :, None] * 512 + d[None, None, :], mask=smask[:, :, None],
-                other=0.0)
+    if DC < 512:
+        o_all = tl.load(po_ptr + lrow[:, :, None] * 512 + d[None, None, :],
+                        mask=smask[:, :, None], other=0.0)
     m = tl.max(lse2, 0)
     # a NaN partial makes the row NaN (the GPU max would skip it)
     m = tl.where(tl.sum((lse2 != lse2).to(tl.int32), 0) > 0, float("nan"), m)
@@ -58,7 +60,17 @@ def _merge_kernel(po_ptr, pl_ptr, sink_ptr, sink_st, out_ptr, stride_ot, stride_
         inv = tl.where(has, 1.0 / den, tl.where(sink != sink, float("nan"), 0.0))
     else:
         inv = tl.where(has, 1.0 / den, 0.0)
-    acc = tl.sum(w[:, :, None] * o, 0)
+    if DC < 512:
+        acc = tl.sum(w[:, :, None] * o_all, 0)
+    else:
+        acc = tl.zeros([BH, DC], tl.float32)
+        for s in range(num_splits):
+            prow = (t * num_splits + s) * H + h64
+            ls = tl.load(pl_ptr + prow, mask=hmask, other=float("-inf"))
+            ws = tl.exp2(ls - m_safe)
+            o = tl.load(po_ptr + prow[:, None] * 512 + d[None, :], mask=hmask[:, None],
+                        other=0.0)
+            acc += ws[:, None] * o
     o = f32_to_bf16(acc * inv[:, None], SW)
     tl.store(out_ptr + t * stride_ot + h64[:, None] * stride_oh + d[None, :], o,
              mask=hmask[:, None])

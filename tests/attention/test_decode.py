@@ -85,6 +85,17 @@ def test_decode_record_pairs_splits(device, H, swa_rec, extra_rec, splits, lazy)
     _check(args, KernelConfig(16, BN, splits, lazy_rescale=lazy))
 
 
+@pytest.mark.parametrize("T,H,splits", [(1, 33, 5), (16, 1, 3), (17, 1, 3), (9, 20, 2)])
+def test_decode_split_merge_forms(device, T, H, splits):
+    """Both forms of the split merge: all splits' partials at once over value-dim chunks (at
+    most ``SMALL_MERGE`` token x head-tile programs) and the loop over the splits (more);
+    T=16 / 17 at one head sit on either side of the boundary."""
+    from dsv41_triton.attention._launch import SMALL_MERGE, small_merge
+    assert small_merge(16, 1) and not small_merge(17, 1) and SMALL_MERGE == 16
+    assert small_merge(1, 33) and not small_merge(9, 20)
+    _check(_case(device, T, H, Ws=37, K=45), KernelConfig(16, BN, splits))
+
+
 @pytest.mark.parametrize("splits", [1, 2])
 def test_decode_lazy_rescale_growing_max(device, splits):
     """Lazy rescale on sharp logits (std of ~40 in log2 units: row maxima jump by more than
