@@ -76,4 +76,6 @@ def _merge_kernel(po_ptr, pl_ptr, sink_ptr, sink_st, out_ptr, stride_ot, stride_
              mask=hmask[:, None])
     lse = tl.where(has, (m + tl.log2(tl.where(has, l_sum, 1.0))) * 0.6931471805599453,
                    float("inf"))
+    # lse once per row, by the first value-dim chunk (a tensor mask: the interpreter refuses a
+    # scalar term in it)
     tl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask & (h * 0 + dc == 0))
