@@ -509,6 +509,19 @@ def _qk_f16(k0, k1, k2, k3, k4, k5, k6, k7, rope_s, q16, q_r, zero, cq, qk_scale
 
 
 @gluon.jit
+def _online_softmax(sT, ok, m_i, l_part):
+    """One key block's online-softmax step on the swap-AB logits ``sT [64 keys, BH]`` (scaled,
+    log2 domain; ``ok [64]``: the keys that count): ``(p, alpha, m_new, l_part)`` with the
+    running max ``m_i [BH]`` and the per-key partial sums ``l_part [64, BH]`` rescaled."""
+    sT = gl.where(ok[:, None], sT, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(sT, axis=0))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(sT - m_safe[None, :])
+    return p, alpha, m_new, l_part * alpha[None, :] + p
+
+
+@gluon.jit
 def _pv(k0, k1, k2, k3, k4, k5, k6, k7, rope_s, p16, p_r, o0, o1, o2, o3, o4, o5, o6, o7,
         alpha, ROPE: gl.constexpr):
     """``O^T_g = O^T_g * alpha + K_g^T P^T`` for the 8 groups, waited (``P`` in ``p16``, bf16 or
@@ -811,13 +824,7 @@ def _sparse_mla_decode_gluon_kernel(
                          ALL584)
             if not ONE:
                 kidx = idx_ring.index(s).load(gl.SliceLayout(1, ACC))
-            sT = gl.where((kidx >= 0)[:, None], sT, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(sT, axis=0))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(sT - m_safe[None, :])
-            l_part = l_part * alpha[None, :] + p
-            m_i = m_new
+            p, alpha, m_i, l_part = _online_softmax(sT, kidx >= 0, m_i, l_part)
             p_smem.store(gl.permute(p.to(gl.float16), (1, 0)))
             if ALL584:
                 p_r.store(gl.permute((p * _exp2i(127 - R)).to(gl.bfloat16), (1, 0)))
@@ -843,13 +850,7 @@ def _sparse_mla_decode_gluon_kernel(
 
             if not ONE:
                 kidx = idx_ring.index(s).load(gl.SliceLayout(1, ACC))
-            sT = gl.where((kidx >= 0)[:, None], sT * qk_scale, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(sT, axis=0))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(sT - m_safe[None, :])
-            l_part = l_part * alpha[None, :] + p
-            m_i = m_new
+            p, alpha, m_i, l_part = _online_softmax(sT * qk_scale, kidx >= 0, m_i, l_part)
             p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
             fence_async_shared()
             gl.thread_barrier()
