@@ -12,9 +12,9 @@ online softmax. Per block:
    and, for 584 records, the raw bf16 RoPE tail straight into a ``[64, 64]`` bf16 wgmma tile.
    Invalid keys (``< 0``, past ``rows``, past ``len``) copy nothing (zero fill) and are marked
    ``-1`` in the stage's index row.
-2. **dequant**: each byte tile becomes exact bf16 in registers (e4m3 bits moved into bf16 fields
-   and two ``mul.rn.bf16x2``: the exponent bias and the scale; e2m1 through ``prmt`` byte tables
-   and one multiply by the scale) and is stored to its bf16 key tile (NVMMA-swizzled).
+2. **dequant**: each byte tile becomes exact bf16 in registers (e4m3: ``cvt`` to f16x2, to fp32,
+   times the scale, one rounding pack; e2m1 through ``prmt`` byte tables and one multiply by the
+   scale) and is stored to its bf16 key tile (NVMMA-swizzled).
 3. **swap-AB wgmma**: keys are the MMA's M (64), heads its N (``BH`` = 8/16/32):
    ``S^T [64, BH] = K [64, 512] · Q^T`` (Q resident in shared memory), softmax along M,
    ``O^T_g [64, BH] += K_g^T · P^T`` for each 64-dim group ``g`` (K read transposed from the
@@ -60,34 +60,28 @@ BN = 64
 SRC_BYTES = {584: (576, 8), 528: (512, 16), 288: (256, 32)}
 
 
-# e4m3 byte pair -> bf16x2 with the e4m3 value * 2**-120 (sign at bit 15, exponent+mantissa at
-# bits 4..10 of each lane), then * 2**120 and * the scale: both multiplies are exact. The NaN
-# byte (0x7F / 0xFF: bits 4..10 all ones) gets bits 11..14 set too (+0x10 carries into bit 11,
-# times 15 = 0x7800), i.e. an all-ones bf16 exponent with a nonzero mantissa: NaN.
+# four e4m3 bytes -> four bf16 (two bf16x2), each * its fp32 scale: ``cvt`` to f16x2 (exact, NaN
+# kept), each half to fp32, one multiply, one rounding pack (exact: an e4m3 value has at most 4
+# significant bits, times a power of two)
 _E4M3_ASM = gl.constexpr("""{
-.reg .b32 t0, t1, u0, u1, z, c;
-mov.b32 z, 0;
-mov.b32 c, 0x7B807B80;
-prmt.b32 t0, $2, z, 0x1404;
-prmt.b32 t1, $2, z, 0x3424;
-shr.b32 u0, t0, 4;
-shr.b32 u1, t1, 4;
-and.b32 u0, u0, 0x07F007F0;
-and.b32 u1, u1, 0x07F007F0;
-and.b32 t0, t0, 0x80008000;
-and.b32 t1, t1, 0x80008000;
-or.b32 t0, t0, u0;
-or.b32 t1, t1, u1;
-add.u32 u0, u0, 0x00100010;
-add.u32 u1, u1, 0x00100010;
-and.b32 u0, u0, 0x08000800;
-and.b32 u1, u1, 0x08000800;
-mad.lo.u32 t0, u0, 15, t0;
-mad.lo.u32 t1, u1, 15, t1;
-mul.rn.bf16x2 t0, t0, c;
-mul.rn.bf16x2 t1, t1, c;
-mul.rn.bf16x2 $0, t0, $3;
-mul.rn.bf16x2 $1, t1, $4;
+.reg .b16 lo, hi, a0, a1, a2, a3;
+.reg .b32 h0, h1;
+.reg .f32 f0, f1, f2, f3;
+mov.b32 {lo, hi}, $2;
+cvt.rn.f16x2.e4m3x2 h0, lo;
+cvt.rn.f16x2.e4m3x2 h1, hi;
+mov.b32 {a0, a1}, h0;
+mov.b32 {a2, a3}, h1;
+cvt.f32.f16 f0, a0;
+cvt.f32.f16 f1, a1;
+cvt.f32.f16 f2, a2;
+cvt.f32.f16 f3, a3;
+mul.f32 f0, f0, $3;
+mul.f32 f1, f1, $4;
+mul.f32 f2, f2, $5;
+mul.f32 f3, f3, $6;
+cvt.rn.bf16x2.f32 $0, f1, f0;
+cvt.rn.bf16x2.f32 $1, f3, f2;
 }""")
 
 # four e2m1 bytes -> two results of four bf16 each: the low-nibble elements (even dims) and the
@@ -343,9 +337,9 @@ def _issue(k, idx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_p
 
 
 @gluon.jit
-def _ue8m0_bf16(b):
-    """UE8M0 byte tensor -> bf16 ``2**(b - 127)`` (byte 0 -> 0)."""
-    return (b.to(gl.int32) << 23).to(gl.float32, bitcast=True).to(gl.bfloat16)
+def _ue8m0_f32(b):
+    """UE8M0 byte tensor -> fp32 ``2**(b - 127)`` (byte 0 -> 0, 255 -> inf)."""
+    return (b.to(gl.int32) << 23).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
@@ -380,16 +374,16 @@ def _dequant_group(g: gl.constexpr, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring
     else:
         raw = _pick(g, r0, r1, r2, r3, r4, r5, r6, r7).index(s).load(L16)
         if SRC == 584:
-            sc = _ue8m0_bf16(scale_s.slice(g, 1, dim=1).load(L16))
+            sc = _ue8m0_f32(scale_s.slice(g, 1, dim=1).load(L16))
             sc = gl.broadcast(sc, raw)[0]
-            x = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r,r,r", [raw, sc],
+            x = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r,r,r,r,r", [raw, sc],
                                           dtype=gl.bfloat16, is_pure=True, pack=4)
         else:
             # 528: two scales per 64 dims; a thread's 16 bytes lie in one half
             raw3 = gl.reshape(raw, [64, 2, 32])
             sb = scale_s.slice(2 * g, 2, dim=1).load(gl.SliceLayout(2, raw3.type.layout))
-            sc = gl.broadcast(gl.expand_dims(_ue8m0_bf16(sb), 2), raw3)[0]
-            x = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r,r,r", [raw3, sc],
+            sc = gl.broadcast(gl.expand_dims(_ue8m0_f32(sb), 2), raw3)[0]
+            x = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r,r,r,r,r", [raw3, sc],
                                           dtype=gl.bfloat16, is_pure=True, pack=4)
             x = gl.convert_layout(gl.reshape(x, [64, 64]), L16)
     return x
@@ -506,6 +500,22 @@ def _qk_f16(k0, k1, k2, k3, k4, k5, k6, k7, rope_s, q16, q_r, zero, cq, qk_scale
         acc = warpgroup_mma_wait(0, deps=[acc])
         sT = acc * cq[None, :]
     return sT
+
+
+@gluon.jit
+def _qk(k0, k1, k2, k3, k4, k5, k6, k7, q_smem, zero):
+    """Logits ``S^T [64 keys, BH] = K Q^T`` of one block from the bf16 key tiles ``k0..k7``
+    (raw dot products; Q ``[8, BH, 64]`` in shared memory), waited."""
+    acc = warpgroup_mma(k0, q_smem.index(0).permute((1, 0)), zero, use_acc=False,
+                        is_async=True)
+    acc = warpgroup_mma(k1, q_smem.index(1).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(k2, q_smem.index(2).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(k3, q_smem.index(3).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(k4, q_smem.index(4).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(k5, q_smem.index(5).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(k6, q_smem.index(6).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(k7, q_smem.index(7).permute((1, 0)), acc, is_async=True)
+    return warpgroup_mma_wait(0, deps=[acc])
 
 
 @gluon.jit
@@ -629,6 +639,43 @@ def _key_ranges(t, split, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr, b
     nblk_a = gl.cdiv(hi_a - lo_a, 64)
     nblk = nblk_a + gl.cdiv(hi_b - lo_b, 64)
     return lo_a, hi_a, lo_b, hi_b, nblk_a, nblk
+
+
+@gluon.jit
+def _few_heads_epilogue(o0, o1, o2, o3, o4, o5, o6, o7, l_i, m_i, o_unit, t, split, ht, H,
+                        num_splits, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr,
+                        stride_lt, stride_lh, po_ptr, pl_ptr, ACC: gl.constexpr,
+                        HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BH: gl.constexpr):
+    """Swap-AB accumulators ``o0..o7 [64 dims, BH]`` (group ``g`` = dims ``64 g ..``), the
+    softmax sums ``l_i`` and maxima ``m_i [BH]`` of head tile ``ht`` -> the token's bf16 rows and
+    lse (with the sink), or with ``SPLIT`` the normalized fp32 partial and its log2-sum-exp;
+    ``o_unit`` multiplies the outputs (the key tiles' units)."""
+    h = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, ACC))
+    hmask = h < H
+    h64 = h.to(gl.int64)
+    has = l_i != 0.0  # no key <=> l == 0 exactly; a NaN l propagates (docs/semantics.md)
+    l_safe = gl.where(has, l_i, 1.0)
+    if SPLIT:
+        inv = gl.where(has, 1.0 / l_safe, 0.0)
+        prow = (t * num_splits + split) * H + h64
+        orow = po_ptr + prow * 512
+        lse2 = gl.where(has, m_i + gl.log2(l_safe), float("-inf"))
+        gl.store(pl_ptr + prow, lse2, mask=hmask)
+        TO_BF16: gl.constexpr = False
+    else:
+        inv, lse = _finish_rows(l_i, m_i, h64, hmask, sink_ptr, sink_st, HAS_SINK)
+        orow = out_ptr + t * stride_ot + h64 * stride_oh
+        gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
+        TO_BF16: gl.constexpr = True
+    inv = inv * o_unit
+    _store_out(orow, 0, o0, inv, hmask, ACC, TO_BF16)
+    _store_out(orow, 64, o1, inv, hmask, ACC, TO_BF16)
+    _store_out(orow, 128, o2, inv, hmask, ACC, TO_BF16)
+    _store_out(orow, 192, o3, inv, hmask, ACC, TO_BF16)
+    _store_out(orow, 256, o4, inv, hmask, ACC, TO_BF16)
+    _store_out(orow, 320, o5, inv, hmask, ACC, TO_BF16)
+    _store_out(orow, 384, o6, inv, hmask, ACC, TO_BF16)
+    _store_out(orow, 448, o7, inv, hmask, ACC, TO_BF16)
 
 
 @gluon.jit
@@ -836,17 +883,7 @@ def _sparse_mla_decode_gluon_kernel(
                                                  ALL584)
             gl.thread_barrier()
         else:
-            # S^T = K Q^T  [64 keys, BH]
-            acc = warpgroup_mma(k0, q_smem.index(0).permute((1, 0)), zero, use_acc=False,
-                                is_async=True)
-            acc = warpgroup_mma(k1, q_smem.index(1).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma(k2, q_smem.index(2).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma(k3, q_smem.index(3).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma(k4, q_smem.index(4).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma(k5, q_smem.index(5).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma(k6, q_smem.index(6).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma(g7, q_smem.index(7).permute((1, 0)), acc, is_async=True)
-            sT = warpgroup_mma_wait(0, deps=[acc])
+            sT = _qk(k0, k1, k2, k3, k4, k5, k6, g7, q_smem, zero)
 
             if not ONE:
                 kidx = idx_ring.index(s).load(gl.SliceLayout(1, ACC))
@@ -868,29 +905,6 @@ def _sparse_mla_decode_gluon_kernel(
         o_unit = 1.0
 
     # ---- epilogue -----------------------------------------------------------------------
-    h = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, ACC))
-    hmask = h < H
-    h64 = h.to(gl.int64)
-    has = l_i != 0.0  # no key <=> l == 0 exactly; a NaN l propagates (docs/semantics.md)
-    l_safe = gl.where(has, l_i, 1.0)
-    if SPLIT:
-        inv = gl.where(has, 1.0 / l_safe, 0.0)
-        prow = (t * num_splits + split) * H + h64
-        orow = po_ptr + prow * 512
-        lse2 = gl.where(has, m_i + gl.log2(l_safe), float("-inf"))
-        gl.store(pl_ptr + prow, lse2, mask=hmask)
-        TO_BF16: gl.constexpr = False
-    else:
-        inv, lse = _finish_rows(l_i, m_i, h64, hmask, sink_ptr, sink_st, HAS_SINK)
-        orow = out_ptr + t * stride_ot + h64 * stride_oh
-        gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
-        TO_BF16: gl.constexpr = True
-    inv = inv * o_unit
-    _store_out(orow, 0, o0, inv, hmask, ACC, TO_BF16)
-    _store_out(orow, 64, o1, inv, hmask, ACC, TO_BF16)
-    _store_out(orow, 128, o2, inv, hmask, ACC, TO_BF16)
-    _store_out(orow, 192, o3, inv, hmask, ACC, TO_BF16)
-    _store_out(orow, 256, o4, inv, hmask, ACC, TO_BF16)
-    _store_out(orow, 320, o5, inv, hmask, ACC, TO_BF16)
-    _store_out(orow, 384, o6, inv, hmask, ACC, TO_BF16)
-    _store_out(orow, 448, o7, inv, hmask, ACC, TO_BF16)
+    _few_heads_epilogue(o0, o1, o2, o3, o4, o5, o6, o7, l_i, m_i, o_unit, t, split, ht, H,
+                        num_splits, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr,
+                        stride_lt, stride_lh, po_ptr, pl_ptr, ACC, HAS_SINK, SPLIT, BH)
