@@ -70,6 +70,33 @@ def test_gluon_decode_compiles_for_sm90(src_a, src_b, bh, split, nw, f16, ns):
         assert facts["shared"] <= 228 * 1024 // 2 - 1024 and facts["regs"] <= 256, facts
 
 
+@pytest.mark.parametrize("src_a,src_b,split", [(584, 584, 0), (528, 288, 1), (584, 528, 1)])
+def test_gluon_few_ws_compiles_for_sm90(src_a, src_b, split):
+    """The warp-specialized few-heads kernel compiles for sm_90 (subprocess, no interpreter):
+    wgmma, cp.async and mbarriers in the PTX, one CTA's shared memory, per-partition register
+    budgets (``setmaxnreg``), and its dequant and MMA loops spill nothing."""
+    if not gluon_pkg.AVAILABLE:
+        pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
+    import json
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "dsv41_triton.attention.gluon.compile_check",
+                        "few_ws", str(src_a), str(src_b), str(split)],
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    facts = json.loads(r.stdout.strip().splitlines()[-1])
+    assert facts["wgmma"] and facts["cp_async"] and facts["mbarrier"], facts
+    assert 0 < facts["shared"] <= 227 * 1024, facts
+    assert facts["setmaxnreg"], facts
+    big = [lp for lp in facts["loops"] if lp["instructions"] > 100]
+    mma = [lp for lp in big if lp["hgmma"]]
+    dequant = [lp for lp in big if not lp["hgmma"] and not lp["ldgsts"]]
+    assert len(mma) == 1 and len(dequant) == 1, facts["loops"]
+    assert mma[0]["local_ld_st"] == 0 and dequant[0]["local_ld_st"] == 0, facts["loops"]
+
+
 def test_gluon_f16_mixed_584_refused():
     """fp16 operands with 584 records mixed with 528/288 ones: the compile refuses (a static
     assert) and the launch falls back to bf16 operands (``f16_supported``)."""
@@ -104,7 +131,7 @@ def test_gluon_pick_table():
             assert sa in (584, 528) and sb in (584, 528, 288, 0)
             assert shape in gl_launch.TESTED_SHAPES, shape
             assert set(gl_launch.parse_shape(shape)) <= {"num_warps", "block_h", "stages",
-                                                         "f16", "variant"}
+                                                         "f16", "variant", "few_ws"}
     assert gl_launch.heads_bucket(8) == 8 and gl_launch.heads_bucket(9) == 16
     assert gl_launch.tokens_bucket(1) == 1 and gl_launch.tokens_bucket(2) == 7
     assert gl_launch.tokens_bucket(7) == 7 and gl_launch.tokens_bucket(8) == 32
@@ -113,6 +140,8 @@ def test_gluon_pick_table():
     assert gl_launch.parse_shape("4:0:3") == {"num_warps": 4, "stages": 3}
     assert gl_launch.parse_shape("4:8:3:h") == {"num_warps": 4, "block_h": 8, "stages": 3,
                                                 "f16": True}
+    assert gl_launch.parse_shape(gl_launch.FEW_WS_SHAPE) == {"num_warps": 4, "block_h": 8,
+                                                             "stages": 2, "few_ws": True}
     with pytest.raises(ValueError, match="launch shape"):
         gl_launch.parse_shape("4:8:3:x")
 
@@ -332,7 +361,7 @@ def test_gluon_cuda_graph_gpu(device, T, H, swa_rec, extra_rec):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", ["", "4:0:1", "4:0:1:h"])
+@pytest.mark.parametrize("shape", ["", "4:0:1", "4:0:1:h", "4:8:2:w"])
 def test_gluon_hostile_indices_gpu(device, monkeypatch, shape):
     """Slot ids far past the cache, INT32_MAX/MIN, lens past the width and negative: nothing
     out of bounds is read (run under compute-sanitizer memcheck in perf/run_gpu.sh); the pick
@@ -394,6 +423,39 @@ def test_gluon_one_stage_gpu(device, monkeypatch, shape, T, H, swa_rec, extra_re
     monkeypatch.setenv("DSV41_GLUON_SHAPE", shape)
     _check(_case(device, T, H, swa_rec, extra_rec))
     assert gl_launch.LAST_LAUNCH["fwd"][1][3] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 2, 7, 128])
+@pytest.mark.parametrize("H", [1, 3, 8, 16])
+@pytest.mark.parametrize("swa_rec,extra_rec", PAIRS)
+def test_gluon_few_ws_gpu(device, monkeypatch, T, H, swa_rec, extra_rec):
+    """The warp-specialized few-heads kernel (producer, dequant and MMA partitions): every
+    record pair, 1..16 heads (16: two head tiles), split keys at small T."""
+    _need_gluon_gpu()
+    from dsv41_triton.attention.gluon import launch as gl_launch
+    monkeypatch.setenv("DSV41_GLUON_SHAPE", gl_launch.FEW_WS_SHAPE)
+    _check(_case(device, T, H, swa_rec, extra_rec))
+    assert gl_launch.LAST_LAUNCH["fwd"][1][4] == "few_ws"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 5, 512])
+@pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, 288)])
+def test_gluon_few_ws_edges_gpu(device, monkeypatch, T, swa_rec, extra_rec):
+    """The warp-specialized few-heads kernel: empty rows (len 0, only -1, only slots past the
+    cache) under a -inf sink, V4.1 widths, a CUDA-graph replay."""
+    _need_gluon_gpu()
+    from dsv41_triton.attention.gluon import launch as gl_launch
+    monkeypatch.setenv("DSV41_GLUON_SHAPE", gl_launch.FEW_WS_SHAPE)
+    if T < 512:
+        _check_empty_rows(_empty_rows_case(device, T, 8, swa_rec, extra_rec, sink="-inf"))
+    _check(_v41(device, T, 8, swa_rec, extra_rec))
+    static = _v41(device, T, 8, swa_rec, extra_rec)
+    out = torch.empty(T, 8, 512, dtype=torch.bfloat16, device=device)
+    fresh = _v41(device, T, 8, swa_rec, extra_rec)
+    assert_graph_replay(sparse_mla_decode, static, {n: fresh[n] for n in GRAPH_INPUTS}, out,
+                        sparse_mla_decode_ref, out_tol=OUT_TOL, lse_tol=LSE_TOL, _kernel="gluon")
 
 
 @pytest.mark.gpu

@@ -36,7 +36,9 @@ def _signature(idx_dtype: str = "i32"):
 
 def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool = False,
                    has_b: bool = True, ns: int = 3, arch: int = 90, nw: int = 4,
-                   overlap: bool = True, f16: bool = False, ws: bool = False):
+                   overlap: bool = True, f16: bool = False, ws: bool = False, nt: int = 0):
+    """``nt > 0`` with ``bh < 64``: the warp-specialized few-heads kernel (decode_few_ws.py)
+    with ``nt`` key tiles and ``ns`` ring stages."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -54,6 +56,10 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
         nw = NW.value
         from .decode_heads import _sparse_mla_decode_heads_kernel as kern
         consts.update(NS=ns, OVERLAP=overlap)
+    elif nt:
+        from .decode_few_ws import MMA_WARPS, _sparse_mla_decode_few_ws_kernel as kern
+        nw = MMA_WARPS.value
+        consts.update(BH=bh, NS=ns, NT=nt)
     else:
         from .decode import _sparse_mla_decode_gluon_kernel as kern
         consts.update(BH=bh, NS=ns, NW=nw, F16=f16)
@@ -237,6 +243,18 @@ def loops_sass(k) -> list:
     return out
 
 
+def summary_few_ws(src_a: int, src_b: int, split: bool) -> dict:
+    """Facts of one compile of the warp-specialized few-heads kernel (``decode_few_ws.py``, 8-head
+    tiles, two ring stages, two key tiles): wgmma / cp.async / mbarrier in the PTX, shared
+    memory, registers, stack bytes, ``setmaxnreg`` requests and the loops (``loops_sass``)."""
+    k = compile_decode(src_a, src_b, 8, split, ns=2, nt=2)
+    ptx = k.asm["ptx"]
+    regs, stack = _regs_stack(k)
+    return {"wgmma": "wgmma.mma_async" in ptx, "cp_async": "cp.async" in ptx,
+            "mbarrier": "mbarrier" in ptx, "shared": int(k.metadata.shared), "regs": regs,
+            "stack": stack, "setmaxnreg": _setmaxnreg(ptx), "loops": loops_sass(k)}
+
+
 def summary_prefill(lazy: bool = True, ws: bool = False, variant: str = "") -> dict:
     """Facts of one prefill compile: wgmma / cp.async in the PTX, shared memory, registers,
     stack bytes, named barriers (``BAR.SYNC``) and local stores (``STL``) in the SASS, the
@@ -267,6 +285,11 @@ if __name__ == "__main__":
         v = sys.argv[3] if len(sys.argv) == 4 else "0"
         v = {"0": "", "1": "ws"}.get(v, v)
         print(json.dumps(summary_prefill(bool(int(sys.argv[2])), variant=v)))
+        sys.exit(0)
+    if len(sys.argv) == 5 and sys.argv[1] == "few_ws":
+        # python -m ...compile_check few_ws SRC_A SRC_B SPLIT -> JSON line
+        print(json.dumps(summary_few_ws(int(sys.argv[2]), int(sys.argv[3]),
+                                        bool(int(sys.argv[4])))))
         sys.exit(0)
     if len(sys.argv) in (6, 7, 8, 9) and int(sys.argv[3]) == 64:
         # ... 64 SPLIT 8 NS Y [sass]: Y = OVERLAP 0/1 or "ws" (the warp-specialized kernel);

@@ -24,8 +24,11 @@ HEADS_SHAPE = "8:64:2"
 #: the warp-specialized many-heads kernel (decode_heads_ws.py: a cp.async producer partition
 #: beside the 8 MMA warps), selectable only by the launch shape for now
 HEADS_WS_SHAPE = "8:64:2:3"
+#: the warp-specialized few-heads kernel (decode_few_ws.py: producer, dequant and MMA
+#: partitions; 8-head tiles, two ring stages, two key tiles)
+FEW_WS_SHAPE = "4:8:2:w"
 TESTED_SHAPES = ("4:0:3", "4:16:2", "8:16:3", "8:16:2", "8:32:3", "4:0:3:h", "4:8:3:h",
-                 "4:0:1", "4:0:1:h", HEADS_SHAPE, HEADS_WS_SHAPE)
+                 "4:0:1", "4:0:1:h", HEADS_SHAPE, HEADS_WS_SHAPE, FEW_WS_SHAPE)
 #: the many-heads kernel's dequant order by default: True = block j + 1's keys are dequantized
 #: into registers while block j's O wgmma runs, False = after it (serial). A 4th shape field
 #: forces one (benchmark sweeps, tests): "8:64:2:1" serial, "8:64:2:2" overlapped, "8:64:2:3"
@@ -37,9 +40,10 @@ HEADS_OVERLAP = False
 HEADS_VARIANTS = {1: False, 2: True, 3: "ws"}
 
 #: the pick table: (major, minor) -> {(heads bucket, swa record, extra record or 0, tokens
-#: bucket): launch shape "num_warps:block_h:stages[:h|:b|:1|:2]" (0 = default; ":h" = fp16 wgmma
-#: operands of the few-heads kernel, its ``F16``; ":1"/":2" the many-heads kernel's serial /
-#: overlapped dequant)}. Heads buckets: 8 (H <= 8), 16, 32, 64, 128 (larger); tokens buckets:
+#: bucket): launch shape "num_warps:block_h:stages[:h|:b|:w|:1|:2|:3]" (0 = default; ":h" = fp16
+#: wgmma operands of the few-heads kernel, its ``F16``; ":w" the warp-specialized few-heads
+#: kernel; ":1"/":2"/":3" the many-heads kernel's serial / overlapped / warp-specialized
+#: variant)}. Heads buckets: 8 (H <= 8), 16, 32, 64, 128 (larger); tokens buckets:
 #: 1, 7 (2..7), 32 (8..32), 128, 1 << 30. Only shapes where a Gluon kernel measured faster than
 #: the tl kernel and the other Gluon variants on the H200 are listed (perf/NOTES.md, "Gluon
 #: decode for Hopper", "Gluon decode, many heads", "Gluon decode, fp16 operands (few heads)");
@@ -71,19 +75,24 @@ PICK = {
     # us): 64 h 584+584 T=1 4:8:3:h 16.7 vs tl 17.5 (4:8:3 17.3, 4:16:2 19.1, 4:0:3:h 21.6;
     # at T=2 / 7 4:8:3:h loses: 22.2 / 38.2 vs tl 18.4 / 26.7); 64 h 528+288 T=1 16.8 vs 17.9;
     # 16 h 584+584 T=1 16.1 vs 17.4; 128 h T=1: tl (18.3 vs 22.1).
+    # Warp-specialized few-heads kernel (FEW_WS_SHAPE), session 6, one run, us, vs the picks
+    # before it: 8 h 584+584 T=1 / 7 / 32 / 128 / 512: 12.4 / 13.6 / 18.2 / 30.5 / 96.5 vs
+    # 13.4 / 14.6 / 22.7 / 38.8 / 107.7; 8 h 528+288 T=1 / 7 / 32 / 128: 13.5 / 14.0 / 19.2 /
+    # 31.7 vs 13.9 / 14.8 / 22.9 / 36.0 (T=512: 110.4 vs 102.6, and 16 h 584+584 T=128: 50.2
+    # vs 43.0, stay).
     (9, 0): {
-        (8, 584, 584, 1): "4:0:3:h",
-        (8, 528, 288, 1): "4:0:3:h",
+        (8, 584, 584, 1): FEW_WS_SHAPE,
+        (8, 528, 288, 1): FEW_WS_SHAPE,
         (16, 584, 584, 1): "4:8:3:h",
         (64, 584, 584, 1): "4:8:3:h",
         (64, 528, 288, 1): "4:8:3:h",
-        (8, 584, 584, 7): "4:0:3:h",
-        (8, 584, 584, 32): "4:0:3:h",
-        (8, 584, 584, 128): "4:0:1",
-        (8, 584, 584, 1 << 30): "4:0:1",
-        (8, 528, 288, 7): "4:0:3:h",
-        (8, 528, 288, 32): "4:0:3:h",
-        (8, 528, 288, 128): "4:0:1:h",
+        (8, 584, 584, 7): FEW_WS_SHAPE,
+        (8, 584, 584, 32): FEW_WS_SHAPE,
+        (8, 584, 584, 128): FEW_WS_SHAPE,
+        (8, 584, 584, 1 << 30): FEW_WS_SHAPE,
+        (8, 528, 288, 7): FEW_WS_SHAPE,
+        (8, 528, 288, 32): FEW_WS_SHAPE,
+        (8, 528, 288, 128): FEW_WS_SHAPE,
         (8, 528, 288, 1 << 30): "4:0:1:h",
         (16, 528, 288, 128): "4:0:3:h",
         (64, 584, 584, 32): HEADS_SHAPE,
@@ -179,19 +188,23 @@ OVERRIDE = {}
 
 def parse_shape(text: str) -> dict:
     """``"8:16:3"`` -> ``{num_warps: 8, block_h: 16, stages: 3}`` (0 or empty = default);
-    a 4th field ``h`` adds ``f16: True`` (fp16 wgmma operands), ``b`` ``f16: False``; ``1`` / ``2``
+    a 4th field ``h`` adds ``f16: True`` (fp16 wgmma operands), ``b`` ``f16: False``, ``w``
+    ``few_ws: True`` (the warp-specialized few-heads kernel); ``1`` / ``2``
     / ``3`` is the many-heads kernel's variant (``HEADS_VARIANTS``)."""
     if not text:
         return {}
     parts = text.split(":")
     extra = parts[3] if len(parts) == 4 else None
-    if len(parts) not in (3, 4) or extra not in (None, "h", "b", *map(str, HEADS_VARIANTS)):
+    if len(parts) not in (3, 4) or extra not in (None, "h", "b", "w",
+                                                 *map(str, HEADS_VARIANTS)):
         raise ValueError(f"launch shape {text!r}: expected num_warps:block_h:stages"
-                         "[:h|:b|:1|:2|:3]")
+                         "[:h|:b|:w|:1|:2|:3]")
     nw, bh, st = (int(x) for x in parts[:3])
     out = {k: v for k, v in (("num_warps", nw), ("block_h", bh), ("stages", st)) if v}
     if extra in ("h", "b"):
         out["f16"] = extra == "h"
+    elif extra == "w":
+        out["few_ws"] = True
     elif extra is not None:
         out["variant"] = int(extra)
     return out
@@ -257,7 +270,19 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
     bb = b if b is not None else a
     flags = dict(SRC_A=a.src, SRC_B=bb.src, HAS_B=b is not None, HAS_LEN_A=a.lens is not None,
                  HAS_LEN_B=bb.lens is not None, HAS_SINK=sink is not None)
-    if bh == 64:
+    if over.get("few_ws") and bh != 64:
+        # the warp-specialized few-heads kernel: 8-head tiles, two ring stages, two key tiles
+        # (~217-225 KB of shared memory: one CTA per SM)
+        from .decode_few_ws import MMA_WARPS, _sparse_mla_decode_few_ws_kernel
+        bh, stages, nt = 8, 2, 2
+        n_ht = cdiv(H, bh)
+        ns = num_splits or default_splits(T, n_ht, width, _sms(q.device))
+        args, po, pl, sink_arg, sink_st = kernel_args(q, a, b, sink, out, lse, ns)
+        k = _sparse_mla_decode_few_ws_kernel[(T * ns * n_ht,)](
+            *args, H, float(softmax_scale) * 1.4426950408889634, ns, n_ht, **flags,
+            SPLIT=ns > 1, BH=bh, NS=stages, NT=nt, num_warps=MMA_WARPS.value)
+        LAST_LAUNCH["fwd"] = (k, (bh, ns, MMA_WARPS.value, stages, "few_ws"))
+    elif bh == 64:
         # the many-heads kernel: 64-head tiles, two warpgroups (the warp-specialized variant: a
         # producer partition besides), two ring stages (shared memory)
         nw, stages = 8, 2
@@ -295,6 +320,6 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
 
 
 __all__ = ["PICK", "ENV", "OVERRIDE", "usable", "pick", "launch", "default_block_h",
-           "default_shape", "default_splits", "HEADS_SHAPE", "HEADS_WS_SHAPE", "HEADS_OVERLAP",
+           "default_shape", "default_splits", "HEADS_SHAPE", "HEADS_WS_SHAPE", "FEW_WS_SHAPE", "HEADS_OVERLAP",
            "HEADS_VARIANTS", "f16_supported", "heads_bucket", "tokens_bucket", "table_shape", "parse_shape",
            "TESTED_SHAPES", "ctas_per_sm"]

@@ -1,0 +1,204 @@
+"""Warp-specialized few-heads sparse MLA decode for Hopper in Gluon: ``sparse_mla_decode``'s
+contract, the grid, the per-block math and the results of ``decode.py``'s kernel (one CTA =
+one query token x ``BH`` heads x one key split, swap-AB wgmmas with the keys on M), with the
+three stages of a block in three partitions (``gl.warp_specialize``) so that they overlap
+across blocks instead of running as one serial chain:
+
+* **producer** (``decode_heads_ws._producer``, 4 warps): slot ids and ``cp.async`` gathers of
+  the raw records into byte-ring stage ``j % NS``; ``ready[s]`` when they landed.
+* **dequant** (``DEQUANT_WARPS`` warps): waits ``ready[s]`` and ``tfree[t]``, turns the stage's
+  bytes into the bf16 key tile ``t = j % NT`` (eight ``[64, 64]`` groups; 584's RoPE tail
+  copied), copies the block's slot ids beside it, releases the stage (``free[s]``) and hands
+  the tile over (``tready[t]``).
+* **MMA** (the default partition, one warpgroup): Q into shared memory once, then per block:
+  waits ``tready[t]``, ``S^T = K Q^T``, online softmax, ``O^T += K^T P^T``, releases the tile
+  (``tfree[t]``); then the epilogue (``decode._few_heads_epilogue``).
+
+Shared memory (8-head tiles, ``NS = NT = 2``): the ring 2 x 37 KB (584) + two key tiles of
+64 KB + Q 8 KB: ~217 KB, one CTA per SM.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+
+from .decode import (_acc_layout, _alloc_rings, _dequant_group, _few_heads_epilogue,
+                     _key_ranges, _online_softmax, _program_ids, _put, _pv, _qk)
+from .decode_heads_ws import PRODUCER_WARPS, _producer
+
+#: warps of the dequant partition (8: one key row of 64 dims per thread and group)
+DEQUANT_WARPS = gl.constexpr(8)
+#: registers per dequant thread (setmaxnreg)
+DEQUANT_REGS = gl.constexpr(96)
+#: registers per producer thread
+FEW_PRODUCER_REGS = gl.constexpr(48)
+#: warps of the MMA partition (the kernel's ``num_warps``)
+MMA_WARPS = gl.constexpr(4)
+
+@gluon.jit
+def _dequant_block(s, t, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k0, k1, k2, k3,
+                   k4, k5, k6, k7, SRC: gl.constexpr):
+    """Ring stage ``s`` (records ``SRC``) -> the eight bf16 groups of key tile ``t``."""
+    for g in gl.static_range(8):
+        x = _dequant_group(g, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC,
+                           DEQUANT_WARPS)
+        _put(x, g, k0.index(t), k1.index(t), k2.index(t), k3.index(t), k4.index(t),
+             k5.index(t), k6.index(t), k7.index(t))
+
+
+@gluon.jit
+def _dequant_part(nblk_a, nblk, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
+                  idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, ready, free, tready, tfree,
+                  SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
+                  NS: gl.constexpr, NT: gl.constexpr):
+    """Every block's raw records -> bf16 key tile ``j % NT`` (and its slot ids)."""
+    LI: gl.constexpr = gl.BlockedLayout([1], [32], [DEQUANT_WARPS], [0])
+    for j in range(nblk):
+        s = j % NS
+        t = j % NT
+        mbarrier.wait(ready.index(s), (j // NS) & 1)
+        mbarrier.wait(tfree.index(t), ((j // NT) & 1) ^ 1)
+        scale_s = scale_ring.index(s)
+        if HAS_B and SRC_A != SRC_B:
+            if j < nblk_a:
+                _dequant_block(s, t, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k0, k1,
+                               k2, k3, k4, k5, k6, k7, SRC_A)
+            else:
+                _dequant_block(s, t, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k0, k1,
+                               k2, k3, k4, k5, k6, k7, SRC_B)
+        else:
+            _dequant_block(s, t, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k0, k1, k2,
+                           k3, k4, k5, k6, k7, SRC_A)
+        kid.index(t).store(idx_ring.index(s).load(LI))
+        fence_async_shared()
+        gl.thread_barrier()  # every thread's stage reads and tile stores precede the arrives
+        mbarrier.arrive(free.index(s))
+        mbarrier.arrive(tready.index(t))
+
+
+@gluon.jit
+def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_splits, nblk,
+              sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
+              po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid, q_smem, p_smem, tready,
+              tfree, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BH: gl.constexpr,
+              NT: gl.constexpr):
+    """One warpgroup: Q, then both swap-AB wgmmas and the softmax of every block, then the
+    epilogue."""
+    ACC: gl.constexpr = _acc_layout(BH, MMA_WARPS)
+    LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [MMA_WARPS, 1], [1, 0])
+    hq = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, LQ))
+    dq = gl.arange(0, 64, layout=gl.SliceLayout(0, LQ))
+    qrow = q_ptr + t_tok * stride_qt + hq.to(gl.int64)[:, None] * stride_qh
+    for g in gl.static_range(8):
+        qg = gl.load(qrow + (g * 64 + dq)[None, :], mask=(hq < H)[:, None], other=0.0)
+        q_smem.index(g).store(qg)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ACC))
+    zero = gl.full([64, BH], 0.0, gl.float32, layout=ACC)
+    l_part = zero  # per-thread partial sums of p, reduced once after the loop
+    o0 = zero
+    o1 = zero
+    o2 = zero
+    o3 = zero
+    o4 = zero
+    o5 = zero
+    o6 = zero
+    o7 = zero
+    for j in range(nblk):
+        t = j % NT
+        mbarrier.wait(tready.index(t), (j // NT) & 1)
+        kt0 = k0.index(t)
+        kt1 = k1.index(t)
+        kt2 = k2.index(t)
+        kt3 = k3.index(t)
+        kt4 = k4.index(t)
+        kt5 = k5.index(t)
+        kt6 = k6.index(t)
+        kt7 = k7.index(t)
+        sT = _qk(kt0, kt1, kt2, kt3, kt4, kt5, kt6, kt7, q_smem, zero)  # S^T [64 keys, BH]
+        kidx = kid.index(t).load(gl.SliceLayout(1, ACC))
+        p, alpha, m_i, l_part = _online_softmax(sT * qk_scale, kidx >= 0, m_i, l_part)
+        p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
+        fence_async_shared()
+        gl.thread_barrier()
+        # O^T_g = O^T_g * alpha + K_g^T P^T (waited: the tile and P are free after it)
+        o0, o1, o2, o3, o4, o5, o6, o7 = _pv(kt0, kt1, kt2, kt3, kt4, kt5, kt6, kt7, kt7,
+                                             p_smem, p_smem, o0, o1, o2, o3, o4, o5, o6, o7,
+                                             alpha, False)
+        gl.thread_barrier()
+        mbarrier.arrive(tfree.index(t))
+    l_i = gl.sum(l_part, axis=0)
+    _few_heads_epilogue(o0, o1, o2, o3, o4, o5, o6, o7, l_i, m_i, 1.0, t_tok, split, ht, H,
+                        num_splits, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr,
+                        stride_lt, stride_lh, po_ptr, pl_ptr, ACC, HAS_SINK, SPLIT, BH)
+
+
+@gluon.jit
+def _sparse_mla_decode_few_ws_kernel(
+    q_ptr, stride_qt, stride_qh,
+    a_ptr, a_idx_ptr, a_idx_st, a_len_ptr, a_len_st, a_width, a_bstride, a_page, a_rows,
+    b_ptr, b_idx_ptr, b_idx_st, b_len_ptr, b_len_st, b_width, b_bstride, b_page, b_rows,
+    sink_ptr, sink_st,
+    out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
+    po_ptr, pl_ptr,
+    H, qk_scale, num_splits, num_ht,
+    SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
+    HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, HAS_SINK: gl.constexpr,
+    SPLIT: gl.constexpr, BH: gl.constexpr, NS: gl.constexpr, NT: gl.constexpr,
+):
+    """Grid ``T * num_splits * num_ht`` (head tile fastest, then split, then token); launch with
+    ``num_warps=MMA_WARPS``. Arguments as ``decode._sparse_mla_decode_gluon_kernel``'s; ``NS``
+    byte-ring stages, ``NT`` bf16 key tiles."""
+    ht, split, t = _program_ids(num_ht, num_splits)
+
+    USE_288: gl.constexpr = SRC_A == 288 or (HAS_B and SRC_B == 288)
+    r0, r1, r2, r3, r4, r5, r6, r7, scale_ring, rope_ring, idx_ring = _alloc_rings(
+        SRC_A, SRC_B, HAS_B, NS, 32 if USE_288 else 16, False)
+    KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, 64], gl.bfloat16)
+    # one allocation per 64-dim group (no false write-after-write barriers), NT tiles each
+    k0 = gl.allocate_shared_memory(gl.bfloat16, [NT, 64, 64], KL)
+    k1 = gl.allocate_shared_memory(gl.bfloat16, [NT, 64, 64], KL)
+    k2 = gl.allocate_shared_memory(gl.bfloat16, [NT, 64, 64], KL)
+    k3 = gl.allocate_shared_memory(gl.bfloat16, [NT, 64, 64], KL)
+    k4 = gl.allocate_shared_memory(gl.bfloat16, [NT, 64, 64], KL)
+    k5 = gl.allocate_shared_memory(gl.bfloat16, [NT, 64, 64], KL)
+    k6 = gl.allocate_shared_memory(gl.bfloat16, [NT, 64, 64], KL)
+    k7 = gl.allocate_shared_memory(gl.bfloat16, [NT, 64, 64], KL)
+    kid = gl.allocate_shared_memory(gl.int32, [NT, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [8, BH, 64], QL)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], QL)
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    tready = gl.allocate_shared_memory(gl.int64, [NT, 1], mbarrier.MBarrierLayout())
+    tfree = gl.allocate_shared_memory(gl.int64, [NT, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NS):
+        # every producer thread's cp.async completion (noinc) + one arrive for the id stores
+        mbarrier.init(ready.index(i), count=32 * PRODUCER_WARPS + 1)
+        mbarrier.init(free.index(i), count=1)
+    for i in gl.static_range(NT):
+        mbarrier.init(tready.index(i), count=1)
+        mbarrier.init(tfree.index(i), count=1)
+
+    lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _key_ranges(
+        t, split, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr, b_len_st, b_width,
+        HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT)
+    a_idx_row = a_idx_ptr + t * a_idx_st
+    b_idx_row = b_idx_ptr + t * b_idx_st
+
+    gl.warp_specialize([
+        (_mma_part, (q_ptr, stride_qt, stride_qh, t, split, ht, H, qk_scale, num_splits, nblk,
+                     sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
+                     stride_lh, po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid, q_smem,
+                     p_smem, tready, tfree, HAS_SINK, SPLIT, BH, NT)),
+        (_producer, (a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_row, b_bstride,
+                     b_page, b_rows, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk,
+                     r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, ready,
+                     free, SRC_A, SRC_B, HAS_B, NS)),
+        (_dequant_part, (nblk_a, nblk, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
+                         idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, ready, free, tready,
+                         tfree, SRC_A, SRC_B, HAS_B, NS, NT)),
+    ], [PRODUCER_WARPS, DEQUANT_WARPS], [FEW_PRODUCER_REGS, DEQUANT_REGS])
