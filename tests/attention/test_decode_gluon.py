@@ -70,8 +70,10 @@ def test_gluon_decode_compiles_for_sm90(src_a, src_b, bh, split, nw, f16, ns):
         assert facts["shared"] <= 228 * 1024 // 2 - 1024 and facts["regs"] <= 256, facts
 
 
-@pytest.mark.parametrize("src_a,src_b,split", [(584, 584, 0), (528, 288, 1), (584, 528, 1)])
-def test_gluon_few_ws_compiles_for_sm90(src_a, src_b, split):
+@pytest.mark.parametrize("src_a,src_b,split,bh", [(584, 584, 0, 8), (528, 288, 1, 8),
+                                                  (584, 528, 1, 8), (584, 288, 0, 16),
+                                                  (584, 584, 1, 16)])
+def test_gluon_few_ws_compiles_for_sm90(src_a, src_b, split, bh):
     """The warp-specialized few-heads kernel compiles for sm_90 (subprocess, no interpreter):
     wgmma, cp.async and mbarriers in the PTX, one CTA's shared memory, per-partition register
     budgets (``setmaxnreg``), and its dequant and MMA loops spill nothing."""
@@ -83,7 +85,7 @@ def test_gluon_few_ws_compiles_for_sm90(src_a, src_b, split):
     import sys
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-m", "dsv41_triton.attention.gluon.compile_check",
-                        "few_ws", str(src_a), str(src_b), str(split)],
+                        "few_ws", str(src_a), str(src_b), str(split), str(bh)],
                        env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     facts = json.loads(r.stdout.strip().splitlines()[-1])
@@ -142,6 +144,7 @@ def test_gluon_pick_table():
                                                 "f16": True}
     assert gl_launch.parse_shape(gl_launch.FEW_WS_SHAPE) == {"num_warps": 4, "block_h": 8,
                                                              "stages": 2, "few_ws": True}
+    assert gl_launch.parse_shape(gl_launch.FEW_WS16_SHAPE)["block_h"] == 16
     with pytest.raises(ValueError, match="launch shape"):
         gl_launch.parse_shape("4:8:3:x")
 
@@ -426,17 +429,22 @@ def test_gluon_one_stage_gpu(device, monkeypatch, shape, T, H, swa_rec, extra_re
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["4:8:2:w", "4:16:2:w"])
 @pytest.mark.parametrize("T", [1, 2, 7, 128])
-@pytest.mark.parametrize("H", [1, 3, 8, 16])
+@pytest.mark.parametrize("H", [1, 3, 8, 16, 24])
 @pytest.mark.parametrize("swa_rec,extra_rec", PAIRS)
-def test_gluon_few_ws_gpu(device, monkeypatch, T, H, swa_rec, extra_rec):
+def test_gluon_few_ws_gpu(device, monkeypatch, shape, T, H, swa_rec, extra_rec):
     """The warp-specialized few-heads kernel (producer, dequant and MMA partitions): every
-    record pair, 1..16 heads (16: two head tiles), split keys at small T."""
+    record pair, 1..24 heads (several head tiles of 8 or 16; 8 where 584 records meet 528
+    ones), split keys at small T."""
     _need_gluon_gpu()
     from dsv41_triton.attention.gluon import launch as gl_launch
-    monkeypatch.setenv("DSV41_GLUON_SHAPE", gl_launch.FEW_WS_SHAPE)
+    monkeypatch.setenv("DSV41_GLUON_SHAPE", shape)
     _check(_case(device, T, H, swa_rec, extra_rec))
-    assert gl_launch.LAST_LAUNCH["fwd"][1][4] == "few_ws"
+    bh, _, _, _, kind = gl_launch.LAST_LAUNCH["fwd"][1]
+    assert kind == "few_ws"
+    mixed = {swa_rec, extra_rec} >= {584, 528}
+    assert bh == (16 if shape == "4:16:2:w" and not mixed else 8)
 
 
 @pytest.mark.gpu

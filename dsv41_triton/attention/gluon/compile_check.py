@@ -243,11 +243,12 @@ def loops_sass(k) -> list:
     return out
 
 
-def summary_few_ws(src_a: int, src_b: int, split: bool) -> dict:
-    """Facts of one compile of the warp-specialized few-heads kernel (``decode_few_ws.py``, 8-head
-    tiles, two ring stages, two key tiles): wgmma / cp.async / mbarrier in the PTX, shared
-    memory, registers, stack bytes, ``setmaxnreg`` requests and the loops (``loops_sass``)."""
-    k = compile_decode(src_a, src_b, 8, split, ns=2, nt=2)
+def summary_few_ws(src_a: int, src_b: int, split: bool, bh: int = 8) -> dict:
+    """Facts of one compile of the warp-specialized few-heads kernel (``decode_few_ws.py``,
+    ``bh``-head tiles, two ring stages, two key tiles): wgmma / cp.async / mbarrier in the PTX,
+    shared memory, registers, stack bytes, ``setmaxnreg`` requests and the loops
+    (``loops_sass``)."""
+    k = compile_decode(src_a, src_b, bh, split, ns=2, nt=2)
     ptx = k.asm["ptx"]
     regs, stack = _regs_stack(k)
     return {"wgmma": "wgmma.mma_async" in ptx, "cp_async": "cp.async" in ptx,
@@ -286,10 +287,11 @@ if __name__ == "__main__":
         v = {"0": "", "1": "ws"}.get(v, v)
         print(json.dumps(summary_prefill(bool(int(sys.argv[2])), variant=v)))
         sys.exit(0)
-    if len(sys.argv) == 5 and sys.argv[1] == "few_ws":
-        # python -m ...compile_check few_ws SRC_A SRC_B SPLIT -> JSON line
+    if len(sys.argv) in (5, 6) and sys.argv[1] == "few_ws":
+        # python -m ...compile_check few_ws SRC_A SRC_B SPLIT [BH] -> JSON line
         print(json.dumps(summary_few_ws(int(sys.argv[2]), int(sys.argv[3]),
-                                        bool(int(sys.argv[4])))))
+                                        bool(int(sys.argv[4])),
+                                        int(sys.argv[5]) if len(sys.argv) == 6 else 8)))
         sys.exit(0)
     if len(sys.argv) in (6, 7, 8, 9) and int(sys.argv[3]) == 64:
         # ... 64 SPLIT 8 NS Y [sass]: Y = OVERLAP 0/1 or "ws" (the warp-specialized kernel);

@@ -27,8 +27,10 @@ HEADS_WS_SHAPE = "8:64:2:3"
 #: the warp-specialized few-heads kernel (decode_few_ws.py: producer, dequant and MMA
 #: partitions; 8-head tiles, two ring stages, two key tiles)
 FEW_WS_SHAPE = "4:8:2:w"
+#: the same with 16-head tiles (8 where 584 records meet 528 ones: ``few_ws_block_h``)
+FEW_WS16_SHAPE = "4:16:2:w"
 TESTED_SHAPES = ("4:0:3", "4:16:2", "8:16:3", "8:16:2", "8:32:3", "4:0:3:h", "4:8:3:h",
-                 "4:0:1", "4:0:1:h", HEADS_SHAPE, HEADS_WS_SHAPE, FEW_WS_SHAPE)
+                 "4:0:1", "4:0:1:h", HEADS_SHAPE, HEADS_WS_SHAPE, FEW_WS_SHAPE, FEW_WS16_SHAPE)
 #: the many-heads kernel's dequant order by default: True = block j + 1's keys are dequantized
 #: into registers while block j's O wgmma runs, False = after it (serial). A 4th shape field
 #: forces one (benchmark sweeps, tests): "8:64:2:1" serial, "8:64:2:2" overlapped, "8:64:2:3"
@@ -79,13 +81,25 @@ PICK = {
     # before it: 8 h 584+584 T=1 / 7 / 32 / 128 / 512: 12.4 / 13.6 / 18.2 / 30.5 / 96.5 vs
     # 13.4 / 14.6 / 22.7 / 38.8 / 107.7; 8 h 528+288 T=1 / 7 / 32 / 128: 13.5 / 14.0 / 19.2 /
     # 31.7 vs 13.9 / 14.8 / 22.9 / 36.0 (T=512: 110.4 vs 102.6, and 16 h 584+584 T=128: 50.2
-    # vs 43.0, stay).
+    # vs 43.0, stay). With 16-head tiles (FEW_WS16_SHAPE), same session, one run, us, vs the
+    # picks before: 16 h 584+584 T=7 / 32 / 128 / 512: 15.1 / 20.5 / 32.0 / 101.7 vs 18.0 / 27.6
+    # / 43.3 / 121.2; 16 h 528+288 T=32 / 128 / 512: 21.0 / 33.1 / 117.0 vs 38.5 / 55.9 / 221.8;
+    # 32 h 584+584 T=128: 52.9 vs 62.5. One token, 8-head tiles: 16 h 584+584 12.9 vs 13.4, 16 h
+    # 528+288 13.5 vs 15.3, 64 h 584+584 13.5 vs 14.4, 64 h 528+288 13.7 vs 14.5.
     (9, 0): {
         (8, 584, 584, 1): FEW_WS_SHAPE,
         (8, 528, 288, 1): FEW_WS_SHAPE,
-        (16, 584, 584, 1): "4:8:3:h",
-        (64, 584, 584, 1): "4:8:3:h",
-        (64, 528, 288, 1): "4:8:3:h",
+        (16, 584, 584, 1): FEW_WS_SHAPE,
+        (16, 528, 288, 1): FEW_WS_SHAPE,
+        (64, 584, 584, 1): FEW_WS_SHAPE,
+        (64, 528, 288, 1): FEW_WS_SHAPE,
+        (16, 584, 584, 7): FEW_WS16_SHAPE,
+        (16, 584, 584, 32): FEW_WS16_SHAPE,
+        (16, 584, 584, 128): FEW_WS16_SHAPE,
+        (16, 584, 584, 1 << 30): FEW_WS16_SHAPE,
+        (16, 528, 288, 32): FEW_WS16_SHAPE,
+        (16, 528, 288, 1 << 30): FEW_WS16_SHAPE,
+        (32, 584, 584, 128): FEW_WS16_SHAPE,
         (8, 584, 584, 7): FEW_WS_SHAPE,
         (8, 584, 584, 32): FEW_WS_SHAPE,
         (8, 584, 584, 128): FEW_WS_SHAPE,
@@ -94,7 +108,7 @@ PICK = {
         (8, 528, 288, 32): FEW_WS_SHAPE,
         (8, 528, 288, 128): FEW_WS_SHAPE,
         (8, 528, 288, 1 << 30): "4:0:1:h",
-        (16, 528, 288, 128): "4:0:3:h",
+        (16, 528, 288, 128): FEW_WS16_SHAPE,
         (64, 584, 584, 32): HEADS_SHAPE,
         (64, 584, 584, 128): HEADS_WS_SHAPE,
         (64, 584, 584, 1 << 30): HEADS_WS_SHAPE,
@@ -242,6 +256,14 @@ def ctas_per_sm(stages: int, num_warps: int, block_h: int, a, b) -> int:
     return 2 if (stages, num_warps, block_h) == (1, 4, 8) and not mixed else 1
 
 
+def few_ws_block_h(block_h: int, a, b) -> int:
+    """The warp-specialized few-heads kernel's head tile: 16 where asked and its shared memory
+    fits (not for 584 records mixed with 528 ones: 8 byte tiles and the RoPE ring per stage
+    leave room for 8-head Q and P tiles only), else 8."""
+    srcs = {a.src} | ({b.src} if b is not None else set())
+    return 16 if block_h >= 16 and not {584, 528} <= srcs else 8
+
+
 #: the last launch's compiled kernel and (block_h, splits) (benchmarks read registers)
 LAST_LAUNCH = {}
 
@@ -271,10 +293,11 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
     flags = dict(SRC_A=a.src, SRC_B=bb.src, HAS_B=b is not None, HAS_LEN_A=a.lens is not None,
                  HAS_LEN_B=bb.lens is not None, HAS_SINK=sink is not None)
     if over.get("few_ws") and bh != 64:
-        # the warp-specialized few-heads kernel: 8-head tiles, two ring stages, two key tiles
-        # (~217-225 KB of shared memory: one CTA per SM)
+        # the warp-specialized few-heads kernel: 8- or 16-head tiles, two ring stages, two key
+        # tiles (~210-227 KB of shared memory: one CTA per SM)
         from .decode_few_ws import MMA_WARPS, _sparse_mla_decode_few_ws_kernel
-        bh, stages, nt = 8, 2, 2
+        bh = few_ws_block_h(bh, a, b)
+        stages, nt = 2, 2
         n_ht = cdiv(H, bh)
         ns = num_splits or default_splits(T, n_ht, width, _sms(q.device))
         args, po, pl, sink_arg, sink_st = kernel_args(q, a, b, sink, out, lse, ns)
@@ -320,6 +343,6 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
 
 
 __all__ = ["PICK", "ENV", "OVERRIDE", "usable", "pick", "launch", "default_block_h",
-           "default_shape", "default_splits", "HEADS_SHAPE", "HEADS_WS_SHAPE", "FEW_WS_SHAPE", "HEADS_OVERLAP",
+           "default_shape", "default_splits", "HEADS_SHAPE", "HEADS_WS_SHAPE", "FEW_WS_SHAPE", "FEW_WS16_SHAPE", "few_ws_block_h", "HEADS_OVERLAP",
            "HEADS_VARIANTS", "f16_supported", "heads_bucket", "tokens_bucket", "table_shape", "parse_shape",
            "TESTED_SHAPES", "ctas_per_sm"]
