@@ -65,10 +65,10 @@ PREFILL_CHUNK_SIZE = 4
 #: prefill paths: "paged" (slot ids into the paged caches, records dequantized in the
 #: attention kernel, no workspace), "workspace" (gather + bf16 workspace, chunks of requests)
 PREFILL_PATHS = ("paged", "workspace")
-#: what prefill_path="auto" picks. H200 (perf/NOTES.md "Prefill from the paged caches"):
-#: the paged attention kernel is 1.46x (8 heads) to 1.7x (64/128 heads) the workspace
-#: kernel's GPU time, more than the gather it saves up to 1M context; the paged path's gain
-#: is memory (5 MiB instead of 264 MiB per 2048-token chunk at 1M context)
+#: what prefill_path="auto" picks. H200 (perf/NOTES.md "Prefill from the paged caches",
+#: "Session 6"): the paged attention kernel is 1.2x (8 heads) to 1.7x (64/128 heads, not
+#: re-timed since the faster decode dequant) the workspace kernel's GPU time, more than the gather it saves up to 1M context; the paged
+#: path's gain is memory (5 MiB instead of 264 MiB per 2048-token chunk at 1M context)
 AUTO_PREFILL_PATH = "workspace"
 
 
