@@ -364,7 +364,7 @@ def test_gluon_cuda_graph_gpu(device, T, H, swa_rec, extra_rec):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", ["", "4:0:1", "4:0:1:h", "4:8:2:w"])
+@pytest.mark.parametrize("shape", ["", "4:0:1", "4:0:1:h", "4:8:2:w", "4:16:2:w"])
 def test_gluon_hostile_indices_gpu(device, monkeypatch, shape):
     """Slot ids far past the cache, INT32_MAX/MIN, lens past the width and negative: nothing
     out of bounds is read (run under compute-sanitizer memcheck in perf/run_gpu.sh); the pick
@@ -448,20 +448,20 @@ def test_gluon_few_ws_gpu(device, monkeypatch, shape, T, H, swa_rec, extra_rec):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape,H", [("4:8:2:w", 8), ("4:16:2:w", 16)])
 @pytest.mark.parametrize("T", [1, 5, 512])
 @pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, 288)])
-def test_gluon_few_ws_edges_gpu(device, monkeypatch, T, swa_rec, extra_rec):
-    """The warp-specialized few-heads kernel: empty rows (len 0, only -1, only slots past the
-    cache) under a -inf sink, V4.1 widths, a CUDA-graph replay."""
+def test_gluon_few_ws_edges_gpu(device, monkeypatch, shape, H, T, swa_rec, extra_rec):
+    """The warp-specialized few-heads kernel (8- and 16-head tiles): empty rows (len 0, only
+    -1, only slots past the cache) under a -inf sink, V4.1 widths, a CUDA-graph replay."""
     _need_gluon_gpu()
-    from dsv41_triton.attention.gluon import launch as gl_launch
-    monkeypatch.setenv("DSV41_GLUON_SHAPE", gl_launch.FEW_WS_SHAPE)
+    monkeypatch.setenv("DSV41_GLUON_SHAPE", shape)
     if T < 512:
-        _check_empty_rows(_empty_rows_case(device, T, 8, swa_rec, extra_rec, sink="-inf"))
-    _check(_v41(device, T, 8, swa_rec, extra_rec))
-    static = _v41(device, T, 8, swa_rec, extra_rec)
-    out = torch.empty(T, 8, 512, dtype=torch.bfloat16, device=device)
-    fresh = _v41(device, T, 8, swa_rec, extra_rec)
+        _check_empty_rows(_empty_rows_case(device, T, H, swa_rec, extra_rec, sink="-inf"))
+    _check(_v41(device, T, H, swa_rec, extra_rec))
+    static = _v41(device, T, H, swa_rec, extra_rec)
+    out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=device)
+    fresh = _v41(device, T, H, swa_rec, extra_rec)
     assert_graph_replay(sparse_mla_decode, static, {n: fresh[n] for n in GRAPH_INPUTS}, out,
                         sparse_mla_decode_ref, out_tol=OUT_TOL, lse_tol=LSE_TOL, _kernel="gluon")
 
