@@ -503,6 +503,23 @@ def _qk_f16(k0, k1, k2, k3, k4, k5, k6, k7, rope_s, q16, q_r, zero, cq, qk_scale
 
 
 @gluon.jit
+def _q_rows(q_ptr, t, stride_qt, stride_qh, ht, BH: gl.constexpr, LQ: gl.constexpr):
+    """Row pointers ``[BH, 1]`` of token ``t``'s heads in head tile ``ht``, the heads ``[BH]`` and
+    the dims ``[64]`` of one 64-dim group, in the Q load layout ``LQ``."""
+    hq = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, LQ))
+    dq = gl.arange(0, 64, layout=gl.SliceLayout(0, LQ))
+    return q_ptr + t * stride_qt + hq.to(gl.int64)[:, None] * stride_qh, hq, dq
+
+
+@gluon.jit
+def _store_q(qrow, hq, dq, H, q_smem):
+    """The bf16 Q rows (``_q_rows``; heads ``>= H`` as 0) into ``q_smem [8, BH, 64]``."""
+    for g in gl.static_range(8):
+        qg = gl.load(qrow + (g * 64 + dq)[None, :], mask=(hq < H)[:, None], other=0.0)
+        q_smem.index(g).store(qg)
+
+
+@gluon.jit
 def _qk(k0, k1, k2, k3, k4, k5, k6, k7, q_smem, zero):
     """Logits ``S^T [64 keys, BH] = K Q^T`` of one block from the bf16 key tiles ``k0..k7``
     (raw dot products; Q ``[8, BH, 64]`` in shared memory), waited."""
@@ -745,9 +762,7 @@ def _sparse_mla_decode_gluon_kernel(
     b_idx_row = b_idx_ptr + t * b_idx_st
 
     # ---- Q (resident) -------------------------------------------------------------------
-    hq = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, LQ))
-    dq = gl.arange(0, 64, layout=gl.SliceLayout(0, LQ))
-    qrow = q_ptr + t * stride_qt + hq.to(gl.int64)[:, None] * stride_qh
+    qrow, hq, dq = _q_rows(q_ptr, t, stride_qt, stride_qh, ht, BH, LQ)
     if F16:
         # fp16 Q: each head times 2**(141 - e) (e: the biased exponent of its amax, clamped to
         # [15, 255]) puts its amax in [2**14, 2**15); qk_h = qk_scale * 2**(e - 141) undoes it.
@@ -769,9 +784,7 @@ def _sparse_mla_decode_gluon_kernel(
         qk_h = gl.convert_layout(((ea - 14) << 23).to(gl.float32, bitcast=True),
                                  gl.SliceLayout(0, ACC)) * qk_scale
     else:
-        for g in gl.static_range(8):
-            qg = gl.load(qrow + (g * 64 + dq)[None, :], mask=(hq < H)[:, None], other=0.0)
-            q_smem.index(g).store(qg)
+        _store_q(qrow, hq, dq, H, q_smem)
 
     # ---- prologue: NS - 1 blocks in flight (one with a single stage) ---------------------
     nidx = _load_idx(0, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b, hi_b,

@@ -4,7 +4,7 @@ one query token x ``BH`` heads x one key split, swap-AB wgmmas with the keys on 
 three stages of a block in three partitions (``gl.warp_specialize``) so that they overlap
 across blocks instead of running as one serial chain:
 
-* **producer** (``decode_heads_ws._producer``, 4 warps): slot ids and ``cp.async`` gathers of
+* **producer** (``decode_heads_ws._producer``, its 4 warps and register budget): slot ids and ``cp.async`` gathers of
   the raw records into byte-ring stage ``j % NS``; ``ready[s]`` when they landed.
 * **dequant** (``DEQUANT_WARPS`` warps): waits ``ready[s]`` and ``tfree[t]``, turns the stage's
   bytes into the bf16 key tile ``t = j % NT`` (eight ``[64, 64]`` groups; 584's RoPE tail
@@ -24,17 +24,17 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from .decode import (_acc_layout, _alloc_rings, _dequant_group, _few_heads_epilogue,
-                     _key_ranges, _online_softmax, _program_ids, _put, _pv, _qk)
-from .decode_heads_ws import PRODUCER_WARPS, _producer
+                     _key_ranges, _online_softmax, _program_ids, _put, _pv, _q_rows, _qk,
+                     _store_q)
+from .decode_heads_ws import PRODUCER_REGS, PRODUCER_WARPS, _producer
 
 #: warps of the dequant partition (8: one key row of 64 dims per thread and group)
 DEQUANT_WARPS = gl.constexpr(8)
 #: registers per dequant thread (setmaxnreg)
 DEQUANT_REGS = gl.constexpr(96)
-#: registers per producer thread
-FEW_PRODUCER_REGS = gl.constexpr(48)
 #: warps of the MMA partition (the kernel's ``num_warps``)
 MMA_WARPS = gl.constexpr(4)
+
 
 @gluon.jit
 def _dequant_block(s, t, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k0, k1, k2, k3,
@@ -87,12 +87,8 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
     epilogue."""
     ACC: gl.constexpr = _acc_layout(BH, MMA_WARPS)
     LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [MMA_WARPS, 1], [1, 0])
-    hq = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, LQ))
-    dq = gl.arange(0, 64, layout=gl.SliceLayout(0, LQ))
-    qrow = q_ptr + t_tok * stride_qt + hq.to(gl.int64)[:, None] * stride_qh
-    for g in gl.static_range(8):
-        qg = gl.load(qrow + (g * 64 + dq)[None, :], mask=(hq < H)[:, None], other=0.0)
-        q_smem.index(g).store(qg)
+    qrow, hq, dq = _q_rows(q_ptr, t_tok, stride_qt, stride_qh, ht, BH, LQ)
+    _store_q(qrow, hq, dq, H, q_smem)
     fence_async_shared()
     gl.thread_barrier()
 
@@ -201,4 +197,4 @@ def _sparse_mla_decode_few_ws_kernel(
         (_dequant_part, (nblk_a, nblk, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
                          idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, ready, free, tready,
                          tfree, SRC_A, SRC_B, HAS_B, NS, NT)),
-    ], [PRODUCER_WARPS, DEQUANT_WARPS], [FEW_PRODUCER_REGS, DEQUANT_REGS])
+    ], [PRODUCER_WARPS, DEQUANT_WARPS], [PRODUCER_REGS, DEQUANT_REGS])

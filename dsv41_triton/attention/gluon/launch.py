@@ -292,6 +292,7 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
     bb = b if b is not None else a
     flags = dict(SRC_A=a.src, SRC_B=bb.src, HAS_B=b is not None, HAS_LEN_A=a.lens is not None,
                  HAS_LEN_B=bb.lens is not None, HAS_SINK=sink is not None)
+    qk_scale = float(softmax_scale) * 1.4426950408889634  # log2(e): the kernels use exp2
     if over.get("few_ws") and bh != 64:
         # the warp-specialized few-heads kernel: 8- or 16-head tiles, two ring stages, two key
         # tiles (~210-227 KB of shared memory: one CTA per SM)
@@ -302,8 +303,8 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
         ns = num_splits or default_splits(T, n_ht, width, _sms(q.device))
         args, po, pl, sink_arg, sink_st = kernel_args(q, a, b, sink, out, lse, ns)
         k = _sparse_mla_decode_few_ws_kernel[(T * ns * n_ht,)](
-            *args, H, float(softmax_scale) * 1.4426950408889634, ns, n_ht, **flags,
-            SPLIT=ns > 1, BH=bh, NS=stages, NT=nt, num_warps=MMA_WARPS.value)
+            *args, H, qk_scale, ns, n_ht, **flags, SPLIT=ns > 1, BH=bh, NS=stages, NT=nt,
+            num_warps=MMA_WARPS.value)
         LAST_LAUNCH["fwd"] = (k, (bh, ns, MMA_WARPS.value, stages, "few_ws"))
     elif bh == 64:
         # the many-heads kernel: 64-head tiles, two warpgroups (the warp-specialized variant: a
@@ -314,7 +315,6 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
         args, po, pl, sink_arg, sink_st = kernel_args(q, a, b, sink, out, lse, ns)
         overlap = HEADS_VARIANTS.get(over.get("variant"), HEADS_OVERLAP)
         grid = (T * ns * n_ht,)
-        qk_scale = float(softmax_scale) * 1.4426950408889634
         if overlap == "ws":
             from .decode_heads_ws import _sparse_mla_decode_heads_ws_kernel
             k = _sparse_mla_decode_heads_ws_kernel[grid](
@@ -335,7 +335,7 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
         n_ht = cdiv(H, bh)
         args, po, pl, sink_arg, sink_st = kernel_args(q, a, b, sink, out, lse, ns)
         k = _sparse_mla_decode_gluon_kernel[(T * ns * n_ht,)](
-            *args, H, float(softmax_scale) * 1.4426950408889634, ns, n_ht, **flags,
+            *args, H, qk_scale, ns, n_ht, **flags,
             SPLIT=ns > 1, BH=bh, NS=stages, NW=nw, F16=f16, num_warps=nw)
         LAST_LAUNCH["fwd"] = (k, (bh, ns, nw, stages, "f16" if f16 else "bf16"))
     if ns > 1:
@@ -343,6 +343,7 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
 
 
 __all__ = ["PICK", "ENV", "OVERRIDE", "usable", "pick", "launch", "default_block_h",
-           "default_shape", "default_splits", "HEADS_SHAPE", "HEADS_WS_SHAPE", "FEW_WS_SHAPE", "FEW_WS16_SHAPE", "few_ws_block_h", "HEADS_OVERLAP",
+           "default_shape", "default_splits", "HEADS_SHAPE", "HEADS_WS_SHAPE", "FEW_WS_SHAPE",
+           "FEW_WS16_SHAPE", "few_ws_block_h", "HEADS_OVERLAP",
            "HEADS_VARIANTS", "f16_supported", "heads_bucket", "tokens_bucket", "table_shape", "parse_shape",
            "TESTED_SHAPES", "ctas_per_sm"]
