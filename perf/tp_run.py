@@ -231,7 +231,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         env = {k: os.environ.get(k) for k in NCCL_ENV_DEFAULTS}
         print(f"tp={a.tp} preset={preset} device={dev_name} dist={ctx.backend} env={env} "
               f"check={'skipped' if a.no_check or a.tp == 1 else ('PASS' if ok_all else 'FAIL')}")
-    shutdown_tp()
     return 0 if ok_all else 1
 
 
@@ -246,5 +245,19 @@ def print_table(rows: List[dict]) -> None:
         print("  ".join(v.rjust(w[i]) for i, v in enumerate(x)))
 
 
+def _run_and_exit() -> None:
+    """``main``, then every rank tears its group down together and leaves without the
+    interpreter's teardown: gloo's threads still alive there abort the process."""
+    try:
+        code = main()
+    except BaseException:
+        shutdown_tp(barrier=False)
+        raise
+    shutdown_tp()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _run_and_exit()

@@ -107,9 +107,13 @@ def init_tp_from_env(device: Union[str, torch.device, None] = None,
     return TPContext(rank, world, local, dev, dist.get_backend(), dist.group.WORLD)
 
 
-def shutdown_tp() -> None:
-    """Destroy the default process group if there is one."""
+def shutdown_tp(barrier: bool = True) -> None:
+    """Destroy the default process group if there is one; with ``barrier`` every rank first
+    waits until all are past their last collective (a peer's socket closing under a live gloo
+    group aborts the process)."""
     if dist.is_available() and dist.is_initialized():
+        if barrier and dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 
@@ -337,10 +341,10 @@ def _spawn_entry(local_rank: int, world_size: int, port: int, fn: Callable, args
         # group is down before any process exits (a peer's socket closing under a live gloo
         # group, or gloo's threads met by the interpreter's teardown, abort the process)
         done.wait(EXIT_BARRIER_TIMEOUT_S)
-        shutdown_tp()
+        shutdown_tp(barrier=False)
         done.wait(EXIT_BARRIER_TIMEOUT_S)
     except BaseException:
-        shutdown_tp()
+        shutdown_tp(barrier=False)
         raise
     sys.stdout.flush()
     sys.stderr.flush()
