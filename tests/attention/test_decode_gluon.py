@@ -70,13 +70,15 @@ def test_gluon_decode_compiles_for_sm90(src_a, src_b, bh, split, nw, f16, ns):
         assert facts["shared"] <= 228 * 1024 // 2 - 1024 and facts["regs"] <= 256, facts
 
 
-@pytest.mark.parametrize("src_a,src_b,split,bh", [(584, 584, 0, 8), (528, 288, 1, 8),
-                                                  (584, 528, 1, 8), (584, 288, 0, 16),
-                                                  (584, 584, 1, 16)])
-def test_gluon_few_ws_compiles_for_sm90(src_a, src_b, split, bh):
+@pytest.mark.parametrize("src_a,src_b,split,bh,ahead", [(584, 584, 0, 8, 1), (528, 288, 1, 8, 1),
+                                                        (584, 528, 1, 8, 1), (584, 288, 0, 16, 1),
+                                                        (584, 584, 1, 16, 1), (584, 584, 0, 8, 2),
+                                                        (528, 288, 1, 16, 3)])
+def test_gluon_few_ws_compiles_for_sm90(src_a, src_b, split, bh, ahead):
     """The warp-specialized few-heads kernel compiles for sm_90 (subprocess, no interpreter):
     wgmma, cp.async and mbarriers in the PTX, one CTA's shared memory, per-partition register
-    budgets (``setmaxnreg``), and its dequant and MMA loops spill nothing."""
+    budgets (``setmaxnreg``), and its producer (slot ids ``ahead`` blocks ahead), dequant and
+    MMA loops spill nothing."""
     if not gluon_pkg.AVAILABLE:
         pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
     import json
@@ -85,7 +87,7 @@ def test_gluon_few_ws_compiles_for_sm90(src_a, src_b, split, bh):
     import sys
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-m", "dsv41_triton.attention.gluon.compile_check",
-                        "few_ws", str(src_a), str(src_b), str(split), str(bh)],
+                        "few_ws", str(src_a), str(src_b), str(split), str(bh), str(ahead)],
                        env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     facts = json.loads(r.stdout.strip().splitlines()[-1])
@@ -95,8 +97,13 @@ def test_gluon_few_ws_compiles_for_sm90(src_a, src_b, split, bh):
     big = [lp for lp in facts["loops"] if lp["instructions"] > 100]
     mma = [lp for lp in big if lp["hgmma"]]
     dequant = [lp for lp in big if not lp["hgmma"] and not lp["ldgsts"]]
-    assert len(mma) == 1 and len(dequant) == 1, facts["loops"]
+    producer = [lp for lp in big if lp["ldgsts"]]
+    assert len(mma) == 1 and len(dequant) == 1 and len(producer) == 1, facts["loops"]
     assert mma[0]["local_ld_st"] == 0 and dequant[0]["local_ld_st"] == 0, facts["loops"]
+    # the producer's 48 registers: 584 records mixed with others (two address forms) spill a
+    # few words per block (2 local loads/stores with ids one or two blocks ahead, 10-12 with 3)
+    mixed = src_a != src_b and 584 in (src_a, src_b)
+    assert producer[0]["local_ld_st"] <= (16 if mixed else 0), facts["loops"]
 
 
 def test_gluon_f16_mixed_584_refused():
@@ -145,8 +152,13 @@ def test_gluon_pick_table():
     assert gl_launch.parse_shape(gl_launch.FEW_WS_SHAPE) == {"num_warps": 4, "block_h": 8,
                                                              "stages": 2, "few_ws": True}
     assert gl_launch.parse_shape(gl_launch.FEW_WS16_SHAPE)["block_h"] == 16
-    with pytest.raises(ValueError, match="launch shape"):
-        gl_launch.parse_shape("4:8:3:x")
+    assert gl_launch.parse_shape("4:8:2:w:3") == {"num_warps": 4, "block_h": 8, "stages": 2,
+                                                  "few_ws": True, "idx_ahead": 3}
+    assert gl_launch.parse_shape("8:64:2:3:2")["idx_ahead"] == 2
+    assert gl_launch.IDX_AHEAD in (1, 2, 3)
+    for bad in ("4:8:3:x", "4:8:2:h:2", "4:8:2:w:4", "4:8:2:w:0", "4:8:2::2", "4:8:2:w:2:1"):
+        with pytest.raises(ValueError, match="launch shape"):
+            gl_launch.parse_shape(bad)
 
 
 def test_gluon_ctas_per_sm_and_splits():
@@ -448,7 +460,22 @@ def test_gluon_few_ws_gpu(device, monkeypatch, shape, T, H, swa_rec, extra_rec):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape,H", [("4:8:2:w", 8), ("4:16:2:w", 16)])
+@pytest.mark.parametrize("shape", ["4:8:2:w:2", "4:8:2:w:3", "4:16:2:w:3"])
+@pytest.mark.parametrize("T", [1, 7, 128])
+@pytest.mark.parametrize("H", [3, 16])
+@pytest.mark.parametrize("swa_rec,extra_rec", PAIRS)
+def test_gluon_few_ws_idx_ahead_gpu(device, monkeypatch, shape, T, H, swa_rec, extra_rec):
+    """The warp-specialized few-heads kernel with its slot ids loaded 2 or 3 blocks ahead:
+    every record pair, CTAs with fewer blocks than the lead (split keys at T = 1)."""
+    _need_gluon_gpu()
+    from dsv41_triton.attention.gluon import launch as gl_launch
+    monkeypatch.setenv("DSV41_GLUON_SHAPE", shape)
+    _check(_case(device, T, H, swa_rec, extra_rec))
+    assert gl_launch.LAST_LAUNCH["fwd"][1][4] == "few_ws"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,H", [("4:8:2:w", 8), ("4:16:2:w", 16), ("4:8:2:w:3", 8)])
 @pytest.mark.parametrize("T", [1, 5, 512])
 @pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, 288)])
 def test_gluon_few_ws_edges_gpu(device, monkeypatch, shape, H, T, swa_rec, extra_rec):

@@ -144,10 +144,11 @@ def _sparse_mla_decode_few_ws_kernel(
     SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
     HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, HAS_SINK: gl.constexpr,
     SPLIT: gl.constexpr, BH: gl.constexpr, NS: gl.constexpr, NT: gl.constexpr,
+    IDX_AHEAD: gl.constexpr = 1,
 ):
     """Grid ``T * num_splits * num_ht`` (head tile fastest, then split, then token); launch with
     ``num_warps=MMA_WARPS``. Arguments as ``decode._sparse_mla_decode_gluon_kernel``'s; ``NS``
-    byte-ring stages, ``NT`` bf16 key tiles."""
+    byte-ring stages, ``NT`` bf16 key tiles, slot ids loaded ``IDX_AHEAD`` blocks ahead."""
     ht, split, t = _program_ids(num_ht, num_splits)
 
     USE_288: gl.constexpr = SRC_A == 288 or (HAS_B and SRC_B == 288)
@@ -193,7 +194,7 @@ def _sparse_mla_decode_few_ws_kernel(
         (_producer, (a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_row, b_bstride,
                      b_page, b_rows, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk,
                      r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, ready,
-                     free, SRC_A, SRC_B, HAS_B, NS)),
+                     free, SRC_A, SRC_B, HAS_B, NS, IDX_AHEAD)),
         (_dequant_part, (nblk_a, nblk, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
                          idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, ready, free, tready,
                          tfree, SRC_A, SRC_B, HAS_B, NS, NT)),

@@ -9,7 +9,7 @@ out of the MMA warps by ``gl.warp_specialize``:
   release the stage (``free[s]``), store the bf16 key tile, ``S = Q K^T``, online softmax, P,
   ``O += P K`` (``decode_heads._qk_softmax``), then the row epilogue (``_heads_epilogue``).
 * **producer** (a worker of ``PRODUCER_WARPS`` warps, ``PRODUCER_REGS`` registers): per block,
-  wait ``free[s]``, store the block's checked slot ids (loaded one block ahead) to the ring,
+  wait ``free[s]``, store the block's checked slot ids (loaded ``IDX_AHEAD`` blocks ahead) to the ring,
   ``cp.async`` the raw records (``decode._copy_keys``; invalid keys zero-filled), then each
   thread's ``cp.async.mbarrier.arrive.noinc`` (its copies landed) and, after a producer barrier,
   one plain arrive (the id stores): ``ready[s]`` has ``32 * PRODUCER_WARPS + 1`` arrivals.
@@ -43,11 +43,22 @@ PRODUCER_REGS = gl.constexpr(48)
 def _producer(a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_row, b_bstride, b_page,
               b_rows, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk,
               r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, ready, free,
-              SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr, NS: gl.constexpr):
-    """Every block's slot ids and raw records into ring stage ``j % NS`` once it is free."""
+              SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr, NS: gl.constexpr,
+              AHEAD: gl.constexpr = 1):
+    """Every block's slot ids and raw records into ring stage ``j % NS`` once it is free; a
+    block's ids are loaded ``AHEAD`` (1..3) blocks before it, so that many id loads overlap."""
+    gl.static_assert(AHEAD >= 1 and AHEAD <= 3, "AHEAD: 1, 2 or 3 blocks")
     LI: gl.constexpr = gl.SliceLayout(1, _copy_layout(16, PRODUCER_WARPS))
     idx = _load_idx(0, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b, hi_b,
                     b_rows, HAS_B, LI)
+    idx1 = idx
+    idx2 = idx
+    if AHEAD >= 2:
+        idx1 = _load_idx(1, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b, hi_b,
+                         b_rows, HAS_B, LI)
+    if AHEAD >= 3:
+        idx2 = _load_idx(2, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b, hi_b,
+                         b_rows, HAS_B, LI)
     for j in range(nblk):
         s = j % NS
         mbarrier.wait(free.index(s), ((j // NS) & 1) ^ 1)
@@ -62,9 +73,18 @@ def _producer(a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_row, b_b
         cp.mbarrier_arrive(ready.index(s), increment_count=False)
         gl.thread_barrier()  # every producer thread's id stores precede the one arrive
         mbarrier.arrive(ready.index(s))
-        # the next block's ids: their latency passes while this partition waits for a stage
-        idx = _load_idx(j + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b,
+        # block j + AHEAD's ids: their latency passes under the next blocks' copies and waits
+        nxt = _load_idx(j + AHEAD, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b,
                         hi_b, b_rows, HAS_B, LI)
+        if AHEAD == 1:
+            idx = nxt
+        elif AHEAD == 2:
+            idx = idx1
+            idx1 = nxt
+        else:
+            idx = idx1
+            idx1 = idx2
+            idx2 = nxt
 
 
 @gluon.jit
@@ -126,11 +146,12 @@ def _sparse_mla_decode_heads_ws_kernel(
     H, qk_scale, num_splits, num_ht,
     SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
     HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, HAS_SINK: gl.constexpr,
-    SPLIT: gl.constexpr, NS: gl.constexpr,
+    SPLIT: gl.constexpr, NS: gl.constexpr, IDX_AHEAD: gl.constexpr = 1,
 ):
     """Grid ``T * num_splits * num_ht`` (head tile of 64 fastest, then split, then token);
     launch with ``num_warps=NW`` (8 consumer warps; the producer's ``PRODUCER_WARPS`` run
-    besides). Arguments as ``decode_heads._sparse_mla_decode_heads_kernel``'s."""
+    besides). Arguments as ``decode_heads._sparse_mla_decode_heads_kernel``'s; slot ids are
+    loaded ``IDX_AHEAD`` blocks ahead."""
     ht, split, t = _program_ids(num_ht, num_splits)
 
     r0, r1, r2, r3, r4, r5, r6, r7, scale_ring, rope_ring, idx_ring = _alloc_rings(
@@ -158,5 +179,5 @@ def _sparse_mla_decode_heads_ws_kernel(
         (_producer, (a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_row, b_bstride,
                      b_page, b_rows, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk,
                      r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, ready,
-                     free, SRC_A, SRC_B, HAS_B, NS)),
+                     free, SRC_A, SRC_B, HAS_B, NS, IDX_AHEAD)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])

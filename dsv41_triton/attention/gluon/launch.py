@@ -40,6 +40,9 @@ TESTED_SHAPES = ("4:0:3", "4:16:2", "8:16:3", "8:16:2", "8:32:3", "4:0:3:h", "4:
 #: / 58.9 overlapped for 64 h 584+584, 128 h 584+584, 64 h 528+288 (the overlapped order spills).
 HEADS_OVERLAP = False
 HEADS_VARIANTS = {1: False, 2: True, 3: "ws"}
+#: how many 64-key blocks ahead the warp-specialized kernels' producer loads slot ids (its
+#: ``IDX_AHEAD``, 1..3); a 5th shape field sets it ("4:8:2:w:2", "8:64:2:3:2")
+IDX_AHEAD = 1
 
 #: the pick table: (major, minor) -> {(heads bucket, swa record, extra record or 0, tokens
 #: bucket): launch shape "num_warps:block_h:stages[:h|:b|:w|:1|:2|:3]" (0 = default; ":h" = fp16
@@ -204,15 +207,19 @@ def parse_shape(text: str) -> dict:
     """``"8:16:3"`` -> ``{num_warps: 8, block_h: 16, stages: 3}`` (0 or empty = default);
     a 4th field ``h`` adds ``f16: True`` (fp16 wgmma operands), ``b`` ``f16: False``, ``w``
     ``few_ws: True`` (the warp-specialized few-heads kernel); ``1`` / ``2``
-    / ``3`` is the many-heads kernel's variant (``HEADS_VARIANTS``)."""
+    / ``3`` is the many-heads kernel's variant (``HEADS_VARIANTS``); after ``w`` or ``3`` a 5th
+    field 1..3 is the producer's ``idx_ahead`` (``IDX_AHEAD``)."""
     if not text:
         return {}
     parts = text.split(":")
-    extra = parts[3] if len(parts) == 4 else None
-    if len(parts) not in (3, 4) or extra not in (None, "h", "b", "w",
-                                                 *map(str, HEADS_VARIANTS)):
+    extra = parts[3] if len(parts) >= 4 else None
+    ahead = parts[4] if len(parts) == 5 else None
+    if (len(parts) not in (3, 4, 5)
+            or extra not in (None, "h", "b", "w", *map(str, HEADS_VARIANTS))
+            or (ahead is not None and (extra not in ("w", "3") or ahead not in ("1", "2", "3")))):
         raise ValueError(f"launch shape {text!r}: expected num_warps:block_h:stages"
-                         "[:h|:b|:w|:1|:2|:3]")
+                         "[:h|:b|:w|:1|:2|:3] (after :w or :3 optionally :1|:2|:3, the slot-id "
+                         "lead)")
     nw, bh, st = (int(x) for x in parts[:3])
     out = {k: v for k, v in (("num_warps", nw), ("block_h", bh), ("stages", st)) if v}
     if extra in ("h", "b"):
@@ -221,6 +228,8 @@ def parse_shape(text: str) -> dict:
         out["few_ws"] = True
     elif extra is not None:
         out["variant"] = int(extra)
+    if ahead is not None:
+        out["idx_ahead"] = int(ahead)
     return out
 
 
@@ -293,6 +302,7 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
     flags = dict(SRC_A=a.src, SRC_B=bb.src, HAS_B=b is not None, HAS_LEN_A=a.lens is not None,
                  HAS_LEN_B=bb.lens is not None, HAS_SINK=sink is not None)
     qk_scale = float(softmax_scale) * 1.4426950408889634  # log2(e): the kernels use exp2
+    ahead = over.get("idx_ahead", IDX_AHEAD)
     if over.get("few_ws") and bh != 64:
         # the warp-specialized few-heads kernel: 8- or 16-head tiles, two ring stages, two key
         # tiles (~210-227 KB of shared memory: one CTA per SM)
@@ -304,7 +314,7 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
         args, po, pl, sink_arg, sink_st = kernel_args(q, a, b, sink, out, lse, ns)
         k = _sparse_mla_decode_few_ws_kernel[(T * ns * n_ht,)](
             *args, H, qk_scale, ns, n_ht, **flags, SPLIT=ns > 1, BH=bh, NS=stages, NT=nt,
-            num_warps=MMA_WARPS.value)
+            IDX_AHEAD=ahead, num_warps=MMA_WARPS.value)
         LAST_LAUNCH["fwd"] = (k, (bh, ns, MMA_WARPS.value, stages, "few_ws"))
     elif bh == 64:
         # the many-heads kernel: 64-head tiles, two warpgroups (the warp-specialized variant: a
@@ -318,7 +328,8 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
         if overlap == "ws":
             from .decode_heads_ws import _sparse_mla_decode_heads_ws_kernel
             k = _sparse_mla_decode_heads_ws_kernel[grid](
-                *args, H, qk_scale, ns, n_ht, **flags, SPLIT=ns > 1, NS=stages, num_warps=nw)
+                *args, H, qk_scale, ns, n_ht, **flags, SPLIT=ns > 1, NS=stages,
+                IDX_AHEAD=ahead, num_warps=nw)
         else:
             from .decode_heads import _sparse_mla_decode_heads_kernel
             k = _sparse_mla_decode_heads_kernel[grid](
@@ -344,6 +355,6 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
 
 __all__ = ["PICK", "ENV", "OVERRIDE", "usable", "pick", "launch", "default_block_h",
            "default_shape", "default_splits", "HEADS_SHAPE", "HEADS_WS_SHAPE", "FEW_WS_SHAPE",
-           "FEW_WS16_SHAPE", "few_ws_block_h", "HEADS_OVERLAP",
+           "FEW_WS16_SHAPE", "few_ws_block_h", "HEADS_OVERLAP", "IDX_AHEAD",
            "HEADS_VARIANTS", "f16_supported", "heads_bucket", "tokens_bucket", "table_shape", "parse_shape",
            "TESTED_SHAPES", "ctas_per_sm"]
