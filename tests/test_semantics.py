@@ -249,6 +249,22 @@ def test_lens_are_clamped_to_the_width(impl, device):
     assert (_f(l3) == math.inf).all()
 
 
+# ---- indices --------------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", IMPLS)
+def test_int64_ids_past_int32_are_skipped(impl, device):
+    """An int64 id of 2**32 + s (s a valid slot) is out of range, not slot s: as -1."""
+    q, swa, si, sl, extra, ei, el = _decode_case(device, extra_record=_extra(impl))
+    si64, ei64 = si.to(torch.int64), ei.to(torch.int64)
+    si64[:, ::2] += 2 ** 32
+    ei64[:, 1::2] += 2 ** 33
+    si_neg, ei_neg = si.clone(), ei.clone()
+    si_neg[:, ::2] = -1
+    ei_neg[:, 1::2] = -1
+    o1, l1 = decode(impl, device, q, swa, si64, sl, extra, ei64, el)
+    o2, l2 = decode(impl, device, q, swa, si_neg, sl, extra, ei_neg, el)
+    assert torch.equal(_f(o1), _f(o2)) and torch.equal(_f(l1), _f(l2))
+
+
 # ---- sink -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("impl", IMPLS)
 def test_sink_values(impl, device):

@@ -1,8 +1,8 @@
 """Index rows masked for kernels that skip ``-1`` entries (FlashMLA's sparse decode), in one
 Triton launch.
 
-:func:`mask_index_rows`: ``idx [T, K]`` -> ``[T, Kp]`` int32 with negative entries and columns
-past ``lens[t]`` set to ``-1`` and the row padded with ``-1`` to a multiple of ``multiple``.
+:func:`mask_index_rows`: ``idx [T, K]`` -> ``[T, Kp]`` int32 with negative entries, int64
+entries past int32 and columns past ``lens[t]`` set to ``-1`` and the row padded with ``-1`` to a multiple of ``multiple``.
 Reference: :func:`dsv41_triton.ops.index_mask_ref.mask_index_rows_ref`. Each program writes
 only its own ``[BLOCK_T, BLOCK_C]`` tile of the output; nothing synchronizes with the host.
 """
@@ -47,7 +47,7 @@ def _mask_index_rows_kernel(
     rvalid = rows < T
     v = tl.load(idx_ptr + r64[:, None] * s_it + c64[None, :] * s_ik,
                 mask=rvalid[:, None] & (cols < K)[None, :], other=-1).to(tl.int64)
-    keep = v >= 0
+    keep = (v >= 0) & (v <= 2147483647)
     if HAS_LENS:
         n = tl.load(lens_ptr + r64 * s_l, mask=rvalid, other=0).to(tl.int64)
         keep = keep & (c64[None, :] < n[:, None])
@@ -67,7 +67,8 @@ def mask_index_rows(idx: torch.Tensor, lens: Optional[torch.Tensor], multiple: i
         multiple: the output width is ``K`` rounded up to it, at least one ``multiple``.
         out: optional ``[T, Kp]`` int32 tensor (last dim contiguous) to fill.
 
-    Returns ``[T, Kp]`` int32: ``idx[t, c]`` (truncated to int32) where kept, else ``-1``.
+    Returns ``[T, Kp]`` int32: ``idx[t, c]`` where kept, else ``-1`` (also where an int64 entry
+    exceeds int32: it is past every cache).
     """
     check_tensor("idx", idx, dtypes=INT_DTYPES, ndims=2, contiguous_last=False)
     check_int("multiple", multiple, lo=1)

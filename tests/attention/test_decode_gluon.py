@@ -267,6 +267,22 @@ def _hostile_case(device, H):
     return args
 
 
+def _wide_ids_case(device, H, swa_rec=528, extra_rec=288):
+    """4 tokens of int64 slot ids, some of them 2**32 + (a valid slot), 2**33 + 3, -2**40 or
+    INT64_MIN: out of range at 64 bits (skipped), valid if truncated to 32 (as a kernel that
+    compared after narrowing would read them)."""
+    args = _case(device, 4, H, swa_rec, extra_rec, Ws=70, K=90, page=64, nb_a=2, nb_b=2)
+    ia = args["swa_indices"].to(torch.int64)
+    ib = args["extra_indices"].to(torch.int64)
+    ia[:, ::3] += 2 ** 32
+    ia[:, 1::7] = -(2 ** 63)
+    ib[:, ::4] += 2 ** 32
+    ib[:, 1::5] = 2 ** 33 + 3
+    ib[:, 2::9] = -(2 ** 40)
+    args["swa_indices"], args["extra_indices"] = ia, ib
+    return args
+
+
 def _empty_rows_case(device, T, H, swa_rec, extra_rec, sink="rand"):
     """``_case`` with token 0 of len 0 and, for ``T > 1``, token 1 of only ``-1`` and token 2
     of only slots past the cache (``_check_empty_rows``)."""
@@ -385,6 +401,21 @@ def test_gluon_hostile_indices_gpu(device, monkeypatch, shape):
     if shape:
         monkeypatch.setenv("DSV41_GLUON_SHAPE", shape)
     _check(_hostile_case(device, 3))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["4:0:3", "4:0:1", "4:0:1:h", "4:8:2:w", "4:8:2:w:2",
+                                   "4:16:2:w", "8:64:2", "8:64:2:3", "8:64:2:3:2"])
+def test_gluon_wide_ids_gpu(device, monkeypatch, shape):
+    """int64 slot ids outside ``[0, rows)`` only at 64 bits (2**32 + a valid slot, ...) are
+    skipped, as the reference and the tl kernel skip them, by every Gluon decode kernel."""
+    _need_gluon_gpu()
+    monkeypatch.setenv("DSV41_GLUON_SHAPE", shape)
+    args = _wide_ids_case(device, 64 if shape.startswith("8:64") else 3)
+    _check(args)
+    o_tl, _ = sparse_mla_decode(**args, _kernel="tl")
+    o_ref, _ = sparse_mla_decode_ref(**args)
+    assert rel_err(o_tl, o_ref) <= OUT_TOL
 
 
 @pytest.mark.gpu

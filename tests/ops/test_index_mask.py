@@ -16,7 +16,7 @@ def mask_loop(idx, lens, multiple):
         row = []
         for c in range(Kp):
             e = int(idx[t, c]) if c < K else -1
-            row.append(e if (e >= 0 and c < n) else -1)
+            row.append(e if (0 <= e < 2 ** 31 and c < n) else -1)
         rows.append(row)
     return rows
 
@@ -76,6 +76,20 @@ def test_mask_index_rows_strided_rows_and_int64(device, dtype):
     t = _idx(150, 19, dtype, device).t()
     assert t.stride(1) != 1
     _check(t, _lens("ragged", 19, 150, device)[:19], 64)
+
+
+def test_mask_index_rows_int64_past_int32(device):
+    """int64 ids of 2**31 and more are past every cache: -1, not truncated to a valid slot."""
+    idx = _idx(7, 90, torch.int64, device)
+    idx[:, ::3] += 2 ** 32
+    idx[:, 1::5] = 2 ** 31
+    idx[:, 2::7] = 2 ** 31 - 1
+    idx[:, 4::11] = -(2 ** 63)
+    got = _check(idx, None, 64).cpu()[:, :90]
+    wide = idx.cpu() >= 2 ** 31
+    assert bool(wide.any()) and bool((got[wide] == -1).all())
+    assert bool((got[idx.cpu() == 2 ** 31 - 1] == 2 ** 31 - 1).all())
+    _check(idx, _lens("ragged", 7, 90, device), 64)
 
 
 def test_mask_index_rows_edges(device):

@@ -255,23 +255,38 @@ def _alloc_rings(SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
 
 
 @gluon.jit
+def _load_idx_raw(k, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b, hi_b,
+                  HAS_B: gl.constexpr, L: gl.constexpr):
+    """Slot ids of block ``k`` as stored (``[BN]`` of the window's and of the extra keys' index
+    dtype, ``-1`` outside the block's part): no arithmetic on the loaded values, so a caller
+    can carry them blocks ahead and pay their latency only at ``_check_idx``."""
+    r = gl.arange(0, 64, layout=L)
+    ca = lo_a + k * 64 + r
+    ia = gl.load(a_idx_row + ca, mask=(ca < hi_a) & (k < nblk_a), other=-1)
+    ib = ia
+    if HAS_B:
+        cb = lo_b + (k - nblk_a) * 64 + r
+        ib = gl.load(b_idx_row + cb, mask=(cb < hi_b) & (k >= nblk_a) & (k < nblk), other=-1)
+    return ia, ib
+
+
+@gluon.jit
+def _check_idx(ia, ib, a_rows, b_rows, HAS_B: gl.constexpr):
+    """``_load_idx_raw``'s ids as ``[BN]`` int32, ``-1`` where outside ``[0, rows)`` (compared
+    at the stored width: an int64 id of 2**32 + 5 is out of range, not row 5)."""
+    idx = gl.where((ia >= 0) & (ia < a_rows), ia, -1).to(gl.int32)
+    if HAS_B:
+        idx = gl.where((ib >= 0) & (ib < b_rows), ib.to(gl.int32), idx)
+    return idx
+
+
+@gluon.jit
 def _load_idx(k, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b, hi_b, b_rows,
               HAS_B: gl.constexpr, L: gl.constexpr):
     """Slot ids of block ``k`` ([BN] int32 in ``L``), ``-1`` where a key is not read."""
-    r = gl.arange(0, 64, layout=L)
-    in_a = k < nblk_a
-    ca = lo_a + k * 64 + r
-    ma = (ca < hi_a) & in_a
-    ia = gl.load(a_idx_row + ca, mask=ma, other=-1).to(gl.int32)
-    ok = ma & (ia >= 0) & (ia < a_rows)
-    idx = gl.where(ok, ia, -1)
-    if HAS_B:
-        cb = lo_b + (k - nblk_a) * 64 + r
-        mb = (cb < hi_b) & (k >= nblk_a) & (k < nblk)
-        ib = gl.load(b_idx_row + cb, mask=mb, other=-1).to(gl.int32)
-        okb = mb & (ib >= 0) & (ib < b_rows)
-        idx = gl.where(okb, ib, idx)
-    return idx
+    ia, ib = _load_idx_raw(k, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b, hi_b, HAS_B,
+                           L)
+    return _check_idx(ia, ib, a_rows, b_rows, HAS_B)
 
 
 @gluon.jit
