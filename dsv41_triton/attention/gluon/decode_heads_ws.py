@@ -27,8 +27,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .decode import (_alloc_rings, _copy_keys, _copy_layout, _key_ranges, _load_idx,
-                     _program_ids)
+from .decode import (_alloc_rings, _check_idx, _copy_keys, _copy_layout, _key_ranges,
+                     _load_idx_raw, _program_ids)
 from .decode_heads import (BH, NW, _alloc_tiles, _dequant_keys, _heads_epilogue, _qk_softmax,
                            _thread_sums)
 
@@ -49,19 +49,24 @@ def _producer(a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_row, b_b
     block's ids are loaded ``AHEAD`` (1..3) blocks before it, so that many id loads overlap."""
     gl.static_assert(AHEAD >= 1 and AHEAD <= 3, "AHEAD: 1, 2 or 3 blocks")
     LI: gl.constexpr = gl.SliceLayout(1, _copy_layout(16, PRODUCER_WARPS))
-    idx = _load_idx(0, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b, hi_b,
-                    b_rows, HAS_B, LI)
-    idx1 = idx
-    idx2 = idx
+    # raw ids (checked only when their block is issued): (a0, b0) block j's, (a1, b1) j + 1's,
+    # (a2, b2) j + 2's
+    a0, b0 = _load_idx_raw(0, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b, hi_b,
+                           HAS_B, LI)
+    a1 = a0
+    b1 = b0
+    a2 = a0
+    b2 = b0
     if AHEAD >= 2:
-        idx1 = _load_idx(1, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b, hi_b,
-                         b_rows, HAS_B, LI)
+        a1, b1 = _load_idx_raw(1, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b, hi_b,
+                               HAS_B, LI)
     if AHEAD >= 3:
-        idx2 = _load_idx(2, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b, hi_b,
-                         b_rows, HAS_B, LI)
+        a2, b2 = _load_idx_raw(2, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b, hi_b,
+                               HAS_B, LI)
     for j in range(nblk):
         s = j % NS
         mbarrier.wait(free.index(s), ((j // NS) & 1) ^ 1)
+        idx = _check_idx(a0, b0, a_rows, b_rows, HAS_B)
         idx_ring.index(s).store(idx)
         if j < nblk_a:
             _copy_keys(a_ptr, idx, a_bstride, a_page, s, r0, r1, r2, r3, r4, r5, r6, r7,
@@ -73,18 +78,25 @@ def _producer(a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_row, b_b
         cp.mbarrier_arrive(ready.index(s), increment_count=False)
         gl.thread_barrier()  # every producer thread's id stores precede the one arrive
         mbarrier.arrive(ready.index(s))
-        # block j + AHEAD's ids: their latency passes under the next blocks' copies and waits
-        nxt = _load_idx(j + AHEAD, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b,
-                        hi_b, b_rows, HAS_B, LI)
+        # block j + AHEAD's ids: their latency passes under the waits and copies of the blocks
+        # before it
+        an, bn = _load_idx_raw(j + AHEAD, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b,
+                               hi_b, HAS_B, LI)
         if AHEAD == 1:
-            idx = nxt
+            a0 = an
+            b0 = bn
         elif AHEAD == 2:
-            idx = idx1
-            idx1 = nxt
+            a0 = a1
+            b0 = b1
+            a1 = an
+            b1 = bn
         else:
-            idx = idx1
-            idx1 = idx2
-            idx2 = nxt
+            a0 = a1
+            b0 = b1
+            a1 = a2
+            b1 = b2
+            a2 = an
+            b2 = bn
 
 
 @gluon.jit
