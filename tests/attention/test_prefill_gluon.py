@@ -20,11 +20,11 @@ from test_decode_gluon import _need_gluon_gpu
 
 OUT_TOL = 1e-2
 LSE_TOL = 1e-3
-VARIANTS = ("eager", "lazy", "ws", "wsp")
+VARIANTS = ("eager", "lazy", "ws", "wsp", "ws_ahead", "wsp_ahead")
 #: the kernel the contract tests pin: "table" (the pick table's variant), "ws" (the
-#: warp-specialized kernel, gluon/prefill_ws.py) or "wsp" (its persistent form,
-#: gluon/prefill_wsp.py)
-PINS = ("table", "ws", "wsp")
+#: warp-specialized kernel, gluon/prefill_ws.py), "wsp" (its persistent form,
+#: gluon/prefill_wsp.py) or "wsp_ahead" (that with each block pair's ids loaded a pair ahead)
+PINS = ("table", "ws", "wsp", "wsp_ahead")
 
 
 @pytest.fixture(params=PINS)
@@ -40,7 +40,8 @@ def pin(request, monkeypatch):
 # CPU
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("lazy,variant", [(True, "0"), (False, "0"), (False, "ws"),
-                                          (False, "wsp")])
+                                          (False, "wsp"), (False, "ws_ahead"),
+                                          (False, "wsp_ahead")])
 def test_gluon_prefill_compiles_for_sm90(lazy, variant):
     """The kernel compiles for sm_90 on this machine (in a subprocess without the interpreter);
     wgmma and cp.async are in the PTX, shared memory fits; the warp-specialized ones set their
@@ -74,6 +75,7 @@ def test_gluon_prefill_pick_table():
         for hb, variant in table.items():
             assert hb in (8, 16, 32, 64, 128, 1 << 30)
             assert variant in pl.VARIANTS
+    assert VARIANTS == pl.VARIANTS  # the GPU tests below run every variant
     assert pl.heads_bucket(8) == 8 and pl.heads_bucket(9) == 16 and pl.heads_bucket(33) == 64
     assert pl.heads_bucket(65) == 128 and pl.heads_bucket(129) == 1 << 30
 

@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (mbarrier)
 
 from .prefill_ws import (BH, BN, CONSUMER_REGS, NUM_WARPS, _consumer_pair, _consumer_rows,
-                         _fill_pair)
+                         _fill_pairs)
 
 __all__ = ["NUM_WARPS", "_sparse_mla_prefill_gluon_wsp_kernel"]
 
@@ -74,7 +74,7 @@ def _item(item, num_ht, len_ptr, len_st, width, HAS_LEN: gl.constexpr):
 @gluon.jit
 def _producer(pid, grid, num_items, num_ht, width, len_ptr, len_st, q_ptr, stride_qt,
               stride_qh, kv_ptr, kv_stride, rows, idx_ptr, idx_st, H, q_smem, ring, q_ready,
-              q_free, ready, free, HAS_LEN: gl.constexpr):
+              q_free, ready, free, HAS_LEN: gl.constexpr, IDS_AHEAD: gl.constexpr):
     """4 warps: per item, Q once both consumers freed it, then the item's blocks into the ring
     as ``prefill_ws._producer`` does (phases from the CTA's running pair count ``g``)."""
     LC: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
@@ -95,9 +95,8 @@ def _producer(pid, grid, num_items, num_ht, width, len_ptr, len_st, q_ptr, strid
         cp.mbarrier_arrive(q_ready, increment_count=False)
         idx_row = idx_ptr + t * idx_st
         npair = gl.cdiv(n, 2 * BN)
-        for i in range(npair):
-            _fill_pair(kv_ptr, kv_stride, rows, idx_row, n, i, r, d, ring, ready, free,
-                       ((g + i) & 1) ^ 1)
+        _fill_pairs(kv_ptr, kv_stride, rows, idx_row, n, npair, g, r, d, ring, ready, free,
+                    IDS_AHEAD)
         g += npair
         k += 1
 
@@ -176,10 +175,11 @@ def _sparse_mla_prefill_gluon_wsp_kernel(
     out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
     H, qk_scale, num_ht, num_items,
     HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, LAZY: gl.constexpr,
+    IDS_AHEAD: gl.constexpr = False,
 ):
     """Arguments as ``prefill_ws._sparse_mla_prefill_gluon_ws_kernel`` plus ``num_items`` (=
     tokens x ``num_ht``); launch ``min(SMs, num_items)`` CTAs with ``num_warps=NUM_WARPS``
-    (12 warps run). ``LAZY`` is ignored."""
+    (12 warps run). ``LAZY`` is ignored; ``IDS_AHEAD`` as ``prefill_ws``'s."""
     KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, 512], gl.bfloat16)
     QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, 512], gl.bfloat16)
     PL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, BN], gl.bfloat16)
@@ -222,7 +222,7 @@ def _sparse_mla_prefill_gluon_wsp_kernel(
     gl.warp_specialize([
         (_producer, (pid, grid, num_items, num_ht, width, len_ptr, len_st, q_ptr, stride_qt,
                      stride_qh, kv_ptr, kv_stride, rows, idx_ptr, idx_st, H, q_smem, ring,
-                     q_ready, q_free, ready, free, HAS_LEN)),
+                     q_ready, q_free, ready, free, HAS_LEN, IDS_AHEAD)),
         (_consumer0, cargs),
         (_consumer1, cargs),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
