@@ -86,10 +86,11 @@ cvt.rn.bf16x2.f32 $1, f3, f2;
 
 # four e2m1 bytes -> two results of four bf16 each: the low-nibble elements (even dims) and the
 # high-nibble ones (odd dims) of bytes 0..3, each * its scale. The magnitude codes index byte
-# tables of the bf16 values {0, .5, 1, 1.5, 2, 3, 4, 6} through prmt; the sign is bit 3 of the
-# nibble.
+# tables of the bf16 values {0, .5, 1, 1.5, 2, 3, 4, 6} through prmt (high bytes t0/t1, low
+# bytes t2/t3); a nibble's sign (bit 3) is already at bit 7 of its byte's slot in the
+# high-byte results (low nibbles after one shift), so one masked or signs four values.
 _E2M1_ASM = gl.constexpr("""{
-.reg .b32 w, x, y, sl, sh, hl, ll, hh, lh, sg, z, t0, t1, t2, t3;
+.reg .b32 w, x, y, sl, sh, hl, ll, hh, lh, z, t0, t1, t2, t3;
 mov.b32 w, $4;
 mov.b32 z, 0;
 mov.b32 t0, 0x3F3F3F00;
@@ -109,25 +110,18 @@ prmt.b32 hl, t0, t1, sl;
 prmt.b32 ll, t2, t3, sl;
 prmt.b32 hh, t0, t1, sh;
 prmt.b32 lh, t2, t3, sh;
-and.b32 x, w, 0x08080808;
-prmt.b32 sg, x, z, 0x1404;
-shl.b32 sg, sg, 4;
-prmt.b32 y, ll, hl, 0x5140;
-or.b32 y, y, sg;
-mul.rn.bf16x2 $0, y, $5;
-prmt.b32 sg, x, z, 0x3424;
-shl.b32 sg, sg, 4;
-prmt.b32 y, ll, hl, 0x7362;
-or.b32 y, y, sg;
-mul.rn.bf16x2 $1, y, $6;
+shl.b32 x, w, 4;
+and.b32 x, x, 0x80808080;
+or.b32 hl, hl, x;
 and.b32 x, w, 0x80808080;
-prmt.b32 sg, x, z, 0x1404;
+or.b32 hh, hh, x;
+prmt.b32 y, ll, hl, 0x5140;
+mul.rn.bf16x2 $0, y, $5;
+prmt.b32 y, ll, hl, 0x7362;
+mul.rn.bf16x2 $1, y, $6;
 prmt.b32 y, lh, hh, 0x5140;
-or.b32 y, y, sg;
 mul.rn.bf16x2 $2, y, $5;
-prmt.b32 sg, x, z, 0x3424;
 prmt.b32 y, lh, hh, 0x7362;
-or.b32 y, y, sg;
 mul.rn.bf16x2 $3, y, $6;
 }""")
 
