@@ -796,14 +796,16 @@ def _sparse_mla_decode_gluon_kernel(
         _store_q(qrow, hq, dq, H, q_smem)
 
     # ---- prologue: NS - 1 blocks in flight (one with a single stage) ---------------------
-    nidx = _load_idx(0, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b, hi_b,
-                     b_rows, HAS_B, LI)
+    # the next block's raw ids (checked when issued, so their load's latency is not waited
+    # for where they are loaded)
+    na, nb = _load_idx_raw(0, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b, hi_b, HAS_B,
+                           LI)
     for i in gl.static_range(1 if ONE else NS - 1):
-        _issue(i, nidx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
+        _issue(i, _check_idx(na, nb, a_rows, b_rows, HAS_B), nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
                r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, SRC_A, SRC_B,
                HAS_B, NS, NW)
-        nidx = _load_idx(i + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b,
-                         hi_b, b_rows, HAS_B, LI)
+        na, nb = _load_idx_raw(i + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b,
+                               hi_b, HAS_B, LI)
     fence_async_shared()
     gl.thread_barrier()
 
@@ -824,11 +826,11 @@ def _sparse_mla_decode_gluon_kernel(
         s = j % NS
         if not ONE:
             kn = j + NS - 1
-            _issue(kn, nidx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
-                   r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, SRC_A,
-                   SRC_B, HAS_B, NS, NW)
-            nidx = _load_idx(kn + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row,
-                             lo_b, hi_b, b_rows, HAS_B, LI)
+            _issue(kn, _check_idx(na, nb, a_rows, b_rows, HAS_B), nblk_a, nblk, a_ptr,
+                   a_bstride, a_page, b_ptr, b_bstride, b_page, r0, r1, r2, r3, r4, r5, r6, r7,
+                   rope_ring, scale_ring, idx_ring, SRC_A, SRC_B, HAS_B, NS, NW)
+            na, nb = _load_idx_raw(kn + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row,
+                                   lo_b, hi_b, HAS_B, LI)
         cp.wait_group(0 if ONE else NS - 1)
         gl.thread_barrier()
         scale_s = scale_ring.index(s)
@@ -882,11 +884,11 @@ def _sparse_mla_decode_gluon_kernel(
         fence_async_shared()
         gl.thread_barrier()
         if ONE:
-            _issue(j + 1, nidx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride,
-                   b_page, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring,
-                   SRC_A, SRC_B, HAS_B, NS, NW)
-            nidx = _load_idx(j + 2, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row,
-                             lo_b, hi_b, b_rows, HAS_B, LI)
+            _issue(j + 1, _check_idx(na, nb, a_rows, b_rows, HAS_B), nblk_a, nblk, a_ptr,
+                   a_bstride, a_page, b_ptr, b_bstride, b_page, r0, r1, r2, r3, r4, r5, r6, r7,
+                   rope_ring, scale_ring, idx_ring, SRC_A, SRC_B, HAS_B, NS, NW)
+            na, nb = _load_idx_raw(j + 2, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row,
+                                   lo_b, hi_b, HAS_B, LI)
         if F16:
             cq = qk_h * _exp2i(R - 127)
             sT = _qk_f16(k0, k1, k2, k3, k4, k5, k6, k7, g7, q_smem, q_r, zero, cq, qk_scale,
