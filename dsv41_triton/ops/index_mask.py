@@ -2,7 +2,8 @@
 Triton launch.
 
 :func:`mask_index_rows`: ``idx [T, K]`` -> ``[T, Kp]`` int32 with negative entries, int64
-entries past int32 and columns past ``lens[t]`` set to ``-1`` and the row padded with ``-1`` to a multiple of ``multiple``.
+entries past int32 and columns past ``lens[t]`` set to ``-1``, and the row padded with ``-1``
+to a multiple of ``multiple``.
 Reference: :func:`dsv41_triton.ops.index_mask_ref.mask_index_rows_ref`. Each program writes
 only its own ``[BLOCK_T, BLOCK_C]`` tile of the output; nothing synchronizes with the host.
 """

@@ -801,9 +801,9 @@ def _sparse_mla_decode_gluon_kernel(
     na, nb = _load_idx_raw(0, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b, hi_b, HAS_B,
                            LI)
     for i in gl.static_range(1 if ONE else NS - 1):
-        _issue(i, _check_idx(na, nb, a_rows, b_rows, HAS_B), nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
-               r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, SRC_A, SRC_B,
-               HAS_B, NS, NW)
+        _issue(i, _check_idx(na, nb, a_rows, b_rows, HAS_B), nblk_a, nblk, a_ptr, a_bstride,
+               a_page, b_ptr, b_bstride, b_page, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring,
+               scale_ring, idx_ring, SRC_A, SRC_B, HAS_B, NS, NW)
         na, nb = _load_idx_raw(i + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b,
                                hi_b, HAS_B, LI)
     fence_async_shared()

@@ -9,10 +9,10 @@ out of the MMA warps by ``gl.warp_specialize``:
   release the stage (``free[s]``), store the bf16 key tile, ``S = Q K^T``, online softmax, P,
   ``O += P K`` (``decode_heads._qk_softmax``), then the row epilogue (``_heads_epilogue``).
 * **producer** (a worker of ``PRODUCER_WARPS`` warps, ``PRODUCER_REGS`` registers): per block,
-  wait ``free[s]``, store the block's checked slot ids (loaded ``IDX_AHEAD`` blocks ahead) to the ring,
-  ``cp.async`` the raw records (``decode._copy_keys``; invalid keys zero-filled), then each
-  thread's ``cp.async.mbarrier.arrive.noinc`` (its copies landed) and, after a producer barrier,
-  one plain arrive (the id stores): ``ready[s]`` has ``32 * PRODUCER_WARPS + 1`` arrivals.
+  wait ``free[s]``, store the block's checked slot ids (loaded ``IDX_AHEAD`` blocks ahead) to
+  the ring, ``cp.async`` the raw records (``decode._copy_keys``; invalid keys zero-filled), then
+  each thread's ``cp.async.mbarrier.arrive.noinc`` (its copies landed) and, after a producer
+  barrier, one plain arrive (the id stores): ``ready[s]`` has ``32 * PRODUCER_WARPS + 1`` arrivals.
 
 Synchronization is mbarriers between the partitions (``ready`` / ``free`` per stage, phase
 ``(j // NS) & 1``; the producer's first ``NS`` waits pass on a fresh barrier) and named
