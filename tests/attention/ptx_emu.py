@@ -6,7 +6,7 @@ outputs first), ``inputs`` one uint32 numpy array per input operand (all the sam
 returns the ``n_out`` output registers as uint32 arrays. Supported: ``.reg`` declarations,
 ``mov.b32`` (register, immediate, or ``{lo, hi}`` packing / unpacking of .b16 halves),
 ``and`` / ``or`` / ``xor`` / ``shl`` / ``shr`` ``.b32``, ``prmt.b32`` (default mode),
-``mul.rn.bf16x2``, ``cvt.rn.f16x2.e4m3x2``, ``cvt.f32.f16``, ``mul.f32`` and
+``mul.rn.bf16x2``, ``mul.rn.f16x2``, ``cvt.rn.f16x2.e4m3x2``, ``cvt.f32.f16``, ``mul.f32`` and
 ``cvt.rn.bf16x2.f32``. Anything else raises, so a test cannot pass on an instruction it did not
 model. Products are formed in float64 and rounded (to fp32, then bf16 where the instruction
 does): exact for the dequantizers' products, which need at most 8 significant bits.
@@ -108,6 +108,13 @@ def run(asm: str, inputs, n_out: int):
                 hi = _bf16_to_f32(ahi).astype(np.float64) * _bf16_to_f32(bhi)
                 lo, hi = _f32_to_bf16_rn(lo), _f32_to_bf16_rn(hi)
             regs[args[0]] = lo | (hi << np.uint64(16))
+        elif op == "mul.rn.f16x2":
+            (alo, ahi), (blo, bhi) = _split(val(args[1])), _split(val(args[2]))
+            with np.errstate(invalid="ignore", over="ignore"):
+                lo = (_f16_to_f32(alo).astype(np.float64) * _f16_to_f32(blo)).astype(np.float16)
+                hi = (_f16_to_f32(ahi).astype(np.float64) * _f16_to_f32(bhi)).astype(np.float16)
+            regs[args[0]] = (lo.view(np.uint16).astype(np.uint64)
+                             | (hi.view(np.uint16).astype(np.uint64) << np.uint64(16)))
         elif op == "cvt.rn.f16x2.e4m3x2":  # the low byte -> the low half
             v = val(args[1])
             lo = _e4m3_to_f16(v & np.uint64(0xFF))

@@ -91,3 +91,54 @@ def test_e4m3_asm_matches_decode():
 def test_emulator_refuses_unmodelled_instructions():
     with pytest.raises(NotImplementedError):
         run("{ add.u32 $0, $1, $1; }", [np.zeros(4, dtype=np.uint32)], 1)
+
+
+def _f16_bits(x: torch.Tensor) -> np.ndarray:
+    return x.to(torch.float16).view(torch.int16).numpy().astype(np.uint16).astype(np.uint32)
+
+
+def _same_f16(got: np.ndarray, want: np.ndarray) -> bool:
+    for sh in (0, 16):
+        g = torch.from_numpy(((got >> sh) & 0xFFFF).astype(np.int16)).view(torch.float16)
+        w = torch.from_numpy(((want >> sh) & 0xFFFF).astype(np.int16)).view(torch.float16)
+        if not bool(((g.view(torch.int16) == w.view(torch.int16))
+                     | (torch.isnan(g) & torch.isnan(w))).all()):
+            return False
+    return True
+
+
+def _f16_scales(n):
+    """fp16 scales as the F16 kernels form them: e4m3 values (every byte, NaN included) or
+    powers of two, times 2**-k (k = 0..12: subnormal and zero products included)."""
+    b = torch.from_numpy(RNG.integers(0, 256, n).astype(np.uint8)).view(torch.float8_e4m3fn)
+    v = torch.where(torch.from_numpy(RNG.random(n) < 0.5), b.to(torch.float32),
+                    torch.exp2(torch.from_numpy(RNG.integers(-20, 1, n)).float()))
+    v = v * torch.exp2(-torch.from_numpy(RNG.integers(0, 13, n)).float())
+    return _f16_bits(v), v.to(torch.float16).to(torch.float64)
+
+
+def test_e4m3_f16_asm_matches_decode():
+    """fp16 operands: every e4m3 byte in every position times fp16 scales, one rounding."""
+    n = 1 << 16
+    w = np.concatenate([np.arange(256, dtype=np.uint32) * 0x01010101,
+                        RNG.integers(0, 1 << 32, n, dtype=np.uint32)])
+    sb, sv = zip(*(_f16_scales(w.size) for _ in range(4)))
+    got = run(gd._E4M3_F16_ASM.value, [w, sb[0] | sb[1] << 16, sb[2] | sb[3] << 16], 2)
+    b = [torch.from_numpy(((w >> (8 * k)) & 0xFF).astype(np.uint8)).view(torch.float8_e4m3fn)
+         for k in range(4)]
+    v = [_f16_bits(b[k].to(torch.float64) * sv[k]) for k in range(4)]
+    assert _same_f16(got[0], v[0] | v[1] << 16) and _same_f16(got[1], v[2] | v[3] << 16)
+
+
+def test_e2m1_f16_asm_matches_decode():
+    """fp16 operands: byte k's (low, high) nibble as ``value * 2**-14`` times the word's fp16
+    scale (the kernels give a thread's bytes one scale), every code pair, one rounding."""
+    w, _ = _e2m1_inputs(1 << 16)
+    sb, sv = _f16_scales(w.size)
+    got = run(gd._E2M1_F16_ASM.value, [w, sb | sb << 16, sb | sb << 16], 4)
+    e2m1 = E2M1.to(torch.float64) * 2.0 ** -14
+    for k in range(4):
+        byte = torch.from_numpy(((w >> (8 * k)) & 0xFF).astype(np.int64))
+        lo = _f16_bits(e2m1[byte & 0xF] * sv)
+        hi = _f16_bits(e2m1[byte >> 4] * sv)
+        assert _same_f16(got[k], lo | hi << 16), k
