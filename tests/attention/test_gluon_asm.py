@@ -13,19 +13,32 @@ from ptx_emu import run
 RNG = np.random.default_rng(0)
 
 
+def _bits(x: torch.Tensor, dtype=torch.bfloat16) -> np.ndarray:
+    """``x`` rounded to ``dtype`` (a 16-bit float), its bit patterns as uint32."""
+    return x.to(dtype).view(torch.int16).numpy().astype(np.uint16).astype(np.uint32)
+
+
 def _bf16_bits(x: torch.Tensor) -> np.ndarray:
-    return x.to(torch.bfloat16).view(torch.int16).numpy().astype(np.uint16).astype(np.uint32)
+    return _bits(x, torch.bfloat16)
 
 
-def _same(got: np.ndarray, want: np.ndarray) -> bool:
-    """Equal bf16 pairs, any NaN matching any NaN."""
+def _f16_bits(x: torch.Tensor) -> np.ndarray:
+    return _bits(x, torch.float16)
+
+
+def _same(got: np.ndarray, want: np.ndarray, dtype=torch.bfloat16) -> bool:
+    """Equal pairs of ``dtype`` values (bit for bit), any NaN matching any NaN."""
     for sh in (0, 16):
-        g = torch.from_numpy(((got >> sh) & 0xFFFF).astype(np.int16)).view(torch.bfloat16)
-        w = torch.from_numpy(((want >> sh) & 0xFFFF).astype(np.int16)).view(torch.bfloat16)
+        g = torch.from_numpy(((got >> sh) & 0xFFFF).astype(np.int16)).view(dtype)
+        w = torch.from_numpy(((want >> sh) & 0xFFFF).astype(np.int16)).view(dtype)
         nan = torch.isnan(g) & torch.isnan(w)
         if not bool(((g.view(torch.int16) == w.view(torch.int16)) | nan).all()):
             return False
     return True
+
+
+def _same_f16(got: np.ndarray, want: np.ndarray) -> bool:
+    return _same(got, want, torch.float16)
 
 
 def _e4m3_scales():
@@ -91,20 +104,6 @@ def test_e4m3_asm_matches_decode():
 def test_emulator_refuses_unmodelled_instructions():
     with pytest.raises(NotImplementedError):
         run("{ add.u32 $0, $1, $1; }", [np.zeros(4, dtype=np.uint32)], 1)
-
-
-def _f16_bits(x: torch.Tensor) -> np.ndarray:
-    return x.to(torch.float16).view(torch.int16).numpy().astype(np.uint16).astype(np.uint32)
-
-
-def _same_f16(got: np.ndarray, want: np.ndarray) -> bool:
-    for sh in (0, 16):
-        g = torch.from_numpy(((got >> sh) & 0xFFFF).astype(np.int16)).view(torch.float16)
-        w = torch.from_numpy(((want >> sh) & 0xFFFF).astype(np.int16)).view(torch.float16)
-        if not bool(((g.view(torch.int16) == w.view(torch.int16))
-                     | (torch.isnan(g) & torch.isnan(w))).all()):
-            return False
-    return True
 
 
 def _f16_scales(n):
