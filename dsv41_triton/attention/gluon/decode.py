@@ -493,6 +493,8 @@ def _qk_f16(k0, k1, k2, k3, k4, k5, k6, k7, rope_s, q16, q_r, zero, cq, qk_scale
     """Logits ``S^T [64 keys, BH]`` (log2 units) of one block from the fp16 tiles: ``cq[h]``
     undoes the head's fp16 shift and the tiles' ``2**(127 - R)``; with ``ROPE`` (584 records)
     group 7 is the raw bf16 RoPE tile against the bf16 Q tail (its own accumulator)."""
+    if not ROPE:
+        return _qk(k0, k1, k2, k3, k4, k5, k6, k7, q16, zero) * cq[None, :]
     acc = warpgroup_mma(k0, q16.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
     acc = warpgroup_mma(k1, q16.index(1).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma(k2, q16.index(2).permute((1, 0)), acc, is_async=True)
@@ -500,15 +502,9 @@ def _qk_f16(k0, k1, k2, k3, k4, k5, k6, k7, rope_s, q16, q_r, zero, cq, qk_scale
     acc = warpgroup_mma(k4, q16.index(4).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma(k5, q16.index(5).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma(k6, q16.index(6).permute((1, 0)), acc, is_async=True)
-    if ROPE:
-        acr = warpgroup_mma(rope_s, q_r.permute((1, 0)), zero, use_acc=False, is_async=True)
-        acc, acr = warpgroup_mma_wait(0, deps=[acc, acr])
-        sT = acc * cq[None, :] + acr * qk_scale
-    else:
-        acc = warpgroup_mma(k7, q16.index(7).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        sT = acc * cq[None, :]
-    return sT
+    acr = warpgroup_mma(rope_s, q_r.permute((1, 0)), zero, use_acc=False, is_async=True)
+    acc, acr = warpgroup_mma_wait(0, deps=[acc, acr])
+    return acc * cq[None, :] + acr * qk_scale
 
 
 @gluon.jit
