@@ -73,12 +73,13 @@ def test_gluon_decode_compiles_for_sm90(src_a, src_b, bh, split, nw, f16, ns):
 @pytest.mark.parametrize("src_a,src_b,split,bh,ahead", [(584, 584, 0, 8, 1), (528, 288, 1, 8, 1),
                                                         (584, 528, 1, 8, 1), (584, 288, 0, 16, 1),
                                                         (584, 584, 1, 16, 1), (584, 584, 0, 8, 2),
-                                                        (528, 288, 1, 16, 3)])
+                                                        (528, 288, 1, 16, 3), (584, 584, 0, 8, 0),
+                                                        (584, 528, 1, 8, 0)])
 def test_gluon_few_ws_compiles_for_sm90(src_a, src_b, split, bh, ahead):
     """The warp-specialized few-heads kernel compiles for sm_90 (subprocess, no interpreter):
     wgmma, cp.async and mbarriers in the PTX, one CTA's shared memory, per-partition register
-    budgets (``setmaxnreg``), and its producer (slot ids ``ahead`` blocks ahead), dequant and
-    MMA loops spill nothing."""
+    budgets (``setmaxnreg``), and its producer (slot ids ``ahead`` blocks ahead, 0: preloaded
+    in chunks), dequant and MMA loops spill nothing."""
     if not gluon_pkg.AVAILABLE:
         pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
     import json
@@ -155,8 +156,9 @@ def test_gluon_pick_table():
     assert gl_launch.parse_shape("4:8:2:w:3") == {"num_warps": 4, "block_h": 8, "stages": 2,
                                                   "few_ws": True, "idx_ahead": 3}
     assert gl_launch.parse_shape("8:64:2:3:2")["idx_ahead"] == 2
+    assert gl_launch.parse_shape("4:8:2:w:0")["idx_ahead"] == 0
     assert gl_launch.IDX_AHEAD in (1, 2, 3)
-    for bad in ("4:8:3:x", "4:8:2:h:2", "4:8:2:w:4", "4:8:2:w:0", "4:8:2::2", "4:8:2:w:2:1"):
+    for bad in ("4:8:3:x", "4:8:2:h:2", "4:8:2:w:4", "4:8:2:w:-1", "4:8:2::2", "4:8:2:w:2:1"):
         with pytest.raises(ValueError, match="launch shape"):
             gl_launch.parse_shape(bad)
 
@@ -405,7 +407,8 @@ def test_gluon_hostile_indices_gpu(device, monkeypatch, shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", ["4:0:3", "4:0:1", "4:0:1:h", "4:8:2:w", "4:8:2:w:2",
-                                   "4:16:2:w", "8:64:2", "8:64:2:3", "8:64:2:3:2"])
+                                   "4:8:2:w:0", "4:16:2:w", "8:64:2", "8:64:2:3", "8:64:2:3:2",
+                                   "8:64:2:3:0"])
 def test_gluon_wide_ids_gpu(device, monkeypatch, shape):
     """int64 slot ids outside ``[0, rows)`` only at 64 bits (2**32 + a valid slot, ...) are
     skipped, as the reference and the tl kernel skip them, by every Gluon decode kernel."""
@@ -491,13 +494,15 @@ def test_gluon_few_ws_gpu(device, monkeypatch, shape, T, H, swa_rec, extra_rec):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", ["4:8:2:w:2", "4:8:2:w:3", "4:16:2:w:3"])
+@pytest.mark.parametrize("shape", ["4:8:2:w:2", "4:8:2:w:3", "4:16:2:w:3", "4:8:2:w:0",
+                                   "4:16:2:w:0"])
 @pytest.mark.parametrize("T", [1, 7, 128])
 @pytest.mark.parametrize("H", [3, 16])
 @pytest.mark.parametrize("swa_rec,extra_rec", PAIRS)
 def test_gluon_few_ws_idx_ahead_gpu(device, monkeypatch, shape, T, H, swa_rec, extra_rec):
-    """The warp-specialized few-heads kernel with its slot ids loaded 2 or 3 blocks ahead:
-    every record pair, CTAs with fewer blocks than the lead (split keys at T = 1)."""
+    """The warp-specialized few-heads kernel with its slot ids loaded 2 or 3 blocks ahead or
+    preloaded 8 blocks at a time (0): every record pair, CTAs with fewer blocks than the lead
+    (split keys at T = 1), more than one preload chunk (T = 128: 10 blocks)."""
     _need_gluon_gpu()
     from dsv41_triton.attention.gluon import launch as gl_launch
     monkeypatch.setenv("DSV41_GLUON_SHAPE", shape)
@@ -506,7 +511,8 @@ def test_gluon_few_ws_idx_ahead_gpu(device, monkeypatch, shape, T, H, swa_rec, e
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape,H", [("4:8:2:w", 8), ("4:16:2:w", 16), ("4:8:2:w:3", 8)])
+@pytest.mark.parametrize("shape,H", [("4:8:2:w", 8), ("4:16:2:w", 16), ("4:8:2:w:3", 8),
+                                     ("4:8:2:w:0", 8)])
 @pytest.mark.parametrize("T", [1, 5, 512])
 @pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, 288)])
 def test_gluon_few_ws_edges_gpu(device, monkeypatch, shape, H, T, swa_rec, extra_rec):

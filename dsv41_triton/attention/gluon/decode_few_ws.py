@@ -26,7 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from .decode import (_acc_layout, _alloc_rings, _dequant_group, _few_heads_epilogue,
                      _key_ranges, _online_softmax, _program_ids, _put, _pv, _q_rows, _qk,
                      _store_q)
-from .decode_heads_ws import PRODUCER_REGS, PRODUCER_WARPS, _producer
+from .decode_heads_ws import PRODUCER_REGS, PRODUCER_WARPS, _alloc_ids_pre, _producer
 
 #: warps of the dequant partition (8: one key row of 64 dims per thread and group)
 DEQUANT_WARPS = gl.constexpr(8)
@@ -168,6 +168,7 @@ def _sparse_mla_decode_few_ws_kernel(
     kid = gl.allocate_shared_memory(gl.int32, [NT, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [8, BH, 64], QL)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], QL)
+    ids_pre = _alloc_ids_pre(idx_ring, IDX_AHEAD)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     tready = gl.allocate_shared_memory(gl.int64, [NT, 1], mbarrier.MBarrierLayout())
@@ -193,8 +194,8 @@ def _sparse_mla_decode_few_ws_kernel(
                      p_smem, tready, tfree, HAS_SINK, SPLIT, BH, NT)),
         (_producer, (a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_row, b_bstride,
                      b_page, b_rows, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk,
-                     r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, ready,
-                     free, SRC_A, SRC_B, HAS_B, NS, IDX_AHEAD)),
+                     r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, ids_pre,
+                     ready, free, SRC_A, SRC_B, HAS_B, NS, IDX_AHEAD)),
         (_dequant_part, (nblk_a, nblk, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
                          idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, ready, free, tready,
                          tfree, SRC_A, SRC_B, HAS_B, NS, NT)),

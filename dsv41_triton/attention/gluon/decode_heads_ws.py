@@ -9,7 +9,8 @@ out of the MMA warps by ``gl.warp_specialize``:
   release the stage (``free[s]``), store the bf16 key tile, ``S = Q K^T``, online softmax, P,
   ``O += P K`` (``decode_heads._qk_softmax``), then the row epilogue (``_heads_epilogue``).
 * **producer** (a worker of ``PRODUCER_WARPS`` warps, ``PRODUCER_REGS`` registers): per block,
-  wait ``free[s]``, store the block's checked slot ids (loaded ``IDX_AHEAD`` blocks ahead) to
+  wait ``free[s]``, store the block's checked slot ids (loaded ``IDX_AHEAD`` blocks ahead, or
+  with ``IDX_AHEAD = 0`` read from a chunk of ``PRELOAD_BLOCKS`` blocks' ids loaded at once) to
   the ring, ``cp.async`` the raw records (``decode._copy_keys``; invalid keys zero-filled), then
   each thread's ``cp.async.mbarrier.arrive.noinc`` (its copies landed) and, after a producer
   barrier, one plain arrive (the id stores): ``ready[s]`` has ``32 * PRODUCER_WARPS + 1`` arrivals.
@@ -40,15 +41,101 @@ PRODUCER_REGS = gl.constexpr(48)
 
 
 @gluon.jit
+def _fill_stage(j, s, idx, nblk_a, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
+                r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, ready,
+                SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr):
+    """Block ``j``'s checked slot ids ``idx`` and its records' ``cp.async`` into (free) stage
+    ``s``; ``ready[s]`` once every producer thread's copies landed and the ids are stored."""
+    idx_ring.index(s).store(idx)
+    if j < nblk_a:
+        _copy_keys(a_ptr, idx, a_bstride, a_page, s, r0, r1, r2, r3, r4, r5, r6, r7,
+                   rope_ring.index(s), scale_ring.index(s), SRC_A, PRODUCER_WARPS)
+    else:
+        if HAS_B:
+            _copy_keys(b_ptr, idx, b_bstride, b_page, s, r0, r1, r2, r3, r4, r5, r6, r7,
+                       rope_ring.index(s), scale_ring.index(s), SRC_B, PRODUCER_WARPS)
+    cp.mbarrier_arrive(ready.index(s), increment_count=False)
+    gl.thread_barrier()  # every producer thread's id stores precede the one arrive
+    mbarrier.arrive(ready.index(s))
+
+
+@gluon.jit
+def _alloc_ids_pre(idx_ring, IDX_AHEAD: gl.constexpr):
+    """``[PRELOAD_BLOCKS, 64]`` int32 slot ids for ``IDX_AHEAD = 0`` (else ``idx_ring``,
+    unused)."""
+    if IDX_AHEAD == 0:
+        return gl.allocate_shared_memory(gl.int32, [PRELOAD_BLOCKS, 64],
+                                         gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    else:
+        return idx_ring
+
+
+@gluon.jit
+def _load_idx_chunk(j, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b, hi_b,
+                    b_rows, HAS_B: gl.constexpr, P: gl.constexpr, NWP: gl.constexpr):
+    """Checked slot ids of blocks ``j .. j + P - 1`` as one ``[P, 64]`` int32 tile (``-1``
+    where a key is not read): ``_load_idx`` of ``P`` blocks in one pass of vector loads."""
+    L2: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [NWP, 1], [1, 0])
+    k = j + gl.arange(0, P, layout=gl.SliceLayout(1, L2))[:, None]
+    r = gl.arange(0, 64, layout=gl.SliceLayout(0, L2))[None, :]
+    ca = lo_a + k * 64 + r
+    ia = gl.load(a_idx_row + ca, mask=(ca < hi_a) & (k < nblk_a), other=-1)
+    ib = ia
+    if HAS_B:
+        cb = lo_b + (k - nblk_a) * 64 + r
+        ib = gl.load(b_idx_row + cb, mask=(cb < hi_b) & (k >= nblk_a) & (k < nblk), other=-1)
+    return _check_idx(ia, ib, a_rows, b_rows, HAS_B)
+
+
+#: blocks whose slot ids the producer loads at once into shared memory (``IDX_AHEAD = 0``)
+PRELOAD_BLOCKS = gl.constexpr(8)
+
+
+@gluon.jit
+def _producer_preload(a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_row, b_bstride,
+                      b_page, b_rows, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk,
+                      r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, ids_pre,
+                      ready, free, SRC_A: gl.constexpr, SRC_B: gl.constexpr,
+                      HAS_B: gl.constexpr, NS: gl.constexpr):
+    """``_producer`` with the checked slot ids of ``PRELOAD_BLOCKS`` blocks loaded in one pass
+    (one global-load latency per chunk, not one per block) into ``ids_pre``."""
+    LI: gl.constexpr = gl.SliceLayout(1, _copy_layout(16, PRODUCER_WARPS))
+    # row views of the chunk (the same bytes: both layouts unswizzled row-major)
+    rows = ids_pre._reinterpret(gl.int32, [PRELOAD_BLOCKS, 64],
+                                gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    for j in range(nblk):
+        s = j % NS
+        c = j % PRELOAD_BLOCKS
+        if c == 0:
+            chunk = _load_idx_chunk(j, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row,
+                                    lo_b, hi_b, b_rows, HAS_B, PRELOAD_BLOCKS, PRODUCER_WARPS)
+            gl.thread_barrier()  # the last chunk's rows are read
+            ids_pre.store(chunk)
+            gl.thread_barrier()
+        idx = rows.index(c).load(LI)
+        mbarrier.wait(free.index(s), ((j // NS) & 1) ^ 1)
+        _fill_stage(j, s, idx, nblk_a, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
+                    r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, ready,
+                    SRC_A, SRC_B, HAS_B)
+
+
+@gluon.jit
 def _producer(a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_row, b_bstride, b_page,
               b_rows, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk,
-              r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, ready, free,
-              SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr, NS: gl.constexpr,
-              AHEAD: gl.constexpr = 1):
+              r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, ids_pre, ready,
+              free, SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
+              NS: gl.constexpr, AHEAD: gl.constexpr = 1):
     """Every block's slot ids and raw records into ring stage ``j % NS`` once it is free; a
-    block's ids are loaded ``AHEAD`` (1..3) blocks before it, so that many id loads overlap."""
-    gl.static_assert(AHEAD >= 1 and AHEAD <= 3, "AHEAD: 1, 2 or 3 blocks")
+    block's ids are loaded ``AHEAD`` (1..3) blocks before it, so that many id loads overlap,
+    or (``AHEAD = 0``) those of ``PRELOAD_BLOCKS`` blocks at once into ``ids_pre``."""
+    gl.static_assert(AHEAD >= 0 and AHEAD <= 3, "AHEAD: 0 (preload), 1, 2 or 3 blocks")
     LI: gl.constexpr = gl.SliceLayout(1, _copy_layout(16, PRODUCER_WARPS))
+    if AHEAD == 0:
+        _producer_preload(a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_row,
+                          b_bstride, b_page, b_rows, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk,
+                          r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring,
+                          ids_pre, ready, free, SRC_A, SRC_B, HAS_B, NS)
+        return
     # raw ids (checked only when their block is issued): (a0, b0) block j's, (a1, b1) j + 1's,
     # (a2, b2) j + 2's
     a0, b0 = _load_idx_raw(0, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b, hi_b,
@@ -67,17 +154,9 @@ def _producer(a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_row, b_b
         s = j % NS
         mbarrier.wait(free.index(s), ((j // NS) & 1) ^ 1)
         idx = _check_idx(a0, b0, a_rows, b_rows, HAS_B)
-        idx_ring.index(s).store(idx)
-        if j < nblk_a:
-            _copy_keys(a_ptr, idx, a_bstride, a_page, s, r0, r1, r2, r3, r4, r5, r6, r7,
-                       rope_ring.index(s), scale_ring.index(s), SRC_A, PRODUCER_WARPS)
-        else:
-            if HAS_B:
-                _copy_keys(b_ptr, idx, b_bstride, b_page, s, r0, r1, r2, r3, r4, r5, r6, r7,
-                           rope_ring.index(s), scale_ring.index(s), SRC_B, PRODUCER_WARPS)
-        cp.mbarrier_arrive(ready.index(s), increment_count=False)
-        gl.thread_barrier()  # every producer thread's id stores precede the one arrive
-        mbarrier.arrive(ready.index(s))
+        _fill_stage(j, s, idx, nblk_a, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
+                    r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, ready,
+                    SRC_A, SRC_B, HAS_B)
         # block j + AHEAD's ids: their latency passes under the waits and copies of the blocks
         # before it
         an, bn = _load_idx_raw(j + AHEAD, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b,
@@ -169,6 +248,7 @@ def _sparse_mla_decode_heads_ws_kernel(
     r0, r1, r2, r3, r4, r5, r6, r7, scale_ring, rope_ring, idx_ring = _alloc_rings(
         SRC_A, SRC_B, HAS_B, NS, 64, False)
     k_smem, q_smem, p_smem, mx_smem = _alloc_tiles()
+    ids_pre = _alloc_ids_pre(idx_ring, IDX_AHEAD)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NS):
@@ -190,6 +270,6 @@ def _sparse_mla_decode_heads_ws_kernel(
                      SRC_A, SRC_B, HAS_B, HAS_SINK, SPLIT, NS)),
         (_producer, (a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_row, b_bstride,
                      b_page, b_rows, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk,
-                     r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, ready,
-                     free, SRC_A, SRC_B, HAS_B, NS, IDX_AHEAD)),
+                     r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, ids_pre,
+                     ready, free, SRC_A, SRC_B, HAS_B, NS, IDX_AHEAD)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])

@@ -41,7 +41,8 @@ TESTED_SHAPES = ("4:0:3", "4:16:2", "8:16:3", "8:16:2", "8:32:3", "4:0:3:h", "4:
 HEADS_OVERLAP = False
 HEADS_VARIANTS = {1: False, 2: True, 3: "ws"}
 #: how many 64-key blocks ahead the warp-specialized kernels' producer loads slot ids (its
-#: ``IDX_AHEAD``, 1..3); a 5th shape field sets it ("4:8:2:w:2", "8:64:2:3:2")
+#: ``IDX_AHEAD``, 1..3; 0: those of ``decode_heads_ws.PRELOAD_BLOCKS`` blocks at once into
+#: shared memory); a 5th shape field sets it ("4:8:2:w:0", "8:64:2:3:2")
 IDX_AHEAD = 1
 
 #: the pick table: (major, minor) -> {(heads bucket, swa record, extra record or 0, tokens
@@ -208,7 +209,8 @@ def parse_shape(text: str) -> dict:
     a 4th field ``h`` adds ``f16: True`` (fp16 wgmma operands), ``b`` ``f16: False``, ``w``
     ``few_ws: True`` (the warp-specialized few-heads kernel); ``1`` / ``2``
     / ``3`` is the many-heads kernel's variant (``HEADS_VARIANTS``); after ``w`` or ``3`` a 5th
-    field 1..3 is the producer's ``idx_ahead`` (``IDX_AHEAD``)."""
+    field 0..3 is the producer's ``idx_ahead`` (``IDX_AHEAD``; 0: the ids of 8 blocks at once
+    into shared memory)."""
     if not text:
         return {}
     parts = text.split(":")
@@ -216,10 +218,10 @@ def parse_shape(text: str) -> dict:
     ahead = parts[4] if len(parts) == 5 else None
     if (len(parts) not in (3, 4, 5)
             or extra not in (None, "h", "b", "w", *map(str, HEADS_VARIANTS))
-            or (ahead is not None and (extra not in ("w", "3") or ahead not in ("1", "2", "3")))):
+            or (ahead is not None and (extra not in ("w", "3") or ahead not in ("0", "1", "2", "3")))):
         raise ValueError(f"launch shape {text!r}: expected num_warps:block_h:stages"
-                         "[:h|:b|:w|:1|:2|:3] (after :w or :3 optionally :1|:2|:3, the slot-id "
-                         "lead)")
+                         "[:h|:b|:w|:1|:2|:3] (after :w or :3 optionally :0|:1|:2|:3, the slot-id "
+                         "lead, 0 = preloaded)")
     nw, bh, st = (int(x) for x in parts[:3])
     out = {k: v for k, v in (("num_warps", nw), ("block_h", bh), ("stages", st)) if v}
     if extra in ("h", "b"):
@@ -327,6 +329,8 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
         grid = (T * ns * n_ht,)
         if overlap == "ws":
             from .decode_heads_ws import _sparse_mla_decode_heads_ws_kernel
+            if ahead == 0 and {a.src, bb.src} == {584, 528}:
+                ahead = 1  # the preload's 2 KB of shared memory do not fit beside both rings
             k = _sparse_mla_decode_heads_ws_kernel[grid](
                 *args, H, qk_scale, ns, n_ht, **flags, SPLIT=ns > 1, NS=stages,
                 IDX_AHEAD=ahead, num_warps=nw)
