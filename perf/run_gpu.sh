@@ -39,12 +39,17 @@ if $PY -c "import torch,sys; sys.exit(torch.cuda.get_device_capability() != (9, 
   $PY perf/bench_decode_hopper.py --csv "$OUTDIR/decode_hopper.csv" > "$OUTDIR/decode_hopper.log" 2>&1
   tail -n 16 "$OUTDIR/decode_hopper.log"
   # launch shapes not (yet) in the pick table beside the picked ones: the warp-specialized
-  # kernels' producer loading slot ids 2 blocks ahead (5th field)
+  # kernels' producer with its slot ids preloaded 8 blocks at a time (5th field 0), the
+  # few-heads dequant partition's group prefetch (6th field p)
   $PY perf/bench_decode_hopper.py --no-table --reps 20 \
-    --sweep "4:8:2:w,4:8:2:w:2,4:16:2:w,4:16:2:w:2,8:64:2,8:64:2:3,8:64:2:3:2" \
+    --sweep "4:8:2:w,4:8:2:w:0,4:8:2:w:1:p,4:8:2:w:0:p,4:16:2:w,4:16:2:w:0,4:16:2:w:1:p,8:64:2,8:64:2:3,8:64:2:3:0" \
     --sweep-rows "8,128,584,584;8,128,528,288;16,128,584,584;64,128,584,584;128,128,584,584;64,128,528,288" \
     > "$OUTDIR/decode_hopper_sweep.log" 2>&1
   grep "^| [0-9]" "$OUTDIR/decode_hopper_sweep.log"
+  # the gather alone (no dequant, no products): the few-heads decode's access pattern
+  $PY perf/gather_probe.py --tokens 128,1024 --split 1,2 --ctas-per-sm 2 --stages 2 \
+    --modes tile64,row,tile64_pre,row_pre > "$OUTDIR/gather_probe.log" 2>&1
+  grep "^| [0-9]" "$OUTDIR/gather_probe.log"
 else
   echo "not an sm_90 GPU: skipped"
 fi

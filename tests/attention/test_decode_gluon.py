@@ -74,12 +74,14 @@ def test_gluon_decode_compiles_for_sm90(src_a, src_b, bh, split, nw, f16, ns):
                                                         (584, 528, 1, 8, 1), (584, 288, 0, 16, 1),
                                                         (584, 584, 1, 16, 1), (584, 584, 0, 8, 2),
                                                         (528, 288, 1, 16, 3), (584, 584, 0, 8, 0),
-                                                        (584, 528, 1, 8, 0)])
+                                                        (584, 528, 1, 8, 0), (584, 584, 0, 8, "1p"),
+                                                        (528, 288, 1, 16, "0p")])
 def test_gluon_few_ws_compiles_for_sm90(src_a, src_b, split, bh, ahead):
     """The warp-specialized few-heads kernel compiles for sm_90 (subprocess, no interpreter):
     wgmma, cp.async and mbarriers in the PTX, one CTA's shared memory, per-partition register
     budgets (``setmaxnreg``), and its producer (slot ids ``ahead`` blocks ahead, 0: preloaded
-    in chunks), dequant and MMA loops spill nothing."""
+    in chunks; ``p``: the dequant partition's group prefetch), dequant and MMA loops spill
+    nothing."""
     if not gluon_pkg.AVAILABLE:
         pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
     import json
@@ -87,8 +89,10 @@ def test_gluon_few_ws_compiles_for_sm90(src_a, src_b, split, bh, ahead):
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    lead, prefetch = str(ahead)[0], str(ahead)[1:]  # "1p": lead 1 and the dequant prefetch
     r = subprocess.run([sys.executable, "-m", "dsv41_triton.attention.gluon.compile_check",
-                        "few_ws", str(src_a), str(src_b), str(split), str(bh), str(ahead)],
+                        "few_ws", str(src_a), str(src_b), str(split), str(bh), lead,
+                        *([prefetch] if prefetch else [])],
                        env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     facts = json.loads(r.stdout.strip().splitlines()[-1])
@@ -157,8 +161,12 @@ def test_gluon_pick_table():
                                                   "few_ws": True, "idx_ahead": 3}
     assert gl_launch.parse_shape("8:64:2:3:2")["idx_ahead"] == 2
     assert gl_launch.parse_shape("4:8:2:w:0")["idx_ahead"] == 0
+    assert gl_launch.parse_shape("4:8:2:w:1:p") == {"num_warps": 4, "block_h": 8, "stages": 2,
+                                                    "few_ws": True, "idx_ahead": 1,
+                                                    "deq_prefetch": True}
     assert gl_launch.IDX_AHEAD in (1, 2, 3)
-    for bad in ("4:8:3:x", "4:8:2:h:2", "4:8:2:w:4", "4:8:2:w:-1", "4:8:2::2", "4:8:2:w:2:1"):
+    for bad in ("4:8:3:x", "4:8:2:h:2", "4:8:2:w:4", "4:8:2:w:-1", "4:8:2:w:1:q",
+                "8:64:2:3:1:p", "4:8:2:w::p", "4:8:2::2", "4:8:2:w:2:1"):
         with pytest.raises(ValueError, match="launch shape"):
             gl_launch.parse_shape(bad)
 
@@ -407,8 +415,8 @@ def test_gluon_hostile_indices_gpu(device, monkeypatch, shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", ["4:0:3", "4:0:1", "4:0:1:h", "4:8:2:w", "4:8:2:w:2",
-                                   "4:8:2:w:0", "4:16:2:w", "8:64:2", "8:64:2:3", "8:64:2:3:2",
-                                   "8:64:2:3:0"])
+                                   "4:8:2:w:0", "4:8:2:w:1:p", "4:16:2:w", "8:64:2", "8:64:2:3",
+                                   "8:64:2:3:2", "8:64:2:3:0"])
 def test_gluon_wide_ids_gpu(device, monkeypatch, shape):
     """int64 slot ids outside ``[0, rows)`` only at 64 bits (2**32 + a valid slot, ...) are
     skipped, as the reference and the tl kernel skip them, by every Gluon decode kernel."""
@@ -495,7 +503,7 @@ def test_gluon_few_ws_gpu(device, monkeypatch, shape, T, H, swa_rec, extra_rec):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", ["4:8:2:w:2", "4:8:2:w:3", "4:16:2:w:3", "4:8:2:w:0",
-                                   "4:16:2:w:0"])
+                                   "4:16:2:w:0", "4:8:2:w:1:p", "4:16:2:w:0:p"])
 @pytest.mark.parametrize("T", [1, 7, 128])
 @pytest.mark.parametrize("H", [3, 16])
 @pytest.mark.parametrize("swa_rec,extra_rec", PAIRS)
@@ -512,7 +520,7 @@ def test_gluon_few_ws_idx_ahead_gpu(device, monkeypatch, shape, T, H, swa_rec, e
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,H", [("4:8:2:w", 8), ("4:16:2:w", 16), ("4:8:2:w:3", 8),
-                                     ("4:8:2:w:0", 8)])
+                                     ("4:8:2:w:0", 8), ("4:8:2:w:1:p", 8), ("4:16:2:w:0:p", 16)])
 @pytest.mark.parametrize("T", [1, 5, 512])
 @pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, 288)])
 def test_gluon_few_ws_edges_gpu(device, monkeypatch, shape, H, T, swa_rec, extra_rec):

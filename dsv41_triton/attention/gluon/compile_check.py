@@ -37,10 +37,11 @@ def _signature(idx_dtype: str = "i32"):
 def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool = False,
                    has_b: bool = True, ns: int = 3, arch: int = 90, nw: int = 4,
                    overlap: bool = True, f16: bool = False, ws: bool = False, nt: int = 0,
-                   ahead: int = 1):
+                   ahead: int = 1, deq_prefetch: bool = False):
     """``nt > 0`` with ``bh < 64``: the warp-specialized few-heads kernel (decode_few_ws.py)
     with ``nt`` key tiles and ``ns`` ring stages; ``ahead``: the warp-specialized kernels'
-    ``IDX_AHEAD`` (their producer's slot-id lead in blocks)."""
+    ``IDX_AHEAD`` (their producer's slot-id lead in blocks); ``deq_prefetch``: the few-heads
+    ws kernel's ``DEQ_PREFETCH``."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -61,7 +62,7 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
     elif nt:
         from .decode_few_ws import MMA_WARPS, _sparse_mla_decode_few_ws_kernel as kern
         nw = MMA_WARPS.value
-        consts.update(BH=bh, NS=ns, NT=nt, IDX_AHEAD=ahead)
+        consts.update(BH=bh, NS=ns, NT=nt, IDX_AHEAD=ahead, DEQ_PREFETCH=deq_prefetch)
     else:
         from .decode import _sparse_mla_decode_gluon_kernel as kern
         consts.update(BH=bh, NS=ns, NW=nw, F16=f16)
@@ -250,12 +251,14 @@ def loops_sass(k) -> list:
     return out
 
 
-def summary_few_ws(src_a: int, src_b: int, split: bool, bh: int = 8, ahead: int = 1) -> dict:
+def summary_few_ws(src_a: int, src_b: int, split: bool, bh: int = 8, ahead: int = 1,
+                   deq_prefetch: bool = False) -> dict:
     """Facts of one compile of the warp-specialized few-heads kernel (``decode_few_ws.py``,
     ``bh``-head tiles, two ring stages, two key tiles, slot ids ``ahead`` blocks ahead): wgmma /
     cp.async / mbarrier in the PTX, shared memory, registers, stack bytes, ``setmaxnreg``
-    requests and the loops (``loops_sass``)."""
-    k = compile_decode(src_a, src_b, bh, split, ns=2, nt=2, ahead=ahead)
+    requests and the loops (``loops_sass``); ``deq_prefetch``: ``DEQ_PREFETCH``."""
+    k = compile_decode(src_a, src_b, bh, split, ns=2, nt=2, ahead=ahead,
+                       deq_prefetch=deq_prefetch)
     ptx = k.asm["ptx"]
     regs, stack = _regs_stack(k)
     return {"wgmma": "wgmma.mma_async" in ptx, "cp_async": "cp.async" in ptx,
@@ -294,12 +297,14 @@ if __name__ == "__main__":
         v = {"0": "", "1": "ws"}.get(v, v)
         print(json.dumps(summary_prefill(bool(int(sys.argv[2])), variant=v)))
         sys.exit(0)
-    if len(sys.argv) in (5, 6, 7) and sys.argv[1] == "few_ws":
-        # python -m ...compile_check few_ws SRC_A SRC_B SPLIT [BH [AHEAD]] -> JSON line
+    if len(sys.argv) in (5, 6, 7, 8) and sys.argv[1] == "few_ws":
+        # python -m ...compile_check few_ws SRC_A SRC_B SPLIT [BH [AHEAD [p]]] -> JSON line
+        # ("p": the dequant partition's group prefetch)
         print(json.dumps(summary_few_ws(int(sys.argv[2]), int(sys.argv[3]),
                                         bool(int(sys.argv[4])),
                                         int(sys.argv[5]) if len(sys.argv) >= 6 else 8,
-                                        int(sys.argv[6]) if len(sys.argv) == 7 else 1)))
+                                        int(sys.argv[6]) if len(sys.argv) >= 7 else 1,
+                                        len(sys.argv) == 8 and sys.argv[7] == "p")))
         sys.exit(0)
     if len(sys.argv) in (6, 7, 8, 9) and int(sys.argv[3]) == 64:
         # ... 64 SPLIT 8 NS Y [sass]: Y = OVERLAP 0/1 or "ws" (the warp-specialized kernel);

@@ -361,41 +361,65 @@ def _e4m3_bf16(b):
 
 
 @gluon.jit
-def _dequant_group(g: gl.constexpr, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s,
-                   SRC: gl.constexpr, NW: gl.constexpr):
-    """Group ``g`` (64 dims) of stage ``s`` (records ``SRC``) as exact bf16 ``[64 keys, 64]``
-    registers in ``_copy_layout(16, NW)`` (584: group 7 is the raw RoPE tail of the ring)."""
+def _load_group(g: gl.constexpr, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s,
+                SRC: gl.constexpr, NW: gl.constexpr):
+    """Group ``g``'s raw bytes and scale bytes of stage ``s`` in registers (``_convert_group``'s
+    input): separate from the conversion so that a caller can load group ``g + 1`` before it
+    converts and stores group ``g`` (shared loads and stores are not reordered by ptxas)."""
     L16: gl.constexpr = _copy_layout(16, NW)
     if SRC == 288:
-        # a thread's 8 bytes are the 16 dims of one e4m3 scale: viewed as [64 keys, 4 scale
-        # groups, 8 bytes] the scale broadcasts (no per-element selects)
         L8: gl.constexpr = _copy_layout(8, NW)
         tile = _pick(g // 2, r0, r1, r2, r3, r4, r5, r6, r7).index(s)
         raw = gl.reshape(tile.slice((g % 2) * 32, 32, dim=1).load(L8), [64, 4, 8])
         sb = scale_s.slice(4 * g, 4, dim=1).load(gl.SliceLayout(2, raw.type.layout))
+    elif SRC == 584 and g == 7:
+        raw = rope_ring.index(s).load(L16)
+        sb = raw
+    else:
+        raw = _pick(g, r0, r1, r2, r3, r4, r5, r6, r7).index(s).load(L16)
+        if SRC == 584:
+            sb = scale_s.slice(g, 1, dim=1).load(L16)
+        else:
+            raw = gl.reshape(raw, [64, 2, 32])
+            sb = scale_s.slice(2 * g, 2, dim=1).load(gl.SliceLayout(2, raw.type.layout))
+    return raw, sb
+
+
+@gluon.jit
+def _convert_group(g: gl.constexpr, raw, sb, SRC: gl.constexpr, NW: gl.constexpr):
+    """``_load_group``'s registers -> exact bf16 ``[64 keys, 64]`` in ``_copy_layout(16, NW)``
+    (584: group 7 is the raw RoPE tail already)."""
+    L16: gl.constexpr = _copy_layout(16, NW)
+    if SRC == 288:
+        # a thread's 8 bytes are the 16 dims of one e4m3 scale: viewed as [64 keys, 4 scale
+        # groups, 8 bytes] the scale broadcasts (no per-element selects)
         sc = gl.broadcast(gl.expand_dims(_e4m3_bf16(sb), 2), raw)[0]
         lo, hi = gl.inline_asm_elementwise(_E2M1_ASM, "=r,=r,=r,=r,r,r,r", [raw, sc],
                                            dtype=(gl.bfloat16, gl.bfloat16), is_pure=True,
                                            pack=4)
         x = gl.convert_layout(gl.reshape(gl.join(lo, hi), [64, 64]), L16)
     elif SRC == 584 and g == 7:
-        x = rope_ring.index(s).load(L16)
+        x = raw
+    elif SRC == 584:
+        sc = gl.broadcast(_ue8m0_f32(sb), raw)[0]
+        x = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r,r,r,r,r", [raw, sc],
+                                      dtype=gl.bfloat16, is_pure=True, pack=4)
     else:
-        raw = _pick(g, r0, r1, r2, r3, r4, r5, r6, r7).index(s).load(L16)
-        if SRC == 584:
-            sc = _ue8m0_f32(scale_s.slice(g, 1, dim=1).load(L16))
-            sc = gl.broadcast(sc, raw)[0]
-            x = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r,r,r,r,r", [raw, sc],
-                                          dtype=gl.bfloat16, is_pure=True, pack=4)
-        else:
-            # 528: two scales per 64 dims; a thread's 16 bytes lie in one half
-            raw3 = gl.reshape(raw, [64, 2, 32])
-            sb = scale_s.slice(2 * g, 2, dim=1).load(gl.SliceLayout(2, raw3.type.layout))
-            sc = gl.broadcast(gl.expand_dims(_ue8m0_f32(sb), 2), raw3)[0]
-            x = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r,r,r,r,r", [raw3, sc],
-                                          dtype=gl.bfloat16, is_pure=True, pack=4)
-            x = gl.convert_layout(gl.reshape(x, [64, 64]), L16)
+        # 528: two scales per 64 dims; a thread's 16 bytes lie in one half
+        sc = gl.broadcast(gl.expand_dims(_ue8m0_f32(sb), 2), raw)[0]
+        x = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r,r,r,r,r", [raw, sc],
+                                      dtype=gl.bfloat16, is_pure=True, pack=4)
+        x = gl.convert_layout(gl.reshape(x, [64, 64]), L16)
     return x
+
+
+@gluon.jit
+def _dequant_group(g: gl.constexpr, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s,
+                   SRC: gl.constexpr, NW: gl.constexpr):
+    """Group ``g`` (64 dims) of stage ``s`` (records ``SRC``) as exact bf16 ``[64 keys, 64]``
+    registers in ``_copy_layout(16, NW)`` (584: group 7 is the raw RoPE tail of the ring)."""
+    raw, sb = _load_group(g, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC, NW)
+    return _convert_group(g, raw, sb, SRC, NW)
 
 
 @gluon.jit

@@ -23,9 +23,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from .decode import (_acc_layout, _alloc_rings, _dequant_group, _few_heads_epilogue,
-                     _key_ranges, _online_softmax, _program_ids, _put, _pv, _q_rows, _qk,
-                     _store_q)
+from .decode import (_acc_layout, _alloc_rings, _convert_group, _dequant_group,
+                     _few_heads_epilogue, _key_ranges, _load_group, _online_softmax,
+                     _program_ids, _put, _pv, _q_rows, _qk, _store_q)
 from .decode_heads_ws import PRODUCER_REGS, PRODUCER_WARPS, _alloc_ids_pre, _producer
 
 #: warps of the dequant partition (8: one key row of 64 dims per thread and group)
@@ -38,20 +38,37 @@ MMA_WARPS = gl.constexpr(4)
 
 @gluon.jit
 def _dequant_block(s, t, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k0, k1, k2, k3,
-                   k4, k5, k6, k7, SRC: gl.constexpr):
-    """Ring stage ``s`` (records ``SRC``) -> the eight bf16 groups of key tile ``t``."""
-    for g in gl.static_range(8):
-        x = _dequant_group(g, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC,
-                           DEQUANT_WARPS)
-        _put(x, g, k0.index(t), k1.index(t), k2.index(t), k3.index(t), k4.index(t),
-             k5.index(t), k6.index(t), k7.index(t))
+                   k4, k5, k6, k7, SRC: gl.constexpr, PREFETCH: gl.constexpr = False):
+    """Ring stage ``s`` (records ``SRC``) -> the eight bf16 groups of key tile ``t``.
+    ``PREFETCH``: group ``g + 1``'s bytes are loaded before group ``g`` is converted and
+    stored (ptxas keeps shared-memory loads and stores in program order, so the serial form
+    waits out one shared-load latency per group)."""
+    if PREFETCH:
+        raw, sb = _load_group(0, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC,
+                              DEQUANT_WARPS)
+        for g in gl.static_range(8):
+            if g < 7:
+                nraw, nsb = _load_group(g + 1, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring,
+                                        scale_s, SRC, DEQUANT_WARPS)
+            x = _convert_group(g, raw, sb, SRC, DEQUANT_WARPS)
+            _put(x, g, k0.index(t), k1.index(t), k2.index(t), k3.index(t), k4.index(t),
+                 k5.index(t), k6.index(t), k7.index(t))
+            if g < 7:
+                raw = nraw
+                sb = nsb
+    else:
+        for g in gl.static_range(8):
+            x = _dequant_group(g, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC,
+                               DEQUANT_WARPS)
+            _put(x, g, k0.index(t), k1.index(t), k2.index(t), k3.index(t), k4.index(t),
+                 k5.index(t), k6.index(t), k7.index(t))
 
 
 @gluon.jit
 def _dequant_part(nblk_a, nblk, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
                   idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, ready, free, tready, tfree,
                   SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
-                  NS: gl.constexpr, NT: gl.constexpr):
+                  NS: gl.constexpr, NT: gl.constexpr, PREFETCH: gl.constexpr):
     """Every block's raw records -> bf16 key tile ``j % NT`` (and its slot ids)."""
     LI: gl.constexpr = gl.BlockedLayout([1], [32], [DEQUANT_WARPS], [0])
     for j in range(nblk):
@@ -63,13 +80,13 @@ def _dequant_part(nblk_a, nblk, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale
         if HAS_B and SRC_A != SRC_B:
             if j < nblk_a:
                 _dequant_block(s, t, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k0, k1,
-                               k2, k3, k4, k5, k6, k7, SRC_A)
+                               k2, k3, k4, k5, k6, k7, SRC_A, PREFETCH)
             else:
                 _dequant_block(s, t, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k0, k1,
-                               k2, k3, k4, k5, k6, k7, SRC_B)
+                               k2, k3, k4, k5, k6, k7, SRC_B, PREFETCH)
         else:
             _dequant_block(s, t, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k0, k1, k2,
-                           k3, k4, k5, k6, k7, SRC_A)
+                           k3, k4, k5, k6, k7, SRC_A, PREFETCH)
         kid.index(t).store(idx_ring.index(s).load(LI))
         fence_async_shared()
         gl.thread_barrier()  # every thread's stage reads and tile stores precede the arrives
@@ -144,11 +161,12 @@ def _sparse_mla_decode_few_ws_kernel(
     SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
     HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, HAS_SINK: gl.constexpr,
     SPLIT: gl.constexpr, BH: gl.constexpr, NS: gl.constexpr, NT: gl.constexpr,
-    IDX_AHEAD: gl.constexpr = 1,
+    IDX_AHEAD: gl.constexpr = 1, DEQ_PREFETCH: gl.constexpr = False,
 ):
     """Grid ``T * num_splits * num_ht`` (head tile fastest, then split, then token); launch with
     ``num_warps=MMA_WARPS``. Arguments as ``decode._sparse_mla_decode_gluon_kernel``'s; ``NS``
-    byte-ring stages, ``NT`` bf16 key tiles, slot ids loaded ``IDX_AHEAD`` blocks ahead."""
+    byte-ring stages, ``NT`` bf16 key tiles, slot ids loaded ``IDX_AHEAD`` blocks ahead;
+    ``DEQ_PREFETCH``: the dequant partition loads each group's bytes one group ahead."""
     ht, split, t = _program_ids(num_ht, num_splits)
 
     USE_288: gl.constexpr = SRC_A == 288 or (HAS_B and SRC_B == 288)
@@ -198,5 +216,5 @@ def _sparse_mla_decode_few_ws_kernel(
                      ready, free, SRC_A, SRC_B, HAS_B, NS, IDX_AHEAD)),
         (_dequant_part, (nblk_a, nblk, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
                          idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, ready, free, tready,
-                         tfree, SRC_A, SRC_B, HAS_B, NS, NT)),
+                         tfree, SRC_A, SRC_B, HAS_B, NS, NT, DEQ_PREFETCH)),
     ], [PRODUCER_WARPS, DEQUANT_WARPS], [PRODUCER_REGS, DEQUANT_REGS])

@@ -44,6 +44,10 @@ HEADS_VARIANTS = {1: False, 2: True, 3: "ws"}
 #: ``IDX_AHEAD``, 1..3; 0: those of ``decode_heads_ws.PRELOAD_BLOCKS`` blocks at once into
 #: shared memory); a 5th shape field sets it ("4:8:2:w:0", "8:64:2:3:2")
 IDX_AHEAD = 1
+#: the warp-specialized few-heads kernel's ``DEQ_PREFETCH`` (the dequant partition loads group
+#: ``g + 1``'s bytes before it converts group ``g``); a 6th shape field ``p`` sets it
+#: ("4:8:2:w:1:p")
+DEQ_PREFETCH = False
 
 #: the pick table: (major, minor) -> {(heads bucket, swa record, extra record or 0, tokens
 #: bucket): launch shape "num_warps:block_h:stages[:h|:b|:w|:1|:2|:3]" (0 = default; ":h" = fp16
@@ -210,18 +214,23 @@ def parse_shape(text: str) -> dict:
     ``few_ws: True`` (the warp-specialized few-heads kernel); ``1`` / ``2``
     / ``3`` is the many-heads kernel's variant (``HEADS_VARIANTS``); after ``w`` or ``3`` a 5th
     field 0..3 is the producer's ``idx_ahead`` (``IDX_AHEAD``; 0: the ids of 8 blocks at once
-    into shared memory)."""
+    into shared memory); after ``w`` and a 5th field, a 6th ``p`` adds ``deq_prefetch: True``
+    (the dequant partition loads each group's bytes one group ahead)."""
     if not text:
         return {}
     parts = text.split(":")
     extra = parts[3] if len(parts) >= 4 else None
-    ahead = parts[4] if len(parts) == 5 else None
-    if (len(parts) not in (3, 4, 5)
+    ahead = parts[4] if len(parts) >= 5 else None
+    prefetch = parts[5] if len(parts) == 6 else None
+    if (len(parts) not in (3, 4, 5, 6)
             or extra not in (None, "h", "b", "w", *map(str, HEADS_VARIANTS))
-            or (ahead is not None and (extra not in ("w", "3") or ahead not in ("0", "1", "2", "3")))):
+            or (ahead is not None
+                and (extra not in ("w", "3") or ahead not in ("0", "1", "2", "3")))
+            or (prefetch is not None and (extra != "w" or prefetch != "p"))):
         raise ValueError(f"launch shape {text!r}: expected num_warps:block_h:stages"
                          "[:h|:b|:w|:1|:2|:3] (after :w or :3 optionally :0|:1|:2|:3, the slot-id "
-                         "lead, 0 = preloaded)")
+                         "lead, 0 = preloaded; after :w and a lead optionally :p, the dequant "
+                         "prefetch)")
     nw, bh, st = (int(x) for x in parts[:3])
     out = {k: v for k, v in (("num_warps", nw), ("block_h", bh), ("stages", st)) if v}
     if extra in ("h", "b"):
@@ -232,6 +241,8 @@ def parse_shape(text: str) -> dict:
         out["variant"] = int(extra)
     if ahead is not None:
         out["idx_ahead"] = int(ahead)
+    if prefetch is not None:
+        out["deq_prefetch"] = True
     return out
 
 
@@ -316,7 +327,8 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
         args, po, pl, sink_arg, sink_st = kernel_args(q, a, b, sink, out, lse, ns)
         k = _sparse_mla_decode_few_ws_kernel[(T * ns * n_ht,)](
             *args, H, qk_scale, ns, n_ht, **flags, SPLIT=ns > 1, BH=bh, NS=stages, NT=nt,
-            IDX_AHEAD=ahead, num_warps=MMA_WARPS.value)
+            IDX_AHEAD=ahead, DEQ_PREFETCH=over.get("deq_prefetch", DEQ_PREFETCH),
+            num_warps=MMA_WARPS.value)
         LAST_LAUNCH["fwd"] = (k, (bh, ns, MMA_WARPS.value, stages, "few_ws"))
     elif bh == 64:
         # the many-heads kernel: 64-head tiles, two warpgroups (the warp-specialized variant: a
@@ -359,6 +371,6 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
 
 __all__ = ["PICK", "ENV", "OVERRIDE", "usable", "pick", "launch", "default_block_h",
            "default_shape", "default_splits", "HEADS_SHAPE", "HEADS_WS_SHAPE", "FEW_WS_SHAPE",
-           "FEW_WS16_SHAPE", "few_ws_block_h", "HEADS_OVERLAP", "IDX_AHEAD",
-           "HEADS_VARIANTS", "f16_supported", "heads_bucket", "tokens_bucket", "table_shape", "parse_shape",
-           "TESTED_SHAPES", "ctas_per_sm"]
+           "FEW_WS16_SHAPE", "few_ws_block_h", "HEADS_OVERLAP", "IDX_AHEAD", "DEQ_PREFETCH",
+           "HEADS_VARIANTS", "f16_supported", "heads_bucket", "tokens_bucket", "table_shape",
+           "parse_shape", "TESTED_SHAPES", "ctas_per_sm"]
