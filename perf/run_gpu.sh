@@ -56,7 +56,7 @@ fi
 
 echo "== Hopper prefill (tl vs Gluon vs FlashMLA's flash_mla_sparse_fwd, issue 11's table)"
 if $PY -c "import torch,sys; sys.exit(torch.cuda.get_device_capability() != (9, 0))" 2>/dev/null; then
-  BENCH_GLUON_VARIANTS=${BENCH_GLUON_VARIANTS:-eager,ws,wsp,wsp_ahead} $PY perf/bench_prefill.py --quick \
+  BENCH_GLUON_VARIANTS=${BENCH_GLUON_VARIANTS:-eager,ws,wsp,wsp_ahead,wsp_ids} $PY perf/bench_prefill.py --quick \
     > "$OUTDIR/prefill_hopper.log" 2>&1
   sed -n '/summary/,$p' "$OUTDIR/prefill_hopper.log" | head -16
 else

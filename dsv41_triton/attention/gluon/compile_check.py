@@ -188,15 +188,16 @@ def compile_prefill(lazy: bool = True, has_len: bool = True, has_sink: bool = Tr
                     arch: int = 90, ws: bool = False, variant: str = ""):
     """The Gluon prefill kernel compiled for ``sm_<arch>`` (no GPU needed): ``variant`` "ws"
     (or ``ws=True``: the warp-specialized one), "wsp" (the persistent warp-specialized one),
-    either with "_ahead" (ids one block pair ahead), else ``prefill.py``'s (``lazy`` picks its
-    rescale)."""
+    either with "_ahead" (ids one block pair ahead), "wsp_ids" (ids through shared memory),
+    else ``prefill.py``'s (``lazy`` picks its rescale)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     variant = variant or ("ws" if ws else "")
     ahead = variant.endswith("_ahead")
-    variant = variant.removesuffix("_ahead")
+    ids_smem = variant.endswith("_ids")
+    variant = variant.removesuffix("_ahead").removesuffix("_ids")
     args = _PREFILL_ARGS
     if variant == "wsp":
         from .prefill_wsp import NUM_WARPS, _sparse_mla_prefill_gluon_wsp_kernel as kern
@@ -212,6 +213,8 @@ def compile_prefill(lazy: bool = True, has_len: bool = True, has_sink: bool = Tr
     consts = dict(HAS_LEN=has_len, HAS_SINK=has_sink, LAZY=lazy)
     if variant in ("ws", "wsp"):
         consts["IDS_AHEAD"] = ahead
+    if ids_smem:
+        consts["IDS_SMEM"] = True
     for k in consts:
         sig[k] = "constexpr"
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}

@@ -83,13 +83,16 @@ def _row_offsets(ix, rows, kv_stride):
 
 @gluon.jit
 def _fill_pairs(kv_ptr, kv_stride, rows, idx_row, n, npair, g, r, d, ring, ready, free,
-                IDS_AHEAD: gl.constexpr):
+                IDS_AHEAD: gl.constexpr, ids_s=None, IDS_SMEM: gl.constexpr = False):
     """Block pairs ``0 .. npair - 1`` of one item (``g``: pairs this CTA filled before it, for
     the ``free`` phases) into ring stages 0 (even block) and 1 (odd block), each pair's halves
     in the order they free up: (0, 0), (1, 1), (0, 1), (1, 0). ``IDS_AHEAD``: pair ``i + 1``'s
     ids are loaded before the last half of pair ``i`` waits, so their latency passes under
     that wait (earlier, the producer's 72 registers spill); else each pair's ids just before
-    its first wait."""
+    its first wait. ``IDS_SMEM``: the pair's 128 ids as stored also go by ``cp.async`` into
+    ``ids_s`` right after the first ``free`` wait, ahead of the rows, so every ``ready`` of
+    the pair covers them (the consumers read their block's validity there instead of loading
+    it from global memory)."""
     if IDS_AHEAD:
         ix0, ix1 = _pair_ids(idx_row, n, 0, r)
     for i in range(npair):
@@ -98,6 +101,13 @@ def _fill_pairs(kv_ptr, kv_stride, rows, idx_row, n, npair, g, r, d, ring, ready
             ix0, ix1 = _pair_ids(idx_row, n, i, r)
         off0, ok0 = _row_offsets(ix0, rows, kv_stride)
         off1, ok1 = _row_offsets(ix1, rows, kv_stride)
+        if IDS_SMEM:
+            # free(0) of the last pair: consumer 0 is past its local PV and consumer 1 past
+            # publishing its max, so both have read the last pair's ids from ids_s
+            mbarrier.wait(free.index(0), ph)
+            IL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+            c = (2 * i) * BN + gl.arange(0, 2 * BN, layout=IL)
+            cp.async_copy_global_to_shared(ids_s, idx_row + c, mask=c < n)
         _fill(kv_ptr, off0, ok0, d, ring, ready, free, 0, 0, ph)
         _fill(kv_ptr, off1, ok1, d, ring, ready, free, 1, 1, ph)
         _fill(kv_ptr, off0, ok0, d, ring, ready, free, 0, 1, ph)
@@ -138,11 +148,12 @@ def _qk(q_smem, kt, ready, C: gl.constexpr, ph, s_zero):
 @gluon.jit
 def _consumer_pair(C: gl.constexpr, i, ph, last, n, idx_row, rows, qk_scale, q_smem, ring,
                    p_smem, m_smem, ready, free, m_bar, p_bar, q_free, m_i, l_i, o,
-                   FREES_Q: gl.constexpr):
+                   FREES_Q: gl.constexpr, ids_s=None, IDS_SMEM: gl.constexpr = False):
     """Consumer ``C``'s share of block pair ``i`` (barrier phase ``ph``): the QK of its own
     block, the running max handed 0 -> 1 -> 0, P (its own from registers, the other's from
     shared memory) times its value dims; frees the ring halves as it is done with them (and,
-    with ``FREES_Q``, Q after the QK of the ``last`` pair). Returns ``(m_i, l_i, o)``."""
+    with ``FREES_Q``, Q after the QK of the ``last`` pair). ``IDS_SMEM``: the block's ids are
+    read from ``ids_s`` (the producer's copy) after the QK. Returns ``(m_i, l_i, o)``."""
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 64, 16])
     O_L: gl.constexpr = o.type.layout
@@ -160,13 +171,20 @@ def _consumer_pair(C: gl.constexpr, i, ph, last, n, idx_row, rows, qk_scale, q_s
     other = ring.index(1 - C + opaque)
     v_mine = mine.slice(256 * C, 256, dim=1)
     v_other = other.slice(256 * C, 256, dim=1)
-    # this block's column validity, loaded one column a thread pair and moved to the
-    # accumulator's columns (the load's latency hides behind the QK product)
-    c = (2 * i + C) * BN + cidx
-    cm = c < n
-    ci = gl.load(idx_row + c, mask=cm, other=-1)
-    ok = gl.convert_layout(cm & (ci >= 0) & (ci < rows), COL_S)
-    sc = _qk(q_smem.index(opaque), mine, ready, C, ph, s_zero)
+    if IDS_SMEM:
+        sc = _qk(q_smem.index(opaque), mine, ready, C, ph, s_zero)
+        # this block's ids landed with the pair's rows (``_fill_pairs``)
+        cs = (2 * i + C) * BN + gl.arange(0, BN, layout=COL_S)
+        cis = ids_s.slice(C * BN, BN).load(COL_S)
+        ok = (cs < n) & (cis >= 0) & (cis < rows)
+    else:
+        # this block's column validity, loaded one column a thread pair and moved to the
+        # accumulator's columns (the load's latency hides behind the QK product)
+        c = (2 * i + C) * BN + cidx
+        cm = c < n
+        ci = gl.load(idx_row + c, mask=cm, other=-1)
+        ok = gl.convert_layout(cm & (ci >= 0) & (ci < rows), COL_S)
+        sc = _qk(q_smem.index(opaque), mine, ready, C, ph, s_zero)
     gl.thread_barrier()
     if FREES_Q:
         mbarrier.arrive(q_free, pred=last)  # the item's last QK: Q free

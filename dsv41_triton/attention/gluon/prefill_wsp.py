@@ -44,13 +44,20 @@ other read it; with two, consumer c reaches item k + 2 only after the other cons
 for item k + 1, i.e. after it read item k's sum. The ring, max and P exchanges keep ``ws``'s
 per-pair argument unchanged (each waits on the other partition's arrive of the same pair;
 items only renumber the pairs).
+
+``IDS_SMEM`` (variant ``"wsp_ids"``): the consumers read their block's ids from a 128-entry
+shared buffer instead of loading them (their only global loads, which queue behind the
+producer's copies): the producer ``cp.async``-copies each pair's ids there right after the
+pair's first ``free[0]`` wait, before its rows, so every ``ready`` arrive of the pair covers
+them; one buffer suffices because ``free[0]`` of a pair is arrived by consumer 0 after its
+local PV, which follows consumer 1's max of that pair, which follows consumer 1's read.
 """
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import (mbarrier)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .prefill_ws import (BH, BN, CONSUMER_REGS, NUM_WARPS, _consumer_pair, _consumer_rows,
                          _fill_pairs)
@@ -74,7 +81,8 @@ def _item(item, num_ht, len_ptr, len_st, width, HAS_LEN: gl.constexpr):
 @gluon.jit
 def _producer(pid, grid, num_items, num_ht, width, len_ptr, len_st, q_ptr, stride_qt,
               stride_qh, kv_ptr, kv_stride, rows, idx_ptr, idx_st, H, q_smem, ring, q_ready,
-              q_free, ready, free, HAS_LEN: gl.constexpr, IDS_AHEAD: gl.constexpr):
+              q_free, ready, free, ids_s, HAS_LEN: gl.constexpr, IDS_AHEAD: gl.constexpr,
+              IDS_SMEM: gl.constexpr):
     """4 warps: per item, Q once both consumers freed it, then the item's blocks into the ring
     as ``prefill_ws._producer`` does (phases from the CTA's running pair count ``g``)."""
     LC: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
@@ -96,7 +104,7 @@ def _producer(pid, grid, num_items, num_ht, width, len_ptr, len_st, q_ptr, strid
         idx_row = idx_ptr + t * idx_st
         npair = gl.cdiv(n, 2 * BN)
         _fill_pairs(kv_ptr, kv_stride, rows, idx_row, n, npair, g, r, d, ring, ready, free,
-                    IDS_AHEAD)
+                    IDS_AHEAD, ids_s, IDS_SMEM)
         g += npair
         k += 1
 
@@ -105,8 +113,8 @@ def _producer(pid, grid, num_items, num_ht, width, len_ptr, len_st, q_ptr, strid
 def _consumer(C: gl.constexpr, pid, grid, num_items, num_ht, width, len_ptr, len_st, idx_ptr,
               idx_st, rows, H, qk_scale, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh,
               lse_ptr, stride_lt, stride_lh, q_smem, ring, p_smem, m_smem, l_smem, q_ready,
-              q_free, ready, free, m_bar, p_bar, l_bar, HAS_LEN: gl.constexpr,
-              HAS_SINK: gl.constexpr):
+              q_free, ready, free, m_bar, p_bar, l_bar, ids_s, HAS_LEN: gl.constexpr,
+              HAS_SINK: gl.constexpr, IDS_SMEM: gl.constexpr):
     """One consumer warpgroup (``prefill_ws._consumer``'s per-pair work) over the CTA's items;
     the softmax state and O restart per item, the phases run on over the pair count ``g``."""
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -132,7 +140,8 @@ def _consumer(C: gl.constexpr, pid, grid, num_items, num_ht, width, len_ptr, len
         for i in range(npair):
             m_i, l_i, o = _consumer_pair(C, i, (g + i) & 1, i == npair - 1, n, idx_row, rows,
                                          qk_scale, q_smem, ring, p_smem, m_smem, ready, free,
-                                         m_bar, p_bar, q_free, m_i, l_i, o, True)
+                                         m_bar, p_bar, q_free, m_i, l_i, o, True, ids_s,
+                                         IDS_SMEM)
         g += npair
 
         # ---- the item's rows: both consumers' row sums (buffer k & 1), sink, stores ------
@@ -148,22 +157,24 @@ def _consumer(C: gl.constexpr, pid, grid, num_items, num_ht, width, len_ptr, len
 def _consumer0(pid, grid, num_items, num_ht, width, len_ptr, len_st, idx_ptr, idx_st, rows, H,
                qk_scale, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
                stride_lh, q_smem, ring, p_smem, m_smem, l_smem, q_ready, q_free, ready, free,
-               m_bar, p_bar, l_bar, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr):
+               m_bar, p_bar, l_bar, ids_s, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr,
+               IDS_SMEM: gl.constexpr):
     _consumer(0, pid, grid, num_items, num_ht, width, len_ptr, len_st, idx_ptr, idx_st, rows,
               H, qk_scale, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr,
               stride_lt, stride_lh, q_smem, ring, p_smem, m_smem, l_smem, q_ready, q_free,
-              ready, free, m_bar, p_bar, l_bar, HAS_LEN, HAS_SINK)
+              ready, free, m_bar, p_bar, l_bar, ids_s, HAS_LEN, HAS_SINK, IDS_SMEM)
 
 
 @gluon.jit
 def _consumer1(pid, grid, num_items, num_ht, width, len_ptr, len_st, idx_ptr, idx_st, rows, H,
                qk_scale, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
                stride_lh, q_smem, ring, p_smem, m_smem, l_smem, q_ready, q_free, ready, free,
-               m_bar, p_bar, l_bar, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr):
+               m_bar, p_bar, l_bar, ids_s, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr,
+               IDS_SMEM: gl.constexpr):
     _consumer(1, pid, grid, num_items, num_ht, width, len_ptr, len_st, idx_ptr, idx_st, rows,
               H, qk_scale, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr,
               stride_lt, stride_lh, q_smem, ring, p_smem, m_smem, l_smem, q_ready, q_free,
-              ready, free, m_bar, p_bar, l_bar, HAS_LEN, HAS_SINK)
+              ready, free, m_bar, p_bar, l_bar, ids_s, HAS_LEN, HAS_SINK, IDS_SMEM)
 
 
 @gluon.jit
@@ -175,11 +186,12 @@ def _sparse_mla_prefill_gluon_wsp_kernel(
     out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
     H, qk_scale, num_ht, num_items,
     HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, LAZY: gl.constexpr,
-    IDS_AHEAD: gl.constexpr = False,
+    IDS_AHEAD: gl.constexpr = False, IDS_SMEM: gl.constexpr = False,
 ):
     """Arguments as ``prefill_ws._sparse_mla_prefill_gluon_ws_kernel`` plus ``num_items`` (=
     tokens x ``num_ht``); launch ``min(SMs, num_items)`` CTAs with ``num_warps=NUM_WARPS``
-    (12 warps run). ``LAZY`` is ignored; ``IDS_AHEAD`` as ``prefill_ws``'s."""
+    (12 warps run). ``LAZY`` is ignored; ``IDS_AHEAD`` as ``prefill_ws``'s; ``IDS_SMEM``:
+    each block pair's ids reach the consumers through shared memory (``_fill_pairs``)."""
     KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, 512], gl.bfloat16)
     QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, 512], gl.bfloat16)
     PL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, BN], gl.bfloat16)
@@ -200,6 +212,10 @@ def _sparse_mla_prefill_gluon_wsp_kernel(
     m_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     p_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     l_bar = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    if IDS_SMEM:
+        ids_s = gl.allocate_shared_memory(idx_ptr.dtype.element_ty, [2 * BN], VL)
+    else:
+        ids_s = m_smem
     mbarrier.init(q_ready, count=128)  # every producer thread, cp.async noinc arrive
     mbarrier.init(q_free, count=2)  # each consumer once per item
     for s in gl.static_range(4):
@@ -218,11 +234,11 @@ def _sparse_mla_prefill_gluon_wsp_kernel(
     cargs = (pid, grid, num_items, num_ht, width, len_ptr, len_st, idx_ptr, idx_st, rows, H,
              qk_scale, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
              stride_lh, q_smem, ring, p_smem, m_smem, l_smem, q_ready, q_free, ready, free,
-             m_bar, p_bar, l_bar, HAS_LEN, HAS_SINK)
+             m_bar, p_bar, l_bar, ids_s, HAS_LEN, HAS_SINK, IDS_SMEM)
     gl.warp_specialize([
         (_producer, (pid, grid, num_items, num_ht, width, len_ptr, len_st, q_ptr, stride_qt,
                      stride_qh, kv_ptr, kv_stride, rows, idx_ptr, idx_st, H, q_smem, ring,
-                     q_ready, q_free, ready, free, HAS_LEN, IDS_AHEAD)),
+                     q_ready, q_free, ready, free, ids_s, HAS_LEN, IDS_AHEAD, IDS_SMEM)),
         (_consumer0, cargs),
         (_consumer1, cargs),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
