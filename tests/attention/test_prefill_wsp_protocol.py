@@ -24,10 +24,14 @@ class Bar:
         self.count, self.pend, self.done = count, 0, 0
 
 
-def run(lens_pairs, seed, one_l_buffer=False, no_barrier_empty=False):
+def run(lens_pairs, seed, one_l_buffer=False, no_barrier_empty=False, ids_smem=False,
+        ids_early=False, ids_late=False):
     """One CTA over items of ``lens_pairs[k]`` block pairs, scheduled by ``seed``; raises
-    AssertionError (deadlock / lap / stale) on a protocol fault. The flags break the protocol
-    on purpose (the mutation test)."""
+    AssertionError (deadlock / lap / stale) on a protocol fault. ``ids_smem``: the ``wsp_ids``
+    variant (each pair's ids copied by the producer into one shared buffer after the pair's
+    first ``free0`` wait, before its rows; each consumer reads them after its QK). The other
+    flags break the protocol on purpose (the mutation test): ``ids_early`` copies the ids
+    before that wait, ``ids_late`` after the pair's last ``ready`` arrive."""
     rnd = random.Random(seed)
     bars = {"q_ready": Bar(PW), "q_free": Bar(2)}
     for i in range(4):
@@ -49,10 +53,16 @@ def run(lens_pairs, seed, one_l_buffer=False, no_barrier_empty=False):
             yield ("arrive", "q_ready")
             for i in range(npair):
                 gi = g + i
+                if ids_smem and not ids_late:
+                    if not ids_early:
+                        yield ("wait", "free0", gi - 1)
+                    yield ("write", ("ids", w), gi)
                 for S, HF in ((0, 0), (1, 1), (0, 1), (1, 0)):
                     yield ("wait", f"free{2 * S + HF}", gi - 1)
                     yield ("write", ("ring", S, HF, w), gi)
                     yield ("arrive", f"ready{2 * S + HF}")
+                    if ids_late and (S, HF) == (1, 0):
+                        yield ("write", ("ids", w), gi)
             g += npair
 
     def consumer(C, w):
@@ -76,6 +86,9 @@ def run(lens_pairs, seed, one_l_buffer=False, no_barrier_empty=False):
                 yield from rd_ring(C, 1 - C, gi)
                 for pw in range(PW):
                     yield ("read", ("Q", pw), k)
+                if ids_smem:  # the block's validity, after the QK
+                    for pw in range(PW):
+                        yield ("read", ("ids", pw), gi)
                 yield ("tb", C)
                 if i == npair - 1:
                     yield ("arrive", "q_free")
@@ -178,21 +191,29 @@ def _items(rnd):
     return [rnd.choice([0, 0, 1, 2, 3, 5]) for _ in range(rnd.randint(1, 9))]
 
 
-def test_wsp_protocol_random_schedules():
+@pytest.mark.parametrize("ids_smem", [False, True])
+def test_wsp_protocol_random_schedules(ids_smem):
     rnd = random.Random(0)
     for seed in range(400):
-        run(_items(rnd), seed)
-    run([0] * 12, 1)  # only empty items
-    run([5] * 6, 2)
+        run(_items(rnd), seed, ids_smem=ids_smem)
+    run([0] * 12, 1, ids_smem=ids_smem)  # only empty items
+    run([5] * 6, 2, ids_smem=ids_smem)
 
 
 @pytest.mark.parametrize("mutation,what", [("one_l_buffer", "stale"),
-                                           ("no_barrier_empty", "lap")])
+                                           ("no_barrier_empty", "lap"),
+                                           ("ids_early", "stale"), ("ids_late", "stale")])
 def test_wsp_protocol_model_catches_mutations(mutation, what):
     """The model fails for a single row-sum buffer (an empty item lets one consumer overwrite
-    its sum before the other read it) and for an empty item's Q hand-back without the
-    warpgroup barrier after the wait (a lagging warp's parity wait laps)."""
+    its sum before the other read it), for an empty item's Q hand-back without the
+    warpgroup barrier after the wait (a lagging warp's parity wait laps), and for ``wsp_ids``'
+    id copy before the pair's ``free0`` wait (the last pair's ids overwritten before consumer
+    1 read them) or after the pair's last ``ready`` arrive (no ``ready`` covers them: a
+    consumer reads them too early)."""
     rnd = random.Random(0)
+    flags = {mutation: True}
+    if mutation.startswith("ids_"):
+        flags["ids_smem"] = True
     with pytest.raises(AssertionError, match=what):
         for seed in range(3000):
-            run(_items(rnd), seed, **{mutation: True})
+            run(_items(rnd), seed, **flags)
