@@ -327,21 +327,37 @@ def _copy_keys(base, idx, bstride, page, s, r0, r1, r2, r3, r4, r5, r6, r7, rope
 
 
 @gluon.jit
-def _issue(k, idx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
-           r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring,
-           SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr, NS: gl.constexpr,
-           NW: gl.constexpr):
-    """Start the gathers of block ``k`` into stage ``k % NS`` (one cp.async group, maybe empty)."""
-    s = k % NS
+def _copy_block(k, s, idx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
+                r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring,
+                SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
+                NW: gl.constexpr, PAST_END: gl.constexpr):
+    """Block ``k``'s checked slot ids ``idx`` into ring stage ``s`` and the ``cp.async`` of its
+    records: window keys below ``nblk_a``, else the extra keys (``PAST_END``: ``k`` may be
+    ``nblk`` or more, and then nothing is copied). The caller commits or arrives."""
     idx_ring.index(s).store(idx)
     if k < nblk_a:
         _copy_keys(a_ptr, idx, a_bstride, a_page, s, r0, r1, r2, r3, r4, r5, r6, r7,
                    rope_ring.index(s), scale_ring.index(s), SRC_A, NW)
     else:
         if HAS_B:
-            if k < nblk:
+            if PAST_END:
+                if k < nblk:
+                    _copy_keys(b_ptr, idx, b_bstride, b_page, s, r0, r1, r2, r3, r4, r5, r6,
+                               r7, rope_ring.index(s), scale_ring.index(s), SRC_B, NW)
+            else:
                 _copy_keys(b_ptr, idx, b_bstride, b_page, s, r0, r1, r2, r3, r4, r5, r6, r7,
                            rope_ring.index(s), scale_ring.index(s), SRC_B, NW)
+
+
+@gluon.jit
+def _issue(k, idx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
+           r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring,
+           SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr, NS: gl.constexpr,
+           NW: gl.constexpr):
+    """Start the gathers of block ``k`` into stage ``k % NS`` (one cp.async group, maybe empty)."""
+    _copy_block(k, k % NS, idx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride,
+                b_page, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, SRC_A,
+                SRC_B, HAS_B, NW, True)
     cp.commit_group()
 
 

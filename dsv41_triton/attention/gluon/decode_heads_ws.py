@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .decode import (_alloc_rings, _check_idx, _copy_keys, _copy_layout, _key_ranges,
+from .decode import (_alloc_rings, _check_idx, _copy_block, _copy_layout, _key_ranges,
                      _load_idx_raw, _program_ids)
 from .decode_heads import (BH, NW, _alloc_tiles, _dequant_keys, _heads_epilogue, _qk_softmax,
                            _thread_sums)
@@ -41,19 +41,14 @@ PRODUCER_REGS = gl.constexpr(48)
 
 
 @gluon.jit
-def _fill_stage(j, s, idx, nblk_a, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
+def _fill_stage(j, s, idx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
                 r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, ready,
                 SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr):
     """Block ``j``'s checked slot ids ``idx`` and its records' ``cp.async`` into (free) stage
     ``s``; ``ready[s]`` once every producer thread's copies landed and the ids are stored."""
-    idx_ring.index(s).store(idx)
-    if j < nblk_a:
-        _copy_keys(a_ptr, idx, a_bstride, a_page, s, r0, r1, r2, r3, r4, r5, r6, r7,
-                   rope_ring.index(s), scale_ring.index(s), SRC_A, PRODUCER_WARPS)
-    else:
-        if HAS_B:
-            _copy_keys(b_ptr, idx, b_bstride, b_page, s, r0, r1, r2, r3, r4, r5, r6, r7,
-                       rope_ring.index(s), scale_ring.index(s), SRC_B, PRODUCER_WARPS)
+    _copy_block(j, s, idx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
+                r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, SRC_A, SRC_B,
+                HAS_B, PRODUCER_WARPS, False)
     cp.mbarrier_arrive(ready.index(s), increment_count=False)
     gl.thread_barrier()  # every producer thread's id stores precede the one arrive
     mbarrier.arrive(ready.index(s))
@@ -114,7 +109,7 @@ def _producer_preload(a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_
             gl.thread_barrier()
         idx = rows.index(c).load(LI)
         mbarrier.wait(free.index(s), ((j // NS) & 1) ^ 1)
-        _fill_stage(j, s, idx, nblk_a, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
+        _fill_stage(j, s, idx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
                     r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, ready,
                     SRC_A, SRC_B, HAS_B)
 
@@ -154,7 +149,7 @@ def _producer(a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_row, b_b
         s = j % NS
         mbarrier.wait(free.index(s), ((j // NS) & 1) ^ 1)
         idx = _check_idx(a0, b0, a_rows, b_rows, HAS_B)
-        _fill_stage(j, s, idx, nblk_a, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
+        _fill_stage(j, s, idx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
                     r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, ready,
                     SRC_A, SRC_B, HAS_B)
         # block j + AHEAD's ids: their latency passes under the waits and copies of the blocks
