@@ -535,13 +535,7 @@ def _qk_f16(k0, k1, k2, k3, k4, k5, k6, k7, rope_s, q16, q_r, zero, cq, qk_scale
     group 7 is the raw bf16 RoPE tile against the bf16 Q tail (its own accumulator)."""
     if not ROPE:
         return _qk(k0, k1, k2, k3, k4, k5, k6, k7, q16, zero) * cq[None, :]
-    acc = warpgroup_mma(k0, q16.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-    acc = warpgroup_mma(k1, q16.index(1).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma(k2, q16.index(2).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma(k3, q16.index(3).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma(k4, q16.index(4).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma(k5, q16.index(5).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma(k6, q16.index(6).permute((1, 0)), acc, is_async=True)
+    acc = _qk_groups7(k0, k1, k2, k3, k4, k5, k6, q16, zero)
     acr = warpgroup_mma(rope_s, q_r.permute((1, 0)), zero, use_acc=False, is_async=True)
     acc, acr = warpgroup_mma_wait(0, deps=[acc, acr])
     return acc * cq[None, :] + acr * qk_scale
@@ -565,9 +559,8 @@ def _store_q(qrow, hq, dq, H, q_smem):
 
 
 @gluon.jit
-def _qk(k0, k1, k2, k3, k4, k5, k6, k7, q_smem, zero):
-    """Logits ``S^T [64 keys, BH] = K Q^T`` of one block from the bf16 key tiles ``k0..k7``
-    (raw dot products; Q ``[8, BH, 64]`` in shared memory), waited."""
+def _qk_groups7(k0, k1, k2, k3, k4, k5, k6, q_smem, zero):
+    """The wgmmas of 64-dim groups 0..6 of ``S^T = K Q^T`` (``_qk``), issued, not waited."""
     acc = warpgroup_mma(k0, q_smem.index(0).permute((1, 0)), zero, use_acc=False,
                         is_async=True)
     acc = warpgroup_mma(k1, q_smem.index(1).permute((1, 0)), acc, is_async=True)
@@ -575,7 +568,14 @@ def _qk(k0, k1, k2, k3, k4, k5, k6, k7, q_smem, zero):
     acc = warpgroup_mma(k3, q_smem.index(3).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma(k4, q_smem.index(4).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma(k5, q_smem.index(5).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma(k6, q_smem.index(6).permute((1, 0)), acc, is_async=True)
+    return warpgroup_mma(k6, q_smem.index(6).permute((1, 0)), acc, is_async=True)
+
+
+@gluon.jit
+def _qk(k0, k1, k2, k3, k4, k5, k6, k7, q_smem, zero):
+    """Logits ``S^T [64 keys, BH] = K Q^T`` of one block from the bf16 key tiles ``k0..k7``
+    (raw dot products; Q ``[8, BH, 64]`` in shared memory), waited."""
+    acc = _qk_groups7(k0, k1, k2, k3, k4, k5, k6, q_smem, zero)
     acc = warpgroup_mma(k7, q_smem.index(7).permute((1, 0)), acc, is_async=True)
     return warpgroup_mma_wait(0, deps=[acc])
 
