@@ -57,8 +57,10 @@ def run(lens_pairs, seed, one_l_buffer=False, no_barrier_empty=False, ids_smem=F
                     if not ids_early:
                         yield ("wait", "free0", gi - 1)
                     yield ("write", ("ids", w), gi)
+                waited = ids_smem and not (ids_early or ids_late)  # free0 just above
                 for S, HF in ((0, 0), (1, 1), (0, 1), (1, 0)):
-                    yield ("wait", f"free{2 * S + HF}", gi - 1)
+                    if not (waited and (S, HF) == (0, 0)):
+                        yield ("wait", f"free{2 * S + HF}", gi - 1)
                     yield ("write", ("ring", S, HF, w), gi)
                     yield ("arrive", f"ready{2 * S + HF}")
                     if ids_late and (S, HF) == (1, 0):

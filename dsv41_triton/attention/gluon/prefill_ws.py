@@ -108,7 +108,7 @@ def _fill_pairs(kv_ptr, kv_stride, rows, idx_row, n, npair, g, r, d, ring, ready
             IL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
             c = (2 * i) * BN + gl.arange(0, 2 * BN, layout=IL)
             cp.async_copy_global_to_shared(ids_s, idx_row + c, mask=c < n)
-        _fill(kv_ptr, off0, ok0, d, ring, ready, free, 0, 0, ph)
+        _fill(kv_ptr, off0, ok0, d, ring, ready, free, 0, 0, ph, IDS_SMEM)
         _fill(kv_ptr, off1, ok1, d, ring, ready, free, 1, 1, ph)
         _fill(kv_ptr, off0, ok0, d, ring, ready, free, 0, 1, ph)
         if IDS_AHEAD:
@@ -117,11 +117,13 @@ def _fill_pairs(kv_ptr, kv_stride, rows, idx_row, n, npair, g, r, d, ring, ready
 
 
 @gluon.jit
-def _fill(kv_ptr, off, ok, d, ring, ready, free, S: gl.constexpr, HF: gl.constexpr, ph):
+def _fill(kv_ptr, off, ok, d, ring, ready, free, S: gl.constexpr, HF: gl.constexpr, ph,
+          WAITED: gl.constexpr = False):
     """Value-dim half ``HF`` of the rows at element offsets ``off`` (``ok``: copy, else zero
-    fill) into ring stage ``S`` once it is free; its ``ready`` barrier completes when every
-    producer thread's copies landed."""
-    mbarrier.wait(free.index(2 * S + HF), ph)
+    fill) into ring stage ``S`` once it is free (``WAITED``: the caller waited already); its
+    ``ready`` barrier completes when every producer thread's copies landed."""
+    if not WAITED:
+        mbarrier.wait(free.index(2 * S + HF), ph)
     cp.async_copy_global_to_shared(ring.index(S).slice(256 * HF, 256, dim=1),
                                    kv_ptr + off[:, None] + (256 * HF + d)[None, :],
                                    mask=ok[:, None], eviction_policy="evict_last")
