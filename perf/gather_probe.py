@@ -49,11 +49,28 @@ NW = 4
 
 
 @gluon.jit
-def _ids_of(ids_ptr, k, pid, G, NB: gl.constexpr, LI: gl.constexpr):
+def _block_off(k, pid, G, NB: gl.constexpr):
+    """Offset of the ids of this CTA's block ``k`` (tokens ``pid, pid + G, ...``, NB blocks
+    each)."""
     tok = pid + (k // NB) * G
-    blk = k % NB
-    off = tok.to(gl.int64) * (NB * 64) + blk * 64
-    return gl.load(ids_ptr + off + gl.arange(0, 64, layout=LI))
+    return tok.to(gl.int64) * (NB * 64) + (k % NB) * 64
+
+
+@gluon.jit
+def _ids_of(ids_ptr, k, pid, G, NB: gl.constexpr, LI: gl.constexpr):
+    return gl.load(ids_ptr + _block_off(k, pid, G, NB) + gl.arange(0, 64, layout=LI))
+
+
+@gluon.jit
+def _tma_keys(desc, ids_ptr, off, dst, bar, R0: gl.constexpr, RP: gl.constexpr):
+    """One TMA box per key ``R0 .. R0 + RP - 1`` of a block (ids at ``ids_ptr + off``) into
+    those rows of stage ``dst``; -1 ids read page -1 (zero fill)."""
+    o = off + R0
+    for r in gl.static_range(RP):
+        i = gl.load(ids_ptr + o + r)
+        page = gl.where(i >= 0, i // 64, -1)
+        tma.async_copy_global_to_shared(desc, [page, i % 64, 0, 0], bar,
+                                        dst.slice(R0 + r, 1, dim=0))
 
 
 @gluon.jit
@@ -70,10 +87,9 @@ def _issue_cp(cache_ptr, ids_ptr, ring, ids_smem, ids_rows, k, total, pid, G, bs
             if k % NB == 0:
                 # the token's NB blocks of ids in one pass, then one store
                 LT: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
-                tok = pid + (k // NB) * G
                 rr = gl.arange(0, 16, layout=gl.SliceLayout(1, LT))[:, None]
                 cc = gl.arange(0, 64, layout=gl.SliceLayout(0, LT))[None, :]
-                allids = gl.load(ids_ptr + tok.to(gl.int64) * (NB * 64) + rr * 64 + cc,
+                allids = gl.load(ids_ptr + _block_off(k, pid, G, NB) + rr * 64 + cc,
                                  mask=rr < NB, other=-1)
                 gl.thread_barrier()
                 ids_smem.store(allids)
@@ -129,18 +145,13 @@ def _probe_cp_kernel(cache_ptr, ids_ptr, out_ptr, n_tok, bstride,
 @gluon.jit
 def _issue_tma(desc, ids_ptr, ring, bars, k, total, pid, G, NS: gl.constexpr, NB: gl.constexpr):
     if k < total:
-        tok = pid + (k // NB) * G
-        off = tok.to(gl.int64) * (NB * 64) + (k % NB) * 64
+        off = _block_off(k, pid, G, NB)
         # the stage as a constant, so that each key's box has a constant shared-memory range
         for st in gl.static_range(NS):
             if k % NS == st:
                 bar = bars.index(st)
                 mbarrier.expect(bar, 64 * 512)
-                for r in gl.static_range(64):
-                    i = gl.load(ids_ptr + off + r)
-                    page = gl.where(i >= 0, i // 64, -1)
-                    tma.async_copy_global_to_shared(desc, [page, i % 64, 0, 0], bar,
-                                                    ring.index(st).slice(r, 1, dim=0))
+                _tma_keys(desc, ids_ptr, off, ring.index(st), bar, 0, 64)
 
 
 @gluon.jit
@@ -177,17 +188,12 @@ def _tma_producer(desc, ids_ptr, ring, ready, free, total, pid, G, PART: gl.cons
     for k in range(total):
         s = k % NS
         mbarrier.wait(free.index(s), ((k // NS) & 1) ^ 1)
-        tok = pid + (k // NB) * G
-        off = tok.to(gl.int64) * (NB * 64) + (k % NB) * 64 + PART * RP
+        off = _block_off(k, pid, G, NB)
         for st in gl.static_range(NS):
             if s == st:
                 bar = ready.index(st)
                 mbarrier.expect(bar, RP * 512)
-                for r in gl.static_range(RP):
-                    i = gl.load(ids_ptr + off + r)
-                    page = gl.where(i >= 0, i // 64, -1)
-                    tma.async_copy_global_to_shared(desc, [page, i % 64, 0, 0], bar,
-                                                    ring.index(st).slice(PART * RP + r, 1, dim=0))
+                _tma_keys(desc, ids_ptr, off, ring.index(st), bar, PART * RP, RP)
 
 
 @gluon.jit
