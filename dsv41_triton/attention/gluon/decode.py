@@ -254,7 +254,15 @@ def _load_idx_raw(k, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b, hi_b,
     """Slot ids of block ``k`` as stored (``[BN]`` of the window's and of the extra keys' index
     dtype, ``-1`` outside the block's part): no arithmetic on the loaded values, so a caller
     can carry them blocks ahead and pay their latency only at ``_check_idx``."""
-    r = gl.arange(0, 64, layout=L)
+    return _idx_at(k, gl.arange(0, 64, layout=L), nblk_a, nblk, a_idx_row, lo_a, hi_a,
+                   b_idx_row, lo_b, hi_b, HAS_B)
+
+
+@gluon.jit
+def _idx_at(k, r, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b, hi_b,
+            HAS_B: gl.constexpr):
+    """``_load_idx_raw`` at blocks ``k`` and key offsets ``r`` (broadcast against each other:
+    a scalar block and ``[BN]`` offsets, or ``[P, 1]`` blocks and ``[1, BN]``)."""
     ca = lo_a + k * 64 + r
     ia = gl.load(a_idx_row + ca, mask=(ca < hi_a) & (k < nblk_a), other=-1)
     ib = ia

@@ -28,8 +28,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .decode import (_alloc_rings, _check_idx, _copy_block, _copy_layout, _key_ranges,
-                     _load_idx_raw, _program_ids)
+from .decode import (_alloc_rings, _check_idx, _copy_block, _copy_layout, _idx_at,
+                     _key_ranges, _load_idx_raw, _program_ids)
 from .decode_heads import (BH, NW, _alloc_tiles, _dequant_keys, _heads_epilogue, _qk_softmax,
                            _thread_sums)
 
@@ -73,12 +73,7 @@ def _load_idx_chunk(j, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, l
     L2: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [NWP, 1], [1, 0])
     k = j + gl.arange(0, P, layout=gl.SliceLayout(1, L2))[:, None]
     r = gl.arange(0, 64, layout=gl.SliceLayout(0, L2))[None, :]
-    ca = lo_a + k * 64 + r
-    ia = gl.load(a_idx_row + ca, mask=(ca < hi_a) & (k < nblk_a), other=-1)
-    ib = ia
-    if HAS_B:
-        cb = lo_b + (k - nblk_a) * 64 + r
-        ib = gl.load(b_idx_row + cb, mask=(cb < hi_b) & (k >= nblk_a) & (k < nblk), other=-1)
+    ia, ib = _idx_at(k, r, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b, hi_b, HAS_B)
     return _check_idx(ia, ib, a_rows, b_rows, HAS_B)
 
 
