@@ -24,14 +24,14 @@ class Bar:
         self.count, self.pend, self.done = count, 0, 0
 
 
-def run(lens_pairs, seed, one_l_buffer=False, no_barrier_empty=False, ids_smem=False,
-        ids_early=False, ids_late=False):
+def run(lens_pairs, seed, one_l_buffer=False, no_barrier_empty=False, pipe=False,
+        pipe_free2_early=False):
     """One CTA over items of ``lens_pairs[k]`` block pairs, scheduled by ``seed``; raises
-    AssertionError (deadlock / lap / stale) on a protocol fault. ``ids_smem``: the ``wsp_ids``
-    variant (each pair's ids copied by the producer into one shared buffer after the pair's
-    first ``free0`` wait, before its rows; each consumer reads them after its QK). The other
-    flags break the protocol on purpose (the mutation test): ``ids_early`` copies the ids
-    before that wait, ``ids_late`` after the pair's last ``ready`` arrive."""
+    AssertionError (deadlock / lap / stale) on a protocol fault. ``pipe``: the ``wsp_pipe``
+    consumers (consumer 0 issues the next pair's QK behind its remote PV, consumer 1 its two
+    PVs back to back); an async product reads its operands at issue and at completion. The
+    other flags break the protocol on purpose (the mutation test): ``pipe_free2_early`` has
+    consumer 0 free its half of stage 1 before its remote PV completed."""
     rnd = random.Random(seed)
     bars = {"q_ready": Bar(PW), "q_free": Bar(2)}
     for i in range(4):
@@ -53,46 +53,44 @@ def run(lens_pairs, seed, one_l_buffer=False, no_barrier_empty=False, ids_smem=F
             yield ("arrive", "q_ready")
             for i in range(npair):
                 gi = g + i
-                if ids_smem and not ids_late:
-                    if not ids_early:
-                        yield ("wait", "free0", gi - 1)
-                    yield ("write", ("ids", w), gi)
-                waited = ids_smem and not (ids_early or ids_late)  # free0 just above
                 for S, HF in ((0, 0), (1, 1), (0, 1), (1, 0)):
-                    if not (waited and (S, HF) == (0, 0)):
-                        yield ("wait", f"free{2 * S + HF}", gi - 1)
+                    yield ("wait", f"free{2 * S + HF}", gi - 1)
                     yield ("write", ("ring", S, HF, w), gi)
                     yield ("arrive", f"ready{2 * S + HF}")
-                    if ids_late and (S, HF) == (1, 0):
-                        yield ("write", ("ids", w), gi)
             g += npair
+
+    def rd(key, ver, n):
+        for x in range(n):
+            yield ("read", key + (x,), ver)
+
+    def qk_half(S, HF, gi, k):
+        yield ("wait", f"ready{2 * S + HF}", gi)
+        yield from rd(("ring", S, HF), gi, PW)
+        yield from rd(("Q",), k, PW)
 
     def consumer(C, w):
         g = 0
-        def rd_ring(S, HF, gi):
-            for pw in range(PW):
-                yield ("read", ("ring", S, HF, pw), gi)
         for k, npair in enumerate(lens_pairs):
             yield ("wait", "q_ready", k)
             if not no_barrier_empty:
                 yield ("tb", C)
             if npair == 0:
                 yield ("arrive", "q_free")
+            if pipe and C == 0 and npair:
+                yield from qk_half(0, 0, g, k)  # the item's first QK, issued
+                yield from qk_half(0, 1, g, k)
             for i in range(npair):
                 gi = g + i
-                yield ("wait", f"ready{2 * C + C}", gi)
-                yield from rd_ring(C, C, gi)
-                for pw in range(PW):
-                    yield ("read", ("Q", pw), k)
-                yield ("wait", f"ready{2 * C + 1 - C}", gi)
-                yield from rd_ring(C, 1 - C, gi)
-                for pw in range(PW):
-                    yield ("read", ("Q", pw), k)
-                if ids_smem:  # the block's validity, after the QK
-                    for pw in range(PW):
-                        yield ("read", ("ids", pw), gi)
+                last = i == npair - 1
+                if pipe and C == 0:  # the QK issued before completes
+                    for HF in (0, 1):
+                        yield from rd(("ring", 0, HF), gi, PW)
+                    yield from rd(("Q",), k, PW)
+                else:
+                    yield from qk_half(C, C, gi, k)
+                    yield from qk_half(C, 1 - C, gi, k)
                 yield ("tb", C)
-                if i == npair - 1:
+                if last:
                     yield ("arrive", "q_free")
                 yield ("arrive", f"free{2 * C + 1 - C}")
                 if C == 0:
@@ -101,29 +99,48 @@ def run(lens_pairs, seed, one_l_buffer=False, no_barrier_empty=False, ids_smem=F
                     yield ("arrive", "m0")
                 else:
                     yield ("wait", "m0", gi)
-                    for ww in range(CW):
-                        yield ("read", ("m", 0, ww), gi)
+                    yield from rd(("m", 0), gi, CW)
                     yield ("write", ("m", 1, w), gi)
                     yield ("tb", C)
                     yield ("arrive", "m1")
+                if pipe and C == 0:
+                    yield from rd(("ring", 0, 0), gi, PW)  # local PV issued and waited
+                    yield ("tb", C)
+                    yield ("arrive", "free0")
                 if C == 0:
                     yield ("wait", "m1", gi)
-                    for ww in range(CW):
-                        yield ("read", ("m", 1, ww), gi)
+                    yield from rd(("m", 1), gi, CW)
                     yield ("write", ("p", 0, w), gi)
                     yield ("tb", C)
                     yield ("arrive", "p0")
                 else:
+                    yield from rd(("ring", 1, 1), gi, PW)  # local PV issued
                     yield ("write", ("p", 1, w), gi)
                     yield ("tb", C)
                     yield ("arrive", "p1")
-                yield from rd_ring(C, C, gi)  # local PV finished
-                yield ("tb", C)
-                yield ("arrive", f"free{2 * C + C}")
+                if not pipe:
+                    yield from rd(("ring", C, C), gi, PW)  # local PV finished
+                    yield ("tb", C)
+                    yield ("arrive", f"free{2 * C + C}")
                 yield ("wait", f"p{1 - C}", gi)
-                for ww in range(CW):
-                    yield ("read", ("p", 1 - C, ww), gi)
-                yield from rd_ring(1 - C, C, gi)
+                remote = list(rd(("p", 1 - C), gi, CW)) + list(rd(("ring", 1 - C, C), gi, PW))
+                yield from remote  # the remote PV issued
+                if pipe and C == 1:
+                    yield from rd(("ring", 1, 1), gi, PW)  # local PV completes first
+                    yield ("tb", C)
+                    yield ("arrive", "free3")
+                if pipe and C == 0 and not last:
+                    yield from qk_half(0, 0, gi + 1, k)  # the next pair's QK, behind it
+                    if pipe_free2_early:
+                        yield ("tb", C)
+                        yield ("arrive", "free2")
+                    yield from remote  # the remote PV completes
+                    if not pipe_free2_early:
+                        yield ("tb", C)
+                        yield ("arrive", "free2")
+                    yield from qk_half(0, 1, gi + 1, k)
+                    continue
+                yield from remote
                 yield ("tb", C)
                 yield ("arrive", f"free{2 * (1 - C) + C}")
             g += npair
@@ -132,8 +149,7 @@ def run(lens_pairs, seed, one_l_buffer=False, no_barrier_empty=False, ids_smem=F
             yield ("tb", C)
             yield ("arrive", f"l{2 * lb + C}")
             yield ("wait", f"l{2 * lb + 1 - C}", lph)
-            for ww in range(CW):
-                yield ("read", ("l", lb, 1 - C, ww), k)
+            yield from rd(("l", lb, 1 - C), k, CW)
 
     agents = {("P", w): producer(w) for w in range(PW)}
     for C in range(2):
@@ -193,29 +209,28 @@ def _items(rnd):
     return [rnd.choice([0, 0, 1, 2, 3, 5]) for _ in range(rnd.randint(1, 9))]
 
 
-@pytest.mark.parametrize("ids_smem", [False, True])
-def test_wsp_protocol_random_schedules(ids_smem):
+@pytest.mark.parametrize("pipe", [False, True])
+def test_wsp_protocol_random_schedules(pipe):
     rnd = random.Random(0)
     for seed in range(400):
-        run(_items(rnd), seed, ids_smem=ids_smem)
-    run([0] * 12, 1, ids_smem=ids_smem)  # only empty items
-    run([5] * 6, 2, ids_smem=ids_smem)
+        run(_items(rnd), seed, pipe=pipe)
+    run([0] * 12, 1, pipe=pipe)  # only empty items
+    run([5] * 6, 2, pipe=pipe)
 
 
 @pytest.mark.parametrize("mutation,what", [("one_l_buffer", "stale"),
                                            ("no_barrier_empty", "lap"),
-                                           ("ids_early", "stale"), ("ids_late", "stale")])
+                                           ("pipe_free2_early", "stale")])
 def test_wsp_protocol_model_catches_mutations(mutation, what):
     """The model fails for a single row-sum buffer (an empty item lets one consumer overwrite
     its sum before the other read it), for an empty item's Q hand-back without the
-    warpgroup barrier after the wait (a lagging warp's parity wait laps), and for ``wsp_ids``'
-    id copy before the pair's ``free0`` wait (the last pair's ids overwritten before consumer
-    1 read them) or after the pair's last ``ready`` arrive (no ``ready`` covers them: a
-    consumer reads them too early)."""
+    warpgroup barrier after the wait (a lagging warp's parity wait laps), and for
+    ``wsp_pipe``'s consumer 0 freeing its half of stage 1 before its remote PV completed (the
+    producer refills it under the product)."""
     rnd = random.Random(0)
     flags = {mutation: True}
-    if mutation.startswith("ids_"):
-        flags["ids_smem"] = True
+    if mutation.startswith("pipe_"):
+        flags["pipe"] = True
     with pytest.raises(AssertionError, match=what):
         for seed in range(3000):
             run(_items(rnd), seed, **flags)

@@ -188,7 +188,7 @@ def compile_prefill(lazy: bool = True, has_len: bool = True, has_sink: bool = Tr
                     arch: int = 90, ws: bool = False, variant: str = ""):
     """The Gluon prefill kernel compiled for ``sm_<arch>`` (no GPU needed): ``variant`` "ws"
     (or ``ws=True``: the warp-specialized one), "wsp" (the persistent warp-specialized one),
-    either with "_ahead" (ids one block pair ahead), "wsp_ids" (ids through shared memory),
+    either with "_ahead" (ids one block pair ahead), "wsp_pipe" (the consumers' pipelined pair),
     else ``prefill.py``'s (``lazy`` picks its rescale)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -196,8 +196,8 @@ def compile_prefill(lazy: bool = True, has_len: bool = True, has_sink: bool = Tr
 
     variant = variant or ("ws" if ws else "")
     ahead = variant.endswith("_ahead")
-    ids_smem = variant.endswith("_ids")
-    variant = variant.removesuffix("_ahead").removesuffix("_ids")
+    pipe = variant.endswith("_pipe")
+    variant = variant.removesuffix("_ahead").removesuffix("_pipe")
     args = _PREFILL_ARGS
     if variant == "wsp":
         from .prefill_wsp import NUM_WARPS, _sparse_mla_prefill_gluon_wsp_kernel as kern
@@ -213,8 +213,8 @@ def compile_prefill(lazy: bool = True, has_len: bool = True, has_sink: bool = Tr
     consts = dict(HAS_LEN=has_len, HAS_SINK=has_sink, LAZY=lazy)
     if variant in ("ws", "wsp"):
         consts["IDS_AHEAD"] = ahead
-    if ids_smem:
-        consts["IDS_SMEM"] = True
+    if pipe:
+        consts["PIPE"] = True
     for k in consts:
         sig[k] = "constexpr"
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
@@ -271,7 +271,9 @@ def summary_few_ws(src_a: int, src_b: int, split: bool, bh: int = 8, ahead: int 
 
 def summary_prefill(lazy: bool = True, ws: bool = False, variant: str = "") -> dict:
     """Facts of one prefill compile: wgmma / cp.async in the PTX, shared memory, registers,
-    stack bytes, named barriers (``BAR.SYNC``) and local stores (``STL``) in the SASS, the
+    stack bytes, named barriers (``BAR.SYNC``), local stores (``STL``), ``HGMMA`` and wgmma
+    waits (``WARPGROUP.DEPBAR``: one after every ``HGMMA`` when ptxas serialized them) in the
+    SASS, the
     loops (``loops_sass``), and ``setmaxnreg`` (the partitions' register budgets of the
     warp-specialized kernels)."""
     k = compile_prefill(lazy, ws=ws, variant=variant)
@@ -281,6 +283,7 @@ def summary_prefill(lazy: bool = True, ws: bool = False, variant: str = "") -> d
     return {"wgmma": "wgmma.mma_async" in ptx, "cp_async": "cp.async" in ptx,
             "shared": int(k.metadata.shared), "regs": regs, "stack": stack,
             "bar_sync": sass.count("BAR.SYNC"), "local_st": sass.count("STL"),
+            "hgmma": sass.count("HGMMA"), "wgmma_waits": sass.count("WARPGROUP.DEPBAR"),
             "setmaxnreg": sorted(set(ln.split("setmaxnreg")[1].strip().rstrip(";")
                                      for ln in ptx.splitlines() if "setmaxnreg" in ln)),
             "loops": loops_sass(k)}
@@ -295,7 +298,7 @@ if __name__ == "__main__":
     import json
     if len(sys.argv) in (3, 4) and sys.argv[1] == "prefill":
         # python -m ...compile_check prefill LAZY [WS] -> JSON line; WS: 0, 1 (= ws) or a
-        # variant name (ws, wsp, ws_ahead, wsp_ahead)
+        # variant name (ws, wsp, ws_ahead, wsp_ahead, wsp_pipe)
         v = sys.argv[3] if len(sys.argv) == 4 else "0"
         v = {"0": "", "1": "ws"}.get(v, v)
         print(json.dumps(summary_prefill(bool(int(sys.argv[2])), variant=v)))

@@ -83,16 +83,13 @@ def _row_offsets(ix, rows, kv_stride):
 
 @gluon.jit
 def _fill_pairs(kv_ptr, kv_stride, rows, idx_row, n, npair, g, r, d, ring, ready, free,
-                IDS_AHEAD: gl.constexpr, ids_s=None, IDS_SMEM: gl.constexpr = False):
+                IDS_AHEAD: gl.constexpr):
     """Block pairs ``0 .. npair - 1`` of one item (``g``: pairs this CTA filled before it, for
     the ``free`` phases) into ring stages 0 (even block) and 1 (odd block), each pair's halves
     in the order they free up: (0, 0), (1, 1), (0, 1), (1, 0). ``IDS_AHEAD``: pair ``i + 1``'s
     ids are loaded before the last half of pair ``i`` waits, so their latency passes under
     that wait (earlier, the producer's 72 registers spill); else each pair's ids just before
-    its first wait. ``IDS_SMEM``: the pair's 128 ids as stored also go by ``cp.async`` into
-    ``ids_s`` right after the first ``free`` wait, ahead of the rows, so every ``ready`` of
-    the pair covers them (the consumers read their block's validity there instead of loading
-    it from global memory)."""
+    its first wait."""
     if IDS_AHEAD:
         ix0, ix1 = _pair_ids(idx_row, n, 0, r)
     for i in range(npair):
@@ -101,14 +98,7 @@ def _fill_pairs(kv_ptr, kv_stride, rows, idx_row, n, npair, g, r, d, ring, ready
             ix0, ix1 = _pair_ids(idx_row, n, i, r)
         off0, ok0 = _row_offsets(ix0, rows, kv_stride)
         off1, ok1 = _row_offsets(ix1, rows, kv_stride)
-        if IDS_SMEM:
-            # free(0) of the last pair: consumer 0 is past its local PV and consumer 1 past
-            # publishing its max, so both have read the last pair's ids from ids_s
-            mbarrier.wait(free.index(0), ph)
-            IL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-            c = (2 * i) * BN + gl.arange(0, 2 * BN, layout=IL)
-            cp.async_copy_global_to_shared(ids_s, idx_row + c, mask=c < n)
-        _fill(kv_ptr, off0, ok0, d, ring, ready, free, 0, 0, ph, IDS_SMEM)
+        _fill(kv_ptr, off0, ok0, d, ring, ready, free, 0, 0, ph)
         _fill(kv_ptr, off1, ok1, d, ring, ready, free, 1, 1, ph)
         _fill(kv_ptr, off0, ok0, d, ring, ready, free, 0, 1, ph)
         if IDS_AHEAD:
@@ -117,13 +107,11 @@ def _fill_pairs(kv_ptr, kv_stride, rows, idx_row, n, npair, g, r, d, ring, ready
 
 
 @gluon.jit
-def _fill(kv_ptr, off, ok, d, ring, ready, free, S: gl.constexpr, HF: gl.constexpr, ph,
-          WAITED: gl.constexpr = False):
+def _fill(kv_ptr, off, ok, d, ring, ready, free, S: gl.constexpr, HF: gl.constexpr, ph):
     """Value-dim half ``HF`` of the rows at element offsets ``off`` (``ok``: copy, else zero
-    fill) into ring stage ``S`` once it is free (``WAITED``: the caller waited already); its
-    ``ready`` barrier completes when every producer thread's copies landed."""
-    if not WAITED:
-        mbarrier.wait(free.index(2 * S + HF), ph)
+    fill) into ring stage ``S`` once it is free; its ``ready`` barrier completes when every
+    producer thread's copies landed."""
+    mbarrier.wait(free.index(2 * S + HF), ph)
     cp.async_copy_global_to_shared(ring.index(S).slice(256 * HF, 256, dim=1),
                                    kv_ptr + off[:, None] + (256 * HF + d)[None, :],
                                    mask=ok[:, None], eviction_policy="evict_last")
@@ -131,66 +119,44 @@ def _fill(kv_ptr, off, ok, d, ring, ready, free, S: gl.constexpr, HF: gl.constex
 
 
 @gluon.jit
+def _qk_half(q_smem, kt, ready, S: gl.constexpr, HF: gl.constexpr, ph, acc,
+             FIRST: gl.constexpr):
+    """Issues ``acc (+)= Q[:, half] K[half]^T`` of ring stage ``S`` (``kt``), value-dim half
+    ``HF``, once that half has landed (``ready`` phase ``ph``); returns the async
+    accumulator (``FIRST``: ``acc`` only gives the layout)."""
+    mbarrier.wait(ready.index(2 * S + HF), ph)
+    fence_async_shared()
+    return warpgroup_mma(q_smem.slice(256 * HF, 256, dim=1),
+                         kt.slice(256 * HF, 256, dim=1).permute((1, 0)), acc,
+                         use_acc=not FIRST, is_async=True)
+
+
+@gluon.jit
 def _qk(q_smem, kt, ready, C: gl.constexpr, ph, s_zero):
     """``S = Q K^T`` of stage ``C`` over both value-dim halves, own half (``C``) first, each
     issued as soon as it has landed; waited."""
-    mbarrier.wait(ready.index(2 * C + C), ph)
-    fence_async_shared()
-    acc = warpgroup_mma(q_smem.slice(256 * C, 256, dim=1),
-                        kt.slice(256 * C, 256, dim=1).permute((1, 0)), s_zero,
-                        use_acc=False, is_async=True)
-    mbarrier.wait(ready.index(2 * C + 1 - C), ph)
-    fence_async_shared()
-    acc = warpgroup_mma(q_smem.slice(256 * (1 - C), 256, dim=1),
-                        kt.slice(256 * (1 - C), 256, dim=1).permute((1, 0)), acc,
-                        is_async=True)
+    acc = _qk_half(q_smem, kt, ready, C, C, ph, s_zero, True)
+    acc = _qk_half(q_smem, kt, ready, C, 1 - C, ph, acc, False)
     return warpgroup_mma_wait(0, deps=[acc])
 
 
 @gluon.jit
-def _consumer_pair(C: gl.constexpr, i, ph, last, n, idx_row, rows, qk_scale, q_smem, ring,
-                   p_smem, m_smem, ready, free, m_bar, p_bar, q_free, m_i, l_i, o,
-                   FREES_Q: gl.constexpr, ids_s=None, IDS_SMEM: gl.constexpr = False):
-    """Consumer ``C``'s share of block pair ``i`` (barrier phase ``ph``): the QK of its own
-    block, the running max handed 0 -> 1 -> 0, P (its own from registers, the other's from
-    shared memory) times its value dims; frees the ring halves as it is done with them (and,
-    with ``FREES_Q``, Q after the QK of the ``last`` pair). ``IDS_SMEM``: the block's ids are
-    read from ``ids_s`` (the producer's copy) after the QK. Returns ``(m_i, l_i, o)``."""
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, 64, 16])
-    O_L: gl.constexpr = o.type.layout
-    P_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
-    ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
-    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
-    COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
+def _block_ok(C: gl.constexpr, i, n, idx_row, rows, COL_S: gl.constexpr):
+    """Column validity of consumer ``C``'s block of pair ``i`` in the S accumulator's column
+    layout ``COL_S``: loaded one column a thread pair and moved there (the load's latency
+    hides behind the QK product)."""
     IL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    cidx = gl.arange(0, BN, layout=IL)
-    s_zero = gl.full([BH, BN], 0.0, gl.float32, layout=S_L)
-    # Q and the stages through an index the compiler cannot fold (``i >> 30`` is 0): the
-    # wgmma descriptors are formed in the loop instead of hoisted (and spilled) out of it
-    opaque = i >> 30
-    mine = ring.index(C + opaque)
-    other = ring.index(1 - C + opaque)
-    v_mine = mine.slice(256 * C, 256, dim=1)
-    v_other = other.slice(256 * C, 256, dim=1)
-    if IDS_SMEM:
-        sc = _qk(q_smem.index(opaque), mine, ready, C, ph, s_zero)
-        # this block's ids landed with the pair's rows (``_fill_pairs``)
-        cs = (2 * i + C) * BN + gl.arange(0, BN, layout=COL_S)
-        cis = ids_s.slice(C * BN, BN).load(COL_S)
-        ok = (cs < n) & (cis >= 0) & (cis < rows)
-    else:
-        # this block's column validity, loaded one column a thread pair and moved to the
-        # accumulator's columns (the load's latency hides behind the QK product)
-        c = (2 * i + C) * BN + cidx
-        cm = c < n
-        ci = gl.load(idx_row + c, mask=cm, other=-1)
-        ok = gl.convert_layout(cm & (ci >= 0) & (ci < rows), COL_S)
-        sc = _qk(q_smem.index(opaque), mine, ready, C, ph, s_zero)
-    gl.thread_barrier()
-    if FREES_Q:
-        mbarrier.arrive(q_free, pred=last)  # the item's last QK: Q free
-    mbarrier.arrive(free.index(2 * C + 1 - C))  # the other half of my stage: QK done
+    c = (2 * i + C) * BN + gl.arange(0, BN, layout=IL)
+    cm = c < n
+    ci = gl.load(idx_row + c, mask=cm, other=-1)
+    return gl.convert_layout(cm & (ci >= 0) & (ci < rows), COL_S)
+
+
+@gluon.jit
+def _pair_max(C: gl.constexpr, sc, ok, qk_scale, m_i, m_smem, m_bar, ph):
+    """Masked, scaled logits of consumer ``C``'s block and the running max after them, handed
+    0 -> 1 (consumer 1 starts from consumer 0's new max; ``m_smem[C * BH:]`` holds ``C``'s)."""
+    ROW_S: gl.constexpr = gl.SliceLayout(1, sc.type.layout)
     sc = gl.where(ok[None, :], sc * qk_scale, float("-inf"))
     if C == 0:
         m_new = gl.maximum(m_i, gl.max(sc, axis=1))
@@ -203,19 +169,68 @@ def _consumer_pair(C: gl.constexpr, i, ph, last, n, idx_row, rows, qk_scale, q_s
         m_smem.slice(BH, BH).store(m_new)
         gl.thread_barrier()
         mbarrier.arrive(m_bar.index(1))
+    return sc, m_new
+
+
+@gluon.jit
+def _pair_probs(sc, m_i, m_new, l_i, o):
+    """Online-softmax step: ``(m_safe, l_i, o, P as bf16)`` with O and the row sums rescaled
+    from ``m_i`` to ``m_new`` (``-inf`` rows stay 0)."""
+    ROW_O: gl.constexpr = gl.SliceLayout(1, o.type.layout)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_safe)
     p = gl.exp2(sc - m_safe[:, None])
     l_i = l_i * alpha + gl.sum(p, axis=1)
     o = o * gl.convert_layout(alpha, ROW_O)[:, None]
-    pb = p.to(gl.bfloat16)
+    return m_safe, l_i, o, p.to(gl.bfloat16)
+
+
+@gluon.jit
+def _scale_to_max1(m_new, m_safe, m_smem, m_bar, ph):
+    """Consumer 0: consumer 1's max of the pair (``m_bar[1]`` phase ``ph``) and the factor
+    that moves consumer 0's P, O and row sums from ``m_new`` to it."""
+    ROW_S: gl.constexpr = m_new.type.layout
+    mbarrier.wait(m_bar.index(1), ph)
+    m_1 = m_smem.slice(BH, BH).load(ROW_S)
+    m1_safe = gl.where(m_1 == float("-inf"), 0.0, m_1)
+    scale = gl.where(m_new == float("-inf"), 0.0, gl.exp2(m_safe - m1_safe))
+    return m_1, scale
+
+
+@gluon.jit
+def _consumer_pair(C: gl.constexpr, i, ph, last, n, idx_row, rows, qk_scale, q_smem, ring,
+                   p_smem, m_smem, ready, free, m_bar, p_bar, q_free, m_i, l_i, o,
+                   FREES_Q: gl.constexpr):
+    """Consumer ``C``'s share of block pair ``i`` (barrier phase ``ph``): the QK of its own
+    block, the running max handed 0 -> 1 -> 0, P (its own from registers, the other's from
+    shared memory) times its value dims; frees the ring halves as it is done with them (and,
+    with ``FREES_Q``, Q after the QK of the ``last`` pair). Returns ``(m_i, l_i, o)``."""
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 64, 16])
+    O_L: gl.constexpr = o.type.layout
+    P_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+    COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
+    s_zero = gl.full([BH, BN], 0.0, gl.float32, layout=S_L)
+    # Q and the stages through an index the compiler cannot fold (``i >> 30`` is 0): the
+    # wgmma descriptors are formed in the loop instead of hoisted (and spilled) out of it
+    opaque = i >> 30
+    mine = ring.index(C + opaque)
+    other = ring.index(1 - C + opaque)
+    v_mine = mine.slice(256 * C, 256, dim=1)
+    v_other = other.slice(256 * C, 256, dim=1)
+    ok = _block_ok(C, i, n, idx_row, rows, COL_S)
+    sc = _qk(q_smem.index(opaque), mine, ready, C, ph, s_zero)
+    gl.thread_barrier()
+    if FREES_Q:
+        mbarrier.arrive(q_free, pred=last)  # the item's last QK: Q free
+    mbarrier.arrive(free.index(2 * C + 1 - C))  # the other half of my stage: QK done
+    sc, m_new = _pair_max(C, sc, ok, qk_scale, m_i, m_smem, m_bar, ph)
+    m_safe, l_i, o, pb = _pair_probs(sc, m_i, m_new, l_i, o)
     o = warpgroup_mma(gl.convert_layout(pb, P_A), v_mine, o, is_async=True)
     if C == 0:
         # consumer 1's max covers both blocks: P and the state move to it
-        mbarrier.wait(m_bar.index(1), ph)
-        m_1 = m_smem.slice(BH, BH).load(ROW_S)
-        m1_safe = gl.where(m_1 == float("-inf"), 0.0, m_1)
-        scale = gl.where(m_new == float("-inf"), 0.0, gl.exp2(m_safe - m1_safe))
+        m_1, scale = _scale_to_max1(m_new, m_safe, m_smem, m_bar, ph)
         # (from the bf16 P: the fp32 one is dead once the local PV is issued)
         p_smem.index(0).store((pb.to(gl.float32) * scale[:, None]).to(gl.bfloat16))
         fence_async_shared()
@@ -240,6 +255,91 @@ def _consumer_pair(C: gl.constexpr, i, ph, last, n, idx_row, rows, qk_scale, q_s
     gl.thread_barrier()
     mbarrier.arrive(free.index(2 * (1 - C) + C))  # my half of the other stage
     return m_i, l_i, o
+
+
+@gluon.jit
+def _qk0_issue(q_smem, ring, ready, ph, s_zero):
+    """Consumer 0's QK of its block (ring stage 0) issued, not waited (``PIPE``)."""
+    acc = _qk_half(q_smem, ring, ready, 0, 0, ph, s_zero, True)
+    return _qk_half(q_smem, ring, ready, 0, 1, ph, acc, False)
+
+
+@gluon.jit
+def _consumer_pair_pipe(C: gl.constexpr, i, ph, last, n, idx_row, rows, qk_scale, q_smem, ring,
+                        p_smem, m_smem, ready, free, m_bar, p_bar, q_free, s_acc, m_i, l_i, o,
+                        HAS_NEXT: gl.constexpr):
+    """``_consumer_pair`` with the tensor core kept fed across the pair boundary (``PIPE``):
+    consumer 0 enters with its QK of pair ``i`` already issued (``s_acc``), frees its own
+    half right after its local PV, and issues the QK of pair ``i + 1`` (``has_next``) behind
+    its remote PV (``HAS_NEXT``); consumer 1 issues its remote PV right behind its local one and
+    waits for them one by one. Returns ``(m_i, l_i, o, s_acc)`` (consumer 0 with ``HAS_NEXT``:
+    pair ``i + 1``'s QK in flight; else ``s_acc`` as given)."""
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 64, 16])
+    O_L: gl.constexpr = o.type.layout
+    P_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+    COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
+    s_zero = gl.full([BH, BN], 0.0, gl.float32, layout=S_L)
+    opaque = i >> 30
+    mine = ring.index(C + opaque)
+    other = ring.index(1 - C + opaque)
+    v_mine = mine.slice(256 * C, 256, dim=1)
+    v_other = other.slice(256 * C, 256, dim=1)
+    ok = _block_ok(C, i, n, idx_row, rows, COL_S)
+    if C == 0:
+        sc = warpgroup_mma_wait(0, deps=[s_acc])
+    else:
+        sc = _qk(q_smem.index(opaque), mine, ready, C, ph, s_zero)
+    gl.thread_barrier()
+    mbarrier.arrive(q_free, pred=last)  # the item's last QK: Q free
+    mbarrier.arrive(free.index(2 * C + 1 - C))  # the other half of my stage: QK done
+    sc, m_new = _pair_max(C, sc, ok, qk_scale, m_i, m_smem, m_bar, ph)
+    m_safe, l_i, o, pb = _pair_probs(sc, m_i, m_new, l_i, o)
+    pa = gl.convert_layout(pb, P_A)
+    o = warpgroup_mma(pa, v_mine, o, is_async=True)
+    if C == 0:
+        o, pa = warpgroup_mma_wait(0, deps=[o, pa])
+        gl.thread_barrier()
+        mbarrier.arrive(free.index(0))  # my half of my stage: local PV done
+        m_1, scale = _scale_to_max1(m_new, m_safe, m_smem, m_bar, ph)
+        p_smem.index(0).store((pb.to(gl.float32) * scale[:, None]).to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(p_bar.index(0))
+        o = o * gl.convert_layout(scale, ROW_O)[:, None]
+        l_i = l_i * scale
+        m_i = m_1
+        mbarrier.wait(p_bar.index(1), ph)
+        if HAS_NEXT:
+            o_acc = warpgroup_mma(p_smem.index(1), v_other, o, is_async=True)
+            # pair i + 1's QK queues behind the remote PV (stage 0 refills do not wait on it)
+            q_next = q_smem.index(opaque)
+            acc = _qk_half(q_next, ring.index(opaque), ready, 0, 0, ph ^ 1, s_zero, True)
+            o, acc = warpgroup_mma_wait(1, deps=[o_acc, acc])
+            gl.thread_barrier()
+            mbarrier.arrive(free.index(2))  # my half of the other stage
+            s_acc = _qk_half(q_next, ring.index(opaque), ready, 0, 1, ph ^ 1, acc, False)
+        else:
+            o_acc = warpgroup_mma(p_smem.index(1), v_other, o, is_async=True)
+            o = warpgroup_mma_wait(0, deps=[o_acc])
+            gl.thread_barrier()
+            mbarrier.arrive(free.index(2))
+    else:
+        p_smem.index(1).store(pb)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(p_bar.index(1))
+        mbarrier.wait(p_bar.index(0), ph)
+        o = warpgroup_mma(p_smem.index(0), v_other, o, is_async=True)
+        o, pa = warpgroup_mma_wait(1, deps=[o, pa])
+        gl.thread_barrier()
+        mbarrier.arrive(free.index(3))  # my half of my stage: local PV done
+        o = warpgroup_mma_wait(0, deps=[o])
+        gl.thread_barrier()
+        mbarrier.arrive(free.index(1))  # my half of the other stage
+        m_i = m_new
+    return m_i, l_i, o, s_acc
 
 
 @gluon.jit

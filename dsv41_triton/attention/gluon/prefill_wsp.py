@@ -45,12 +45,12 @@ for item k + 1, i.e. after it read item k's sum. The ring, max and P exchanges k
 per-pair argument unchanged (each waits on the other partition's arrive of the same pair;
 items only renumber the pairs).
 
-``IDS_SMEM`` (variant ``"wsp_ids"``): the consumers read their block's ids from a 128-entry
-shared buffer instead of loading them (their only global loads, which queue behind the
-producer's copies): the producer ``cp.async``-copies each pair's ids there right after the
-pair's first ``free[0]`` wait, before its rows, so every ``ready`` arrive of the pair covers
-them; one buffer suffices because ``free[0]`` of a pair is arrived by consumer 0 after its
-local PV, which follows consumer 1's max of that pair, which follows consumer 1's read.
+``PIPE`` (variant ``"wsp_pipe"``, ``prefill_ws._consumer_pair_pipe``): consumer 0 issues
+the QK of an item's next pair behind its remote PV and carries it into the next pair, and
+frees its own ring half right after its local PV; consumer 1 issues its remote PV right
+behind its local one. The barriers, counts and phases are the table's; only the order of each
+consumer's arrives within a pair changes (consumer 0's ``free[0]`` before its ``m_bar[1]``
+wait, its ``free[2]`` after the next pair's first ``ready`` wait).
 """
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from .prefill_ws import (BH, BN, CONSUMER_REGS, NUM_WARPS, _consumer_pair, _consumer_rows,
-                         _fill_pairs)
+from .prefill_ws import (BH, BN, CONSUMER_REGS, NUM_WARPS, _consumer_pair, _consumer_pair_pipe,
+                         _consumer_rows, _fill_pairs, _qk0_issue)
 
 __all__ = ["NUM_WARPS", "_sparse_mla_prefill_gluon_wsp_kernel"]
 
@@ -81,8 +81,7 @@ def _item(item, num_ht, len_ptr, len_st, width, HAS_LEN: gl.constexpr):
 @gluon.jit
 def _producer(pid, grid, num_items, num_ht, width, len_ptr, len_st, q_ptr, stride_qt,
               stride_qh, kv_ptr, kv_stride, rows, idx_ptr, idx_st, H, q_smem, ring, q_ready,
-              q_free, ready, free, ids_s, HAS_LEN: gl.constexpr, IDS_AHEAD: gl.constexpr,
-              IDS_SMEM: gl.constexpr):
+              q_free, ready, free, HAS_LEN: gl.constexpr, IDS_AHEAD: gl.constexpr):
     """4 warps: per item, Q once both consumers freed it, then the item's blocks into the ring
     as ``prefill_ws._producer`` does (phases from the CTA's running pair count ``g``)."""
     LC: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
@@ -104,7 +103,7 @@ def _producer(pid, grid, num_items, num_ht, width, len_ptr, len_st, q_ptr, strid
         idx_row = idx_ptr + t * idx_st
         npair = gl.cdiv(n, 2 * BN)
         _fill_pairs(kv_ptr, kv_stride, rows, idx_row, n, npair, g, r, d, ring, ready, free,
-                    IDS_AHEAD, ids_s, IDS_SMEM)
+                    IDS_AHEAD)
         g += npair
         k += 1
 
@@ -113,8 +112,8 @@ def _producer(pid, grid, num_items, num_ht, width, len_ptr, len_st, q_ptr, strid
 def _consumer(C: gl.constexpr, pid, grid, num_items, num_ht, width, len_ptr, len_st, idx_ptr,
               idx_st, rows, H, qk_scale, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh,
               lse_ptr, stride_lt, stride_lh, q_smem, ring, p_smem, m_smem, l_smem, q_ready,
-              q_free, ready, free, m_bar, p_bar, l_bar, ids_s, HAS_LEN: gl.constexpr,
-              HAS_SINK: gl.constexpr, IDS_SMEM: gl.constexpr):
+              q_free, ready, free, m_bar, p_bar, l_bar, HAS_LEN: gl.constexpr,
+              HAS_SINK: gl.constexpr, PIPE: gl.constexpr):
     """One consumer warpgroup (``prefill_ws._consumer``'s per-pair work) over the CTA's items;
     the softmax state and O restart per item, the phases run on over the pair count ``g``."""
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -137,11 +136,36 @@ def _consumer(C: gl.constexpr, pid, grid, num_items, num_ht, width, len_ptr, len
         # an item without keys reads no Q: hand it back at once (after every warp's wait)
         gl.thread_barrier()
         mbarrier.arrive(q_free, pred=npair == 0)
-        for i in range(npair):
-            m_i, l_i, o = _consumer_pair(C, i, (g + i) & 1, i == npair - 1, n, idx_row, rows,
-                                         qk_scale, q_smem, ring, p_smem, m_smem, ready, free,
-                                         m_bar, p_bar, q_free, m_i, l_i, o, True, ids_s,
-                                         IDS_SMEM)
+        if PIPE:
+            if C == 0:
+                # the QK of pair i + 1 is issued inside pair i: the item's first one before
+                # the loop, none inside its last pair (peeled), all within this block, so no
+                # in-flight accumulator meets another value at a join
+                if npair > 0:
+                    s_zero = gl.full([BH, BN], 0.0, gl.float32, layout=S_L)
+                    s_acc = _qk0_issue(q_smem.index(npair >> 30), ring.index(npair >> 30),
+                                       ready, g & 1, s_zero)
+                    for i in range(npair - 1):
+                        m_i, l_i, o, s_acc = _consumer_pair_pipe(
+                            C, i, (g + i) & 1, False, n, idx_row, rows, qk_scale, q_smem,
+                            ring, p_smem, m_smem, ready, free, m_bar, p_bar, q_free, s_acc,
+                            m_i, l_i, o, True)
+                    m_i, l_i, o, s_acc = _consumer_pair_pipe(
+                        C, npair - 1, (g + npair - 1) & 1, True, n, idx_row, rows, qk_scale,
+                        q_smem, ring, p_smem, m_smem, ready, free, m_bar, p_bar, q_free, s_acc,
+                        m_i, l_i, o, False)
+            else:
+                for i in range(npair):
+                    m_i, l_i, o, s_unused = _consumer_pair_pipe(
+                        C, i, (g + i) & 1, i == npair - 1, n, idx_row, rows, qk_scale, q_smem,
+                        ring, p_smem, m_smem, ready, free, m_bar, p_bar, q_free, o, m_i, l_i, o,
+                        False)
+        else:
+            for i in range(npair):
+                m_i, l_i, o = _consumer_pair(C, i, (g + i) & 1, i == npair - 1, n, idx_row,
+                                             rows, qk_scale, q_smem, ring, p_smem, m_smem,
+                                             ready, free, m_bar, p_bar, q_free, m_i, l_i, o,
+                                             True)
         g += npair
 
         # ---- the item's rows: both consumers' row sums (buffer k & 1), sink, stores ------
@@ -157,24 +181,24 @@ def _consumer(C: gl.constexpr, pid, grid, num_items, num_ht, width, len_ptr, len
 def _consumer0(pid, grid, num_items, num_ht, width, len_ptr, len_st, idx_ptr, idx_st, rows, H,
                qk_scale, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
                stride_lh, q_smem, ring, p_smem, m_smem, l_smem, q_ready, q_free, ready, free,
-               m_bar, p_bar, l_bar, ids_s, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr,
-               IDS_SMEM: gl.constexpr):
+               m_bar, p_bar, l_bar, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr,
+               PIPE: gl.constexpr):
     _consumer(0, pid, grid, num_items, num_ht, width, len_ptr, len_st, idx_ptr, idx_st, rows,
               H, qk_scale, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr,
               stride_lt, stride_lh, q_smem, ring, p_smem, m_smem, l_smem, q_ready, q_free,
-              ready, free, m_bar, p_bar, l_bar, ids_s, HAS_LEN, HAS_SINK, IDS_SMEM)
+              ready, free, m_bar, p_bar, l_bar, HAS_LEN, HAS_SINK, PIPE)
 
 
 @gluon.jit
 def _consumer1(pid, grid, num_items, num_ht, width, len_ptr, len_st, idx_ptr, idx_st, rows, H,
                qk_scale, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
                stride_lh, q_smem, ring, p_smem, m_smem, l_smem, q_ready, q_free, ready, free,
-               m_bar, p_bar, l_bar, ids_s, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr,
-               IDS_SMEM: gl.constexpr):
+               m_bar, p_bar, l_bar, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr,
+               PIPE: gl.constexpr):
     _consumer(1, pid, grid, num_items, num_ht, width, len_ptr, len_st, idx_ptr, idx_st, rows,
               H, qk_scale, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr,
               stride_lt, stride_lh, q_smem, ring, p_smem, m_smem, l_smem, q_ready, q_free,
-              ready, free, m_bar, p_bar, l_bar, ids_s, HAS_LEN, HAS_SINK, IDS_SMEM)
+              ready, free, m_bar, p_bar, l_bar, HAS_LEN, HAS_SINK, PIPE)
 
 
 @gluon.jit
@@ -186,12 +210,12 @@ def _sparse_mla_prefill_gluon_wsp_kernel(
     out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
     H, qk_scale, num_ht, num_items,
     HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, LAZY: gl.constexpr,
-    IDS_AHEAD: gl.constexpr = False, IDS_SMEM: gl.constexpr = False,
+    IDS_AHEAD: gl.constexpr = False, PIPE: gl.constexpr = False,
 ):
     """Arguments as ``prefill_ws._sparse_mla_prefill_gluon_ws_kernel`` plus ``num_items`` (=
     tokens x ``num_ht``); launch ``min(SMs, num_items)`` CTAs with ``num_warps=NUM_WARPS``
-    (12 warps run). ``LAZY`` is ignored; ``IDS_AHEAD`` as ``prefill_ws``'s; ``IDS_SMEM``:
-    each block pair's ids reach the consumers through shared memory (``_fill_pairs``)."""
+    (12 warps run). ``LAZY`` is ignored; ``IDS_AHEAD`` as ``prefill_ws``'s; ``PIPE``: the
+    consumers' pipelined pair (``prefill_ws._consumer_pair_pipe``)."""
     KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, 512], gl.bfloat16)
     QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, 512], gl.bfloat16)
     PL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, BN], gl.bfloat16)
@@ -212,10 +236,6 @@ def _sparse_mla_prefill_gluon_wsp_kernel(
     m_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     p_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     l_bar = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    if IDS_SMEM:
-        ids_s = gl.allocate_shared_memory(idx_ptr.dtype.element_ty, [2 * BN], VL)
-    else:
-        ids_s = m_smem
     mbarrier.init(q_ready, count=128)  # every producer thread, cp.async noinc arrive
     mbarrier.init(q_free, count=2)  # each consumer once per item
     for s in gl.static_range(4):
@@ -234,11 +254,11 @@ def _sparse_mla_prefill_gluon_wsp_kernel(
     cargs = (pid, grid, num_items, num_ht, width, len_ptr, len_st, idx_ptr, idx_st, rows, H,
              qk_scale, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
              stride_lh, q_smem, ring, p_smem, m_smem, l_smem, q_ready, q_free, ready, free,
-             m_bar, p_bar, l_bar, ids_s, HAS_LEN, HAS_SINK, IDS_SMEM)
+             m_bar, p_bar, l_bar, HAS_LEN, HAS_SINK, PIPE)
     gl.warp_specialize([
         (_producer, (pid, grid, num_items, num_ht, width, len_ptr, len_st, q_ptr, stride_qt,
                      stride_qh, kv_ptr, kv_stride, rows, idx_ptr, idx_st, H, q_smem, ring,
-                     q_ready, q_free, ready, free, ids_s, HAS_LEN, IDS_AHEAD, IDS_SMEM)),
+                     q_ready, q_free, ready, free, HAS_LEN, IDS_AHEAD)),
         (_consumer0, cargs),
         (_consumer1, cargs),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
