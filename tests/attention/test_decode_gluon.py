@@ -145,7 +145,8 @@ def test_gluon_pick_table():
             assert sa in (584, 528) and sb in (584, 528, 288, 0)
             assert shape in gl_launch.TESTED_SHAPES, shape
             assert set(gl_launch.parse_shape(shape)) <= {"num_warps", "block_h", "stages",
-                                                         "f16", "variant", "few_ws"}
+                                                         "f16", "variant", "few_ws",
+                                                         "idx_ahead", "deq_prefetch"}
     assert gl_launch.heads_bucket(8) == 8 and gl_launch.heads_bucket(9) == 16
     assert gl_launch.tokens_bucket(1) == 1 and gl_launch.tokens_bucket(2) == 7
     assert gl_launch.tokens_bucket(7) == 7 and gl_launch.tokens_bucket(8) == 32
@@ -402,7 +403,8 @@ def test_gluon_cuda_graph_gpu(device, T, H, swa_rec, extra_rec):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", ["", "4:0:1", "4:0:1:h", "4:8:2:w", "4:16:2:w"])
+@pytest.mark.parametrize("shape", ["", "4:0:1", "4:0:1:h", "4:8:2:w", "4:16:2:w", "4:8:2:w:0",
+                                   "4:8:2:w:1:p", "4:8:2:w:0:p"])
 def test_gluon_hostile_indices_gpu(device, monkeypatch, shape):
     """Slot ids far past the cache, INT32_MAX/MIN, lens past the width and negative: nothing
     out of bounds is read (run under compute-sanitizer memcheck in perf/run_gpu.sh); the pick
@@ -503,7 +505,7 @@ def test_gluon_few_ws_gpu(device, monkeypatch, shape, T, H, swa_rec, extra_rec):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", ["4:8:2:w:2", "4:8:2:w:3", "4:16:2:w:3", "4:8:2:w:0",
-                                   "4:16:2:w:0", "4:8:2:w:1:p", "4:16:2:w:0:p"])
+                                   "4:16:2:w:0", "4:8:2:w:1:p", "4:16:2:w:0:p", "4:8:2:w:0:p"])
 @pytest.mark.parametrize("T", [1, 7, 128])
 @pytest.mark.parametrize("H", [3, 16])
 @pytest.mark.parametrize("swa_rec,extra_rec", PAIRS)
@@ -520,7 +522,8 @@ def test_gluon_few_ws_idx_ahead_gpu(device, monkeypatch, shape, T, H, swa_rec, e
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,H", [("4:8:2:w", 8), ("4:16:2:w", 16), ("4:8:2:w:3", 8),
-                                     ("4:8:2:w:0", 8), ("4:8:2:w:1:p", 8), ("4:16:2:w:0:p", 16)])
+                                     ("4:8:2:w:0", 8), ("4:8:2:w:1:p", 8), ("4:16:2:w:0:p", 16),
+                                     ("4:8:2:w:0:p", 8)])
 @pytest.mark.parametrize("T", [1, 5, 512])
 @pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, 288)])
 def test_gluon_few_ws_edges_gpu(device, monkeypatch, shape, H, T, swa_rec, extra_rec):
