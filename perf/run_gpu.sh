@@ -38,12 +38,12 @@ echo "== Hopper decode (tl vs the Gluon kernels vs FlashMLA's kernel, issue 10's
 if $PY -c "import torch,sys; sys.exit(torch.cuda.get_device_capability() != (9, 0))" 2>/dev/null; then
   $PY perf/bench_decode_hopper.py --csv "$OUTDIR/decode_hopper.csv" > "$OUTDIR/decode_hopper.log" 2>&1
   tail -n 16 "$OUTDIR/decode_hopper.log"
-  # launch shapes not (yet) in the pick table beside the picked ones: the warp-specialized
-  # kernels' producer with its slot ids preloaded 8 blocks at a time (5th field 0), the
-  # few-heads dequant partition's group prefetch (6th field p)
+  # launch shapes beside the picked ones: the warp-specialized kernels' producer with its
+  # slot ids preloaded 8 blocks at a time (5th field 0), the few-heads dequant partition's
+  # group prefetch (6th field p), both, and the one-stage kernel picked at 8 h 528+288 T > 128
   $PY perf/bench_decode_hopper.py --no-table --reps 20 \
-    --sweep "4:8:2:w,4:8:2:w:0,4:8:2:w:1:p,4:8:2:w:0:p,4:16:2:w,4:16:2:w:0,4:16:2:w:1:p,8:64:2,8:64:2:3,8:64:2:3:0" \
-    --sweep-rows "8,128,584,584;8,128,528,288;16,128,584,584;64,128,584,584;128,128,584,584;64,128,528,288" \
+    --sweep "4:8:2:w,4:8:2:w:0,4:8:2:w:1:p,4:8:2:w:0:p,4:0:1:h,4:16:2:w,4:16:2:w:0,4:16:2:w:1:p,8:64:2,8:64:2:3,8:64:2:3:0" \
+    --sweep-rows "8,128,584,584;8,128,528,288;8,512,584,584;8,512,528,288;16,128,584,584;64,128,584,584;128,128,584,584;64,128,528,288" \
     > "$OUTDIR/decode_hopper_sweep.log" 2>&1
   grep "^| [0-9]" "$OUTDIR/decode_hopper_sweep.log"
   # the gather alone (no dequant, no products): the few-heads decode's access pattern
@@ -56,7 +56,7 @@ fi
 
 echo "== Hopper prefill (tl vs Gluon vs FlashMLA's flash_mla_sparse_fwd, issue 11's table)"
 if $PY -c "import torch,sys; sys.exit(torch.cuda.get_device_capability() != (9, 0))" 2>/dev/null; then
-  BENCH_GLUON_VARIANTS=${BENCH_GLUON_VARIANTS:-eager,ws,wsp,wsp_ahead,wsp_ids} $PY perf/bench_prefill.py --quick \
+  BENCH_GLUON_VARIANTS=${BENCH_GLUON_VARIANTS:-eager,ws,wsp,wsp_pipe} $PY perf/bench_prefill.py --quick \
     > "$OUTDIR/prefill_hopper.log" 2>&1
   sed -n '/summary/,$p' "$OUTDIR/prefill_hopper.log" | head -16
 else
