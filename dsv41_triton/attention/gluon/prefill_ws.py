@@ -36,6 +36,15 @@ BH = gl.constexpr(64)
 NUM_WARPS = 4
 #: registers per thread of each consumer (setmaxnreg; the producer keeps the rest: 72)
 CONSUMER_REGS = gl.constexpr(216)
+#: a consumer's layouts: S ``[BH, BN]`` and O ``[BH, 256]`` wgmma accumulators, P as the PV's
+#: register operand, O's rows, S's columns
+S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                             instr_shape=[16, 64, 16]))
+O_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                             instr_shape=[16, 256, 16]))
+P_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2))
+ROW_O = gl.constexpr(gl.SliceLayout(1, O_L))
+COL_S = gl.constexpr(gl.SliceLayout(0, S_L))
 
 
 
@@ -198,6 +207,18 @@ def _scale_to_max1(m_new, m_safe, m_smem, m_bar, ph):
 
 
 @gluon.jit
+def _pair_views(C: gl.constexpr, i, ring):
+    """Consumer ``C``'s views of pair ``i``'s ring: ``(opaque, own stage, own value dims of
+    the own stage, own value dims of the other stage)``. ``opaque`` (``i >> 30``, i.e. 0)
+    indexes Q and the stages through a value the compiler cannot fold: the wgmma descriptors
+    are then formed in the loop instead of hoisted (and spilled) out of it."""
+    opaque = i >> 30
+    mine = ring.index(C + opaque)
+    other = ring.index(1 - C + opaque)
+    return opaque, mine, mine.slice(256 * C, 256, dim=1), other.slice(256 * C, 256, dim=1)
+
+
+@gluon.jit
 def _consumer_pair(C: gl.constexpr, i, ph, last, n, idx_row, rows, qk_scale, q_smem, ring,
                    p_smem, m_smem, ready, free, m_bar, p_bar, q_free, m_i, l_i, o,
                    FREES_Q: gl.constexpr):
@@ -205,20 +226,8 @@ def _consumer_pair(C: gl.constexpr, i, ph, last, n, idx_row, rows, qk_scale, q_s
     block, the running max handed 0 -> 1 -> 0, P (its own from registers, the other's from
     shared memory) times its value dims; frees the ring halves as it is done with them (and,
     with ``FREES_Q``, Q after the QK of the ``last`` pair). Returns ``(m_i, l_i, o)``."""
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, 64, 16])
-    O_L: gl.constexpr = o.type.layout
-    P_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
-    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
-    COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
     s_zero = gl.full([BH, BN], 0.0, gl.float32, layout=S_L)
-    # Q and the stages through an index the compiler cannot fold (``i >> 30`` is 0): the
-    # wgmma descriptors are formed in the loop instead of hoisted (and spilled) out of it
-    opaque = i >> 30
-    mine = ring.index(C + opaque)
-    other = ring.index(1 - C + opaque)
-    v_mine = mine.slice(256 * C, 256, dim=1)
-    v_other = other.slice(256 * C, 256, dim=1)
+    opaque, mine, v_mine, v_other = _pair_views(C, i, ring)
     ok = _block_ok(C, i, n, idx_row, rows, COL_S)
     sc = _qk(q_smem.index(opaque), mine, ready, C, ph, s_zero)
     gl.thread_barrier()
@@ -270,22 +279,12 @@ def _consumer_pair_pipe(C: gl.constexpr, i, ph, last, n, idx_row, rows, qk_scale
                         HAS_NEXT: gl.constexpr):
     """``_consumer_pair`` with the tensor core kept fed across the pair boundary (``PIPE``):
     consumer 0 enters with its QK of pair ``i`` already issued (``s_acc``), frees its own
-    half right after its local PV, and issues the QK of pair ``i + 1`` (``has_next``) behind
-    its remote PV (``HAS_NEXT``); consumer 1 issues its remote PV right behind its local one and
+    half right after its local PV, and issues the QK of pair ``i + 1`` behind its remote PV
+    (``HAS_NEXT``); consumer 1 issues its remote PV right behind its local one and
     waits for them one by one. Returns ``(m_i, l_i, o, s_acc)`` (consumer 0 with ``HAS_NEXT``:
     pair ``i + 1``'s QK in flight; else ``s_acc`` as given)."""
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, 64, 16])
-    O_L: gl.constexpr = o.type.layout
-    P_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
-    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
-    COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
     s_zero = gl.full([BH, BN], 0.0, gl.float32, layout=S_L)
-    opaque = i >> 30
-    mine = ring.index(C + opaque)
-    other = ring.index(1 - C + opaque)
-    v_mine = mine.slice(256 * C, 256, dim=1)
-    v_other = other.slice(256 * C, 256, dim=1)
+    opaque, mine, v_mine, v_other = _pair_views(C, i, ring)
     ok = _block_ok(C, i, n, idx_row, rows, COL_S)
     if C == 0:
         sc = warpgroup_mma_wait(0, deps=[s_acc])
