@@ -20,12 +20,11 @@ from test_decode_gluon import _need_gluon_gpu
 
 OUT_TOL = 1e-2
 LSE_TOL = 1e-3
-VARIANTS = ("eager", "lazy", "ws", "wsp", "ws_ahead", "wsp_ahead", "wsp_pipe")
+VARIANTS = ("eager", "lazy", "ws", "wsp", "wsp_pipe")
 #: the kernel the contract tests pin: "table" (the pick table's variant), "ws" (the
 #: warp-specialized kernel, gluon/prefill_ws.py), "wsp" (its persistent form,
-#: gluon/prefill_wsp.py), "wsp_ahead" (that with each block pair's ids loaded a pair ahead) or
-#: "wsp_pipe" (that with the consumers' products pipelined across the pair boundary)
-PINS = ("table", "ws", "wsp", "wsp_ahead", "wsp_pipe")
+#: gluon/prefill_wsp.py) or "wsp_pipe" (that with the consumers' products pipelined across the pair boundary)
+PINS = ("table", "ws", "wsp", "wsp_pipe")
 
 
 @pytest.fixture(params=PINS)
@@ -41,8 +40,7 @@ def pin(request, monkeypatch):
 # CPU
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("lazy,variant", [(True, "0"), (False, "0"), (False, "ws"),
-                                          (False, "wsp"), (False, "ws_ahead"),
-                                          (False, "wsp_ahead"), (False, "wsp_pipe")])
+                                          (False, "wsp"), (False, "wsp_pipe")])
 def test_gluon_prefill_compiles_for_sm90(lazy, variant):
     """The kernel compiles for sm_90 on this machine (in a subprocess without the interpreter);
     wgmma and cp.async are in the PTX, shared memory fits; the warp-specialized ones set their

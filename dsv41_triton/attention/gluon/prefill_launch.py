@@ -38,15 +38,14 @@ PICK = {
 #: variants the GPU tests run (tests/attention/test_prefill_gluon.py); PICK uses only these.
 #: "ws": the warp-specialized kernel (``prefill_ws.py``: a producer warpgroup and two consumer
 #: warpgroups ping-ponging on alternate key blocks, eager rescale); "wsp": its persistent form
-#: (``prefill_wsp.py``: one CTA per SM looping over (token, head tile) items); "ws_ahead" /
-#: "wsp_ahead": the same with the producer loading each block pair's ids one pair ahead
-#: (``IDS_AHEAD``); "wsp_pipe": the persistent one with consumer 0's next QK issued behind its
+#: (``prefill_wsp.py``: one CTA per SM looping over (token, head tile) items); "wsp_pipe": the
+#: persistent one with consumer 0's next QK issued behind its
 #: remote PV and consumer 1's two PVs back to back (``PIPE``)
-VARIANTS = ("eager", "lazy", "ws", "wsp", "ws_ahead", "wsp_ahead", "wsp_pipe")
+VARIANTS = ("eager", "lazy", "ws", "wsp", "wsp_pipe")
 
 #: DSV41_PREFILL_KERNEL=tl|gluon|auto overrides the pick (benchmarks, tests)
 ENV = "DSV41_PREFILL_KERNEL"
-#: DSV41_PREFILL_GLUON_VARIANT=lazy|eager|ws|wsp|ws_ahead|wsp_ahead|wsp_pipe pins the variant
+#: DSV41_PREFILL_GLUON_VARIANT=lazy|eager|ws|wsp|wsp_pipe pins the variant
 #: (benchmarks, tests)
 VARIANT_ENV = "DSV41_PREFILL_GLUON_VARIANT"
 #: heads per CTA (the kernel's wgmma M)
@@ -110,9 +109,8 @@ def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                or "eager")
     if variant not in VARIANTS:
         raise ValueError(f"{VARIANT_ENV}: expected one of {VARIANTS}, got {variant!r}")
-    base = variant.removesuffix("_ahead").removesuffix("_pipe")
-    flags = ({"IDS_AHEAD": True} if variant.endswith("_ahead")
-             else {"PIPE": True} if variant.endswith("_pipe") else {})
+    base = variant.removesuffix("_pipe")
+    flags = {"PIPE": True} if variant.endswith("_pipe") else {}
     if base == "wsp":
         from .prefill_wsp import NUM_WARPS, _sparse_mla_prefill_gluon_wsp_kernel as kernel
     elif base == "ws":

@@ -50,7 +50,7 @@ COL_S = gl.constexpr(gl.SliceLayout(0, S_L))
 
 @gluon.jit
 def _producer(q_ptr, stride_qt, stride_qh, kv_ptr, kv_stride, rows, idx_ptr, idx_st, n, t, ht,
-              H, q_smem, ring, q_bar, ready, free, IDS_AHEAD: gl.constexpr):
+              H, q_smem, ring, q_bar, ready, free):
     """4 warps: Q, then every block's rows into the ring (stage ``j % 2``) in value-dim halves
     (``ready`` / ``free`` index ``2 * stage + half``), each half as soon as its readers freed
     it: per block pair the halves go (0, 0), (1, 1), (0, 1), (1, 0), the order they free up."""
@@ -66,14 +66,13 @@ def _producer(q_ptr, stride_qt, stride_qh, kv_ptr, kv_stride, rows, idx_ptr, idx
     cp.mbarrier_arrive(q_bar, increment_count=False)
     npair = gl.cdiv(n, 2 * BN)
     r = gl.arange(0, BN, layout=gl.SliceLayout(1, LC))
-    _fill_pairs(kv_ptr, kv_stride, rows, idx_row, n, npair, 0, r, d, ring, ready, free,
-                IDS_AHEAD)
+    _fill_pairs(kv_ptr, kv_stride, rows, idx_row, n, npair, 0, r, d, ring, ready, free)
 
 
 @gluon.jit
 def _pair_ids(idx_row, n, i, r):
     """Block pair ``i``'s ids as stored (even block's, odd block's; ``r``: a block's 64 row
-    offsets; ``-1`` past ``n``): loads only, so a caller can carry them a pair ahead."""
+    offsets; ``-1`` past ``n``)."""
     c0 = (2 * i) * BN + r
     c1 = c0 + BN
     ix0 = gl.load(idx_row + c0, mask=c0 < n, other=-1)
@@ -91,27 +90,19 @@ def _row_offsets(ix, rows, kv_stride):
 
 
 @gluon.jit
-def _fill_pairs(kv_ptr, kv_stride, rows, idx_row, n, npair, g, r, d, ring, ready, free,
-                IDS_AHEAD: gl.constexpr):
+def _fill_pairs(kv_ptr, kv_stride, rows, idx_row, n, npair, g, r, d, ring, ready, free):
     """Block pairs ``0 .. npair - 1`` of one item (``g``: pairs this CTA filled before it, for
     the ``free`` phases) into ring stages 0 (even block) and 1 (odd block), each pair's halves
-    in the order they free up: (0, 0), (1, 1), (0, 1), (1, 0). ``IDS_AHEAD``: pair ``i + 1``'s
-    ids are loaded before the last half of pair ``i`` waits, so their latency passes under
-    that wait (earlier, the producer's 72 registers spill); else each pair's ids just before
-    its first wait."""
-    if IDS_AHEAD:
-        ix0, ix1 = _pair_ids(idx_row, n, 0, r)
+    in the order they free up: (0, 0), (1, 1), (0, 1), (1, 0); each pair's ids loaded just
+    before its first wait."""
     for i in range(npair):
         ph = ((g + i) & 1) ^ 1
-        if not IDS_AHEAD:
-            ix0, ix1 = _pair_ids(idx_row, n, i, r)
+        ix0, ix1 = _pair_ids(idx_row, n, i, r)
         off0, ok0 = _row_offsets(ix0, rows, kv_stride)
         off1, ok1 = _row_offsets(ix1, rows, kv_stride)
         _fill(kv_ptr, off0, ok0, d, ring, ready, free, 0, 0, ph)
         _fill(kv_ptr, off1, ok1, d, ring, ready, free, 1, 1, ph)
         _fill(kv_ptr, off0, ok0, d, ring, ready, free, 0, 1, ph)
-        if IDS_AHEAD:
-            ix0, ix1 = _pair_ids(idx_row, n, i + 1, r)
         _fill(kv_ptr, off1, ok1, d, ring, ready, free, 1, 0, ph)
 
 
@@ -430,11 +421,9 @@ def _sparse_mla_prefill_gluon_ws_kernel(
     out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
     H, qk_scale, num_ht,
     HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, LAZY: gl.constexpr,
-    IDS_AHEAD: gl.constexpr = False,
 ):
     """Arguments as ``prefill._sparse_mla_prefill_gluon_kernel`` (``LAZY`` is ignored: the
-    rescale is eager); launch with ``num_warps=NUM_WARPS`` (12 warps run). ``IDS_AHEAD``: the
-    producer loads each block pair's ids one pair ahead (``_fill_pairs``)."""
+    rescale is eager); launch with ``num_warps=NUM_WARPS`` (12 warps run)."""
     KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, 512], gl.bfloat16)
     QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, 512], gl.bfloat16)
     PL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, BN], gl.bfloat16)
@@ -480,7 +469,7 @@ def _sparse_mla_prefill_gluon_ws_kernel(
              m_smem, l_smem, q_bar, ready, free, m_bar, p_bar, l_bar, HAS_SINK)
     gl.warp_specialize([
         (_producer, (q_ptr, stride_qt, stride_qh, kv_ptr, kv_stride, rows, idx_ptr, idx_st, n,
-                     t, ht, H, q_smem, ring, q_bar, ready, free, IDS_AHEAD)),
+                     t, ht, H, q_smem, ring, q_bar, ready, free)),
         (_consumer0, cargs),
         (_consumer1, cargs),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])

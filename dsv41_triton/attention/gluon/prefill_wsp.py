@@ -81,7 +81,7 @@ def _item(item, num_ht, len_ptr, len_st, width, HAS_LEN: gl.constexpr):
 @gluon.jit
 def _producer(pid, grid, num_items, num_ht, width, len_ptr, len_st, q_ptr, stride_qt,
               stride_qh, kv_ptr, kv_stride, rows, idx_ptr, idx_st, H, q_smem, ring, q_ready,
-              q_free, ready, free, HAS_LEN: gl.constexpr, IDS_AHEAD: gl.constexpr):
+              q_free, ready, free, HAS_LEN: gl.constexpr):
     """4 warps: per item, Q once both consumers freed it, then the item's blocks into the ring
     as ``prefill_ws._producer`` does (phases from the CTA's running pair count ``g``)."""
     LC: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
@@ -102,8 +102,7 @@ def _producer(pid, grid, num_items, num_ht, width, len_ptr, len_st, q_ptr, strid
         cp.mbarrier_arrive(q_ready, increment_count=False)
         idx_row = idx_ptr + t * idx_st
         npair = gl.cdiv(n, 2 * BN)
-        _fill_pairs(kv_ptr, kv_stride, rows, idx_row, n, npair, g, r, d, ring, ready, free,
-                    IDS_AHEAD)
+        _fill_pairs(kv_ptr, kv_stride, rows, idx_row, n, npair, g, r, d, ring, ready, free)
         g += npair
         k += 1
 
@@ -210,11 +209,11 @@ def _sparse_mla_prefill_gluon_wsp_kernel(
     out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
     H, qk_scale, num_ht, num_items,
     HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, LAZY: gl.constexpr,
-    IDS_AHEAD: gl.constexpr = False, PIPE: gl.constexpr = False,
+    PIPE: gl.constexpr = False,
 ):
     """Arguments as ``prefill_ws._sparse_mla_prefill_gluon_ws_kernel`` plus ``num_items`` (=
     tokens x ``num_ht``); launch ``min(SMs, num_items)`` CTAs with ``num_warps=NUM_WARPS``
-    (12 warps run). ``LAZY`` is ignored; ``IDS_AHEAD`` as ``prefill_ws``'s; ``PIPE``: the
+    (12 warps run). ``LAZY`` is ignored; ``PIPE``: the
     consumers' pipelined pair (``prefill_ws._consumer_pair_pipe``)."""
     KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, 512], gl.bfloat16)
     QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, 512], gl.bfloat16)
@@ -258,7 +257,7 @@ def _sparse_mla_prefill_gluon_wsp_kernel(
     gl.warp_specialize([
         (_producer, (pid, grid, num_items, num_ht, width, len_ptr, len_st, q_ptr, stride_qt,
                      stride_qh, kv_ptr, kv_stride, rows, idx_ptr, idx_st, H, q_smem, ring,
-                     q_ready, q_free, ready, free, HAS_LEN, IDS_AHEAD)),
+                     q_ready, q_free, ready, free, HAS_LEN)),
         (_consumer0, cargs),
         (_consumer1, cargs),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
