@@ -4,6 +4,10 @@
 #
 #   bash perf/run_gpu.sh [--quick] [extra dsv41-bench args...]
 #
+# PARTS (default "tests harness decode prefill") picks the parts to run and TESTS_K narrows the
+# GPU tests to a pytest -k expression, so a short device call can run only what changed, e.g.
+#   PARTS="tests prefill" TESTS_K=wsp_pipe BENCH_GLUON_VARIANTS=wsp,wsp_pipe bash perf/run_gpu.sh
+#
 # Writes logs and the report to $OUT (the device tool's output folder) or ./bench-out.
 # FlashMLA joins the comparison when `import flash_mla` works (e.g. PYTHONPATH pointing at a
 # local build); nothing here builds it.
@@ -18,24 +22,36 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version 
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
 $PY -c "import flash_mla; print('flash_mla: importable')" 2>/dev/null || echo "flash_mla: not importable (FlashMLA rows will say so)"
 
+PARTS=${PARTS:-tests harness decode prefill}
+part() { case " $PARTS " in *" $1 "*) return 0 ;; *) echo "(skipped: not in PARTS)"; return 1 ;; esac; }
+test_rc=0
+bench_rc=0
+
 echo "== tests (GPU)"
-t0=$(date +%s)
-XDIST=""
-$PY -c "import xdist" 2>/dev/null && XDIST="-n ${PYTEST_WORKERS:-8}"
-$PY -m pytest tests -q $XDIST -p no:cacheprovider > "$OUTDIR/pytest_gpu.log" 2>&1
-test_rc=$?
-tail -n 25 "$OUTDIR/pytest_gpu.log"
-echo "tests rc=$test_rc in $(( $(date +%s) - t0 )) s"
+if part tests; then
+  t0=$(date +%s)
+  XDIST=""
+  $PY -c "import xdist" 2>/dev/null && XDIST="-n ${PYTEST_WORKERS:-8}"
+  $PY -m pytest tests -q $XDIST -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} \
+    > "$OUTDIR/pytest_gpu.log" 2>&1
+  test_rc=$?
+  tail -n 25 "$OUTDIR/pytest_gpu.log"
+  echo "tests rc=$test_rc in $(( $(date +%s) - t0 )) s"
+fi
 
 echo "== harness"
-t0=$(date +%s)
-$PY -m dsv41_triton.perf --out "$OUTDIR/bench" "$@" > "$OUTDIR/bench.log" 2>&1
-bench_rc=$?
-tail -n 5 "$OUTDIR/bench.log"
-echo "harness rc=$bench_rc in $(( $(date +%s) - t0 )) s"
+if part harness; then
+  t0=$(date +%s)
+  $PY -m dsv41_triton.perf --out "$OUTDIR/bench" "$@" > "$OUTDIR/bench.log" 2>&1
+  bench_rc=$?
+  tail -n 5 "$OUTDIR/bench.log"
+  echo "harness rc=$bench_rc in $(( $(date +%s) - t0 )) s"
+fi
 
 echo "== Hopper decode (tl vs the Gluon kernels vs FlashMLA's kernel, issue 10's table)"
-if $PY -c "import torch,sys; sys.exit(torch.cuda.get_device_capability() != (9, 0))" 2>/dev/null; then
+if ! part decode; then
+  :
+elif $PY -c "import torch,sys; sys.exit(torch.cuda.get_device_capability() != (9, 0))" 2>/dev/null; then
   $PY perf/bench_decode_hopper.py --csv "$OUTDIR/decode_hopper.csv" > "$OUTDIR/decode_hopper.log" 2>&1
   tail -n 16 "$OUTDIR/decode_hopper.log"
   # launch shapes beside the picked ones: the warp-specialized kernels' producer with its
@@ -55,7 +71,9 @@ else
 fi
 
 echo "== Hopper prefill (tl vs Gluon vs FlashMLA's flash_mla_sparse_fwd, issue 11's table)"
-if $PY -c "import torch,sys; sys.exit(torch.cuda.get_device_capability() != (9, 0))" 2>/dev/null; then
+if ! part prefill; then
+  :
+elif $PY -c "import torch,sys; sys.exit(torch.cuda.get_device_capability() != (9, 0))" 2>/dev/null; then
   BENCH_GLUON_VARIANTS=${BENCH_GLUON_VARIANTS:-eager,ws,wsp,wsp_pipe} $PY perf/bench_prefill.py --quick \
     > "$OUTDIR/prefill_hopper.log" 2>&1
   sed -n '/summary/,$p' "$OUTDIR/prefill_hopper.log" | head -16
