@@ -37,13 +37,14 @@ NUM_WARPS = 4
 #: registers per thread of each consumer (setmaxnreg; the producer keeps the rest: 72)
 CONSUMER_REGS = gl.constexpr(216)
 #: a consumer's layouts: S ``[BH, BN]`` and O ``[BH, 256]`` wgmma accumulators, P as the PV's
-#: register operand, O's rows, S's columns
+#: register operand, O's rows, S's rows and columns
 S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                              instr_shape=[16, 64, 16]))
 O_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                              instr_shape=[16, 256, 16]))
 P_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2))
 ROW_O = gl.constexpr(gl.SliceLayout(1, O_L))
+ROW_S = gl.constexpr(gl.SliceLayout(1, S_L))
 COL_S = gl.constexpr(gl.SliceLayout(0, S_L))
 
 
@@ -156,7 +157,6 @@ def _block_ok(C: gl.constexpr, i, n, idx_row, rows, COL_S: gl.constexpr):
 def _pair_max(C: gl.constexpr, sc, ok, qk_scale, m_i, m_smem, m_bar, ph):
     """Masked, scaled logits of consumer ``C``'s block and the running max after them, handed
     0 -> 1 (consumer 1 starts from consumer 0's new max; ``m_smem[C * BH:]`` holds ``C``'s)."""
-    ROW_S: gl.constexpr = gl.SliceLayout(1, sc.type.layout)
     sc = gl.where(ok[None, :], sc * qk_scale, float("-inf"))
     if C == 0:
         m_new = gl.maximum(m_i, gl.max(sc, axis=1))
@@ -176,7 +176,6 @@ def _pair_max(C: gl.constexpr, sc, ok, qk_scale, m_i, m_smem, m_bar, ph):
 def _pair_probs(sc, m_i, m_new, l_i, o):
     """Online-softmax step: ``(m_safe, l_i, o, P as bf16)`` with O and the row sums rescaled
     from ``m_i`` to ``m_new`` (``-inf`` rows stay 0)."""
-    ROW_O: gl.constexpr = gl.SliceLayout(1, o.type.layout)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_safe)
     p = gl.exp2(sc - m_safe[:, None])
@@ -189,7 +188,6 @@ def _pair_probs(sc, m_i, m_new, l_i, o):
 def _scale_to_max1(m_new, m_safe, m_smem, m_bar, ph):
     """Consumer 0: consumer 1's max of the pair (``m_bar[1]`` phase ``ph``) and the factor
     that moves consumer 0's P, O and row sums from ``m_new`` to it."""
-    ROW_S: gl.constexpr = m_new.type.layout
     mbarrier.wait(m_bar.index(1), ph)
     m_1 = m_smem.slice(BH, BH).load(ROW_S)
     m1_safe = gl.where(m_1 == float("-inf"), 0.0, m_1)
@@ -340,10 +338,6 @@ def _consumer_rows(C: gl.constexpr, l_i, m_i, o, t, ht, H, sink_ptr, sink_st, ou
     other consumer through ``l_buf`` (``[2 * BH]`` fp32; ``l_mine`` / ``l_other``: the two
     mbarriers, ``ph`` the other's phase), the sink (``_finish_rows``), lse (consumer 0) and its
     256 value dims of the output."""
-    ROW_S: gl.constexpr = gl.SliceLayout(1, gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
-    O_L: gl.constexpr = o.type.layout
-    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
     l_buf.slice(BH * C, BH).store(l_i)
     gl.thread_barrier()
     mbarrier.arrive(l_mine)
@@ -371,11 +365,6 @@ def _consumer(C: gl.constexpr, idx_ptr, idx_st, n, rows, t, ht, H, qk_scale,
     Frees (``free[2 * stage + half]``): the other half of its own stage after its QK, its own
     half of its own stage after its local PV, its half of the other stage after the remote
     PV."""
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, 64, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, 256, 16])
-    ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
     idx_row = idx_ptr + t * idx_st
     npair = gl.cdiv(n, 2 * BN)
 

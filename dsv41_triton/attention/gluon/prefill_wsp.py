@@ -59,8 +59,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from .prefill_ws import (BH, BN, CONSUMER_REGS, NUM_WARPS, _consumer_pair, _consumer_pair_pipe,
-                         _consumer_rows, _fill_pairs, _qk0_issue)
+from .prefill_ws import (BH, BN, CONSUMER_REGS, NUM_WARPS, O_L, ROW_S, S_L, _consumer_pair,
+                         _consumer_pair_pipe, _consumer_rows, _fill_pairs, _qk0_issue)
 
 __all__ = ["NUM_WARPS", "_sparse_mla_prefill_gluon_wsp_kernel"]
 
@@ -115,11 +115,6 @@ def _consumer(C: gl.constexpr, pid, grid, num_items, num_ht, width, len_ptr, len
               HAS_SINK: gl.constexpr, PIPE: gl.constexpr):
     """One consumer warpgroup (``prefill_ws._consumer``'s per-pair work) over the CTA's items;
     the softmax state and O restart per item, the phases run on over the pair count ``g``."""
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, 64, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, 256, 16])
-    ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
 
     g = 0
     k = 0
