@@ -348,11 +348,7 @@ def _copy_block(k, s, idx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstr
                    rope_ring.index(s), scale_ring.index(s), SRC_A, NW)
     else:
         if HAS_B:
-            if PAST_END:
-                if k < nblk:
-                    _copy_keys(b_ptr, idx, b_bstride, b_page, s, r0, r1, r2, r3, r4, r5, r6,
-                               r7, rope_ring.index(s), scale_ring.index(s), SRC_B, NW)
-            else:
+            if (not PAST_END) or k < nblk:
                 _copy_keys(b_ptr, idx, b_bstride, b_page, s, r0, r1, r2, r3, r4, r5, r6, r7,
                            rope_ring.index(s), scale_ring.index(s), SRC_B, NW)
 
