@@ -57,6 +57,36 @@ def _block_off(k, pid, G, NB: gl.constexpr):
 
 
 @gluon.jit
+def _blocks_of(n_tok, pid, G, NB: gl.constexpr):
+    """How many blocks this CTA gathers (tokens ``pid, pid + G, ...``, NB blocks each)."""
+    return ((n_tok - pid + G - 1) // G) * NB
+
+
+#: the checksum's layout: a block's first 16 bytes per key, one key row per thread
+_LR = gl.constexpr(gl.BlockedLayout([1, 16], [32, 1], [4, 1], [1, 0]))
+
+
+@gluon.jit
+def _touch(acc, stage):
+    """``acc`` plus the first 16 bytes of every key of a landed ``[64, 512]`` byte stage."""
+    return acc + stage.slice(0, 16, dim=1).load(_LR).to(gl.int32)
+
+
+@gluon.jit
+def _store_sum(out_ptr, pid, acc):
+    gl.store(out_ptr + pid, gl.sum(gl.sum(acc, axis=1), axis=0))
+
+
+@gluon.jit
+def _tma_ring(NS: gl.constexpr, RING: gl.constexpr):
+    """The TMA ring ``[NS, 64, 1, 2, 256]`` (one box per key) and its ``[NS, 64, 512]`` byte
+    view."""
+    ring = gl.allocate_shared_memory(gl.uint8, [NS, 64, 1, 2, 256], RING)
+    flat = ring._reinterpret(gl.uint8, [NS, 64, 512], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    return ring, flat
+
+
+@gluon.jit
 def _ids_of(ids_ptr, k, pid, G, NB: gl.constexpr, LI: gl.constexpr):
     return gl.load(ids_ptr + _block_off(k, pid, G, NB) + gl.arange(0, 64, layout=LI))
 
@@ -121,25 +151,24 @@ def _probe_cp_kernel(cache_ptr, ids_ptr, out_ptr, n_tok, bstride,
                      MODE: gl.constexpr, NS: gl.constexpr, NB: gl.constexpr):
     pid = gl.program_id(0)
     G = gl.num_programs(0)
-    total = ((n_tok - pid + G - 1) // G) * NB
+    total = _blocks_of(n_tok, pid, G, NB)
     ring = gl.allocate_shared_memory(gl.uint8, [NS, 64, 512],
                                      gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     ids_smem = gl.allocate_shared_memory(gl.int32, [16, 64],
                                          gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     ids_rows = ids_smem._reinterpret(gl.int32, [16, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    LR: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [4, 1], [1, 0])
     for k in gl.static_range(NS - 1):
         _issue_cp(cache_ptr, ids_ptr, ring, ids_smem, ids_rows, k, total, pid, G, bstride,
                   MODE, NS, NB)
-    acc = gl.zeros([64, 16], gl.int32, LR)
+    acc = gl.zeros([64, 16], gl.int32, _LR)
     for j in range(total):
         _issue_cp(cache_ptr, ids_ptr, ring, ids_smem, ids_rows, j + NS - 1, total, pid, G,
                   bstride, MODE, NS, NB)
         cp.wait_group(NS - 1)
         gl.thread_barrier()
-        acc += ring.index(j % NS).slice(0, 16, dim=1).load(LR).to(gl.int32)
+        acc = _touch(acc, ring.index(j % NS))
         gl.thread_barrier()
-    gl.store(out_ptr + pid, gl.sum(gl.sum(acc, axis=1), axis=0))
+    _store_sum(out_ptr, pid, acc)
 
 
 @gluon.jit
@@ -159,26 +188,24 @@ def _probe_tma_kernel(desc, ids_ptr, out_ptr, n_tok, NS: gl.constexpr, NB: gl.co
                       RING: gl.constexpr):
     pid = gl.program_id(0)
     G = gl.num_programs(0)
-    total = ((n_tok - pid + G - 1) // G) * NB
-    ring = gl.allocate_shared_memory(gl.uint8, [NS, 64, 1, 2, 256], RING)
-    flat = ring._reinterpret(gl.uint8, [NS, 64, 512], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    total = _blocks_of(n_tok, pid, G, NB)
+    ring, flat = _tma_ring(NS, RING)
     bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     for st in gl.static_range(NS):
         mbarrier.init(bars.index(st), count=1)
     for k in gl.static_range(NS - 1):
         _issue_tma(desc, ids_ptr, ring, bars, k, total, pid, G, NS, NB)
-    LR: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [4, 1], [1, 0])
-    acc = gl.zeros([64, 16], gl.int32, LR)
+    acc = gl.zeros([64, 16], gl.int32, _LR)
     for j in range(total):
         _issue_tma(desc, ids_ptr, ring, bars, j + NS - 1, total, pid, G, NS, NB)
         s = j % NS
         mbarrier.wait(bars.index(s), (j // NS) & 1)
-        acc += flat.index(s).slice(0, 16, dim=1).load(LR).to(gl.int32)
+        acc = _touch(acc, flat.index(s))
         gl.thread_barrier()
         fence_async_shared()  # the reads above precede the next TMA writes into the stage
     for st in gl.static_range(NS):
         mbarrier.invalidate(bars.index(st))
-    gl.store(out_ptr + pid, gl.sum(gl.sum(acc, axis=1), axis=0))
+    _store_sum(out_ptr, pid, acc)
 
 
 @gluon.jit
@@ -198,16 +225,15 @@ def _tma_producer(desc, ids_ptr, ring, ready, free, total, pid, G, PART: gl.cons
 
 @gluon.jit
 def _tma_consumer(flat, ready, free, total, out_ptr, pid, NS: gl.constexpr):
-    LR: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [4, 1], [1, 0])
-    acc = gl.zeros([64, 16], gl.int32, LR)
+    acc = gl.zeros([64, 16], gl.int32, _LR)
     for j in range(total):
         s = j % NS
         mbarrier.wait(ready.index(s), (j // NS) & 1)
-        acc += flat.index(s).slice(0, 16, dim=1).load(LR).to(gl.int32)
+        acc = _touch(acc, flat.index(s))
         gl.thread_barrier()
         fence_async_shared()
         mbarrier.arrive(free.index(s))
-    gl.store(out_ptr + pid, gl.sum(gl.sum(acc, axis=1), axis=0))
+    _store_sum(out_ptr, pid, acc)
 
 
 @gluon.jit
@@ -215,9 +241,8 @@ def _probe_tma_ws_kernel(desc, ids_ptr, out_ptr, n_tok, NS: gl.constexpr, NB: gl
                          RING: gl.constexpr, NP: gl.constexpr):
     pid = gl.program_id(0)
     G = gl.num_programs(0)
-    total = ((n_tok - pid + G - 1) // G) * NB
-    ring = gl.allocate_shared_memory(gl.uint8, [NS, 64, 1, 2, 256], RING)
-    flat = ring._reinterpret(gl.uint8, [NS, 64, 512], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    total = _blocks_of(n_tok, pid, G, NB)
+    ring, flat = _tma_ring(NS, RING)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     for st in gl.static_range(NS):
