@@ -33,9 +33,11 @@ FEW_WS16_SHAPE = "4:16:2:w"
 #: with the dequant partition's group prefetch (``DEQ_PREFETCH``)
 FEW_WS_PRELOAD_SHAPE = "4:8:2:w:0"
 FEW_WS_PREFETCH_SHAPE = "4:8:2:w:1:p"
+#: both: ids preloaded and the dequant group prefetch
+FEW_WS_PRELOAD_PREFETCH_SHAPE = "4:8:2:w:0:p"
 TESTED_SHAPES = ("4:0:3", "4:16:2", "8:16:3", "8:16:2", "8:32:3", "4:0:3:h", "4:8:3:h",
                  "4:0:1", "4:0:1:h", HEADS_SHAPE, HEADS_WS_SHAPE, FEW_WS_SHAPE, FEW_WS16_SHAPE,
-                 FEW_WS_PRELOAD_SHAPE, FEW_WS_PREFETCH_SHAPE)
+                 FEW_WS_PRELOAD_SHAPE, FEW_WS_PREFETCH_SHAPE, FEW_WS_PRELOAD_PREFETCH_SHAPE)
 #: the many-heads kernel's dequant order by default: True = block j + 1's keys are dequantized
 #: into registers while block j's O wgmma runs, False = after it (serial). A 4th shape field
 #: forces one (benchmark sweeps, tests): "8:64:2:1" serial, "8:64:2:2" overlapped, "8:64:2:3"
@@ -102,8 +104,10 @@ PICK = {
     # Session 9, one sweep (median of 20), 8 h, us: 584+584 T=128 / 512 4:8:2:w:0 27.7 / 92.0
     # vs 4:8:2:w 28.8 / 93.0 (session 8: 28.2 / 92.8 vs 29.1 / 92.8); 528+288 T=128
     # 4:8:2:w:1:p 27.0 vs 28.5 (T=512 93.9 vs 100.3, but 4:0:1:h, picked there, was not in that
-    # run); 584+584 T=32: 17.9 (w) / 18.5 (:0) / 17.7 (:1:p): unchanged. 4:8:2:w:0:p (27.2 /
-    # 88.9 at 584+584 T=128 / 512) is not GPU-tested yet.
+    # run); 584+584 T=32: 17.9 (w) / 18.5 (:0) / 17.7 (:1:p): unchanged.
+    # Session 10, one sweep (median of 20), 8 h 584+584 T=128 / 512, us: 4:8:2:w:0:p 27.5 /
+    # 89.4 vs 4:8:2:w:0 28.0 / 92.1 vs 4:8:2:w 29.2 / 95.1 (session 9: 27.2 / 88.9 vs 27.7 /
+    # 92.0); 528+288 T=512: 4:0:1:h 85.2 vs 4:8:2:w:1:p 94.4 (stays).
     (9, 0): {
         (8, 584, 584, 1): FEW_WS_SHAPE,
         (8, 528, 288, 1): FEW_WS_SHAPE,
@@ -120,8 +124,8 @@ PICK = {
         (32, 584, 584, 128): FEW_WS16_SHAPE,
         (8, 584, 584, 7): FEW_WS_SHAPE,
         (8, 584, 584, 32): FEW_WS_SHAPE,
-        (8, 584, 584, 128): FEW_WS_PRELOAD_SHAPE,
-        (8, 584, 584, 1 << 30): FEW_WS_PRELOAD_SHAPE,
+        (8, 584, 584, 128): FEW_WS_PRELOAD_PREFETCH_SHAPE,
+        (8, 584, 584, 1 << 30): FEW_WS_PRELOAD_PREFETCH_SHAPE,
         (8, 528, 288, 7): FEW_WS_SHAPE,
         (8, 528, 288, 32): FEW_WS_SHAPE,
         (8, 528, 288, 128): FEW_WS_PREFETCH_SHAPE,
