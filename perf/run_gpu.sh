@@ -6,7 +6,7 @@
 #
 # PARTS (default "tests harness decode prefill") picks the parts to run and TESTS_K narrows the
 # GPU tests to a pytest -k expression, so a short device call can run only what changed, e.g.
-#   PARTS="tests prefill" TESTS_K=wsp_pipe BENCH_GLUON_VARIANTS=wsp,wsp_pipe bash perf/run_gpu.sh
+#   PARTS="tests prefill" TESTS_K=wsp BENCH_GLUON_VARIANTS=ws,wsp bash perf/run_gpu.sh
 #
 # Writes logs and the report to $OUT (the device tool's output folder) or ./bench-out.
 # FlashMLA joins the comparison when `import flash_mla` works (e.g. PYTHONPATH pointing at a
@@ -74,7 +74,7 @@ echo "== Hopper prefill (tl vs Gluon vs FlashMLA's flash_mla_sparse_fwd, issue 1
 if ! part prefill; then
   :
 elif $PY -c "import torch,sys; sys.exit(torch.cuda.get_device_capability() != (9, 0))" 2>/dev/null; then
-  BENCH_GLUON_VARIANTS=${BENCH_GLUON_VARIANTS:-eager,ws,wsp,wsp_pipe} $PY perf/bench_prefill.py --quick \
+  BENCH_GLUON_VARIANTS=${BENCH_GLUON_VARIANTS:-eager,ws,wsp} $PY perf/bench_prefill.py --quick \
     > "$OUTDIR/prefill_hopper.log" 2>&1
   sed -n '/summary/,$p' "$OUTDIR/prefill_hopper.log" | head -16
 else

@@ -24,14 +24,12 @@ class Bar:
         self.count, self.pend, self.done = count, 0, 0
 
 
-def run(lens_pairs, seed, one_l_buffer=False, no_barrier_empty=False, pipe=False,
-        pipe_free2_early=False):
+def run(lens_pairs, seed, one_l_buffer=False, no_barrier_empty=False, free_other_early=False):
     """One CTA over items of ``lens_pairs[k]`` block pairs, scheduled by ``seed``; raises
-    AssertionError (deadlock / lap / stale) on a protocol fault. ``pipe``: the ``wsp_pipe``
-    consumers (consumer 0 issues the next pair's QK behind its remote PV, consumer 1 its two
-    PVs back to back); an async product reads its operands at issue and at completion. The
-    other flags break the protocol on purpose (the mutation test): ``pipe_free2_early`` has
-    consumer 0 free its half of stage 1 before its remote PV completed."""
+    AssertionError (deadlock / lap / stale) on a protocol fault. An async product reads its
+    operands at issue and at completion. The flags break the protocol on purpose (the
+    mutation test): ``free_other_early`` has each consumer free its half of the other stage
+    between issuing and completing its remote PV."""
     rnd = random.Random(seed)
     bars = {"q_ready": Bar(PW), "q_free": Bar(2)}
     for i in range(4):
@@ -76,19 +74,11 @@ def run(lens_pairs, seed, one_l_buffer=False, no_barrier_empty=False, pipe=False
                 yield ("tb", C)
             if npair == 0:
                 yield ("arrive", "q_free")
-            if pipe and C == 0 and npair:
-                yield from qk_half(0, 0, g, k)  # the item's first QK, issued
-                yield from qk_half(0, 1, g, k)
             for i in range(npair):
                 gi = g + i
                 last = i == npair - 1
-                if pipe and C == 0:  # the QK issued before completes
-                    for HF in (0, 1):
-                        yield from rd(("ring", 0, HF), gi, PW)
-                    yield from rd(("Q",), k, PW)
-                else:
-                    yield from qk_half(C, C, gi, k)
-                    yield from qk_half(C, 1 - C, gi, k)
+                yield from qk_half(C, C, gi, k)
+                yield from qk_half(C, 1 - C, gi, k)
                 yield ("tb", C)
                 if last:
                     yield ("arrive", "q_free")
@@ -103,10 +93,7 @@ def run(lens_pairs, seed, one_l_buffer=False, no_barrier_empty=False, pipe=False
                     yield ("write", ("m", 1, w), gi)
                     yield ("tb", C)
                     yield ("arrive", "m1")
-                if pipe and C == 0:
-                    yield from rd(("ring", 0, 0), gi, PW)  # local PV issued and waited
-                    yield ("tb", C)
-                    yield ("arrive", "free0")
+                yield from rd(("ring", C, C), gi, PW)  # local PV issued
                 if C == 0:
                     yield ("wait", "m1", gi)
                     yield from rd(("m", 1), gi, CW)
@@ -114,35 +101,22 @@ def run(lens_pairs, seed, one_l_buffer=False, no_barrier_empty=False, pipe=False
                     yield ("tb", C)
                     yield ("arrive", "p0")
                 else:
-                    yield from rd(("ring", 1, 1), gi, PW)  # local PV issued
                     yield ("write", ("p", 1, w), gi)
                     yield ("tb", C)
                     yield ("arrive", "p1")
-                if not pipe:
-                    yield from rd(("ring", C, C), gi, PW)  # local PV finished
-                    yield ("tb", C)
-                    yield ("arrive", f"free{2 * C + C}")
+                yield from rd(("ring", C, C), gi, PW)  # local PV finished
+                yield ("tb", C)
+                yield ("arrive", f"free{2 * C + C}")
                 yield ("wait", f"p{1 - C}", gi)
                 remote = list(rd(("p", 1 - C), gi, CW)) + list(rd(("ring", 1 - C, C), gi, PW))
                 yield from remote  # the remote PV issued
-                if pipe and C == 1:
-                    yield from rd(("ring", 1, 1), gi, PW)  # local PV completes first
+                if free_other_early:
                     yield ("tb", C)
-                    yield ("arrive", "free3")
-                if pipe and C == 0 and not last:
-                    yield from qk_half(0, 0, gi + 1, k)  # the next pair's QK, behind it
-                    if pipe_free2_early:
-                        yield ("tb", C)
-                        yield ("arrive", "free2")
-                    yield from remote  # the remote PV completes
-                    if not pipe_free2_early:
-                        yield ("tb", C)
-                        yield ("arrive", "free2")
-                    yield from qk_half(0, 1, gi + 1, k)
-                    continue
-                yield from remote
-                yield ("tb", C)
-                yield ("arrive", f"free{2 * (1 - C) + C}")
+                    yield ("arrive", f"free{2 * (1 - C) + C}")
+                yield from remote  # the remote PV completes
+                if not free_other_early:
+                    yield ("tb", C)
+                    yield ("arrive", f"free{2 * (1 - C) + C}")
             g += npair
             lb, lph = (0, k) if one_l_buffer else (k & 1, k >> 1)
             yield ("write", ("l", lb, C, w), k)
@@ -209,28 +183,25 @@ def _items(rnd):
     return [rnd.choice([0, 0, 1, 2, 3, 5]) for _ in range(rnd.randint(1, 9))]
 
 
-@pytest.mark.parametrize("pipe", [False, True])
-def test_wsp_protocol_random_schedules(pipe):
+def test_wsp_protocol_random_schedules():
     rnd = random.Random(0)
     for seed in range(400):
-        run(_items(rnd), seed, pipe=pipe)
-    run([0] * 12, 1, pipe=pipe)  # only empty items
-    run([5] * 6, 2, pipe=pipe)
+        run(_items(rnd), seed)
+    run([0] * 12, 1)  # only empty items
+    run([5] * 6, 2)
 
 
 @pytest.mark.parametrize("mutation,what", [("one_l_buffer", "stale"),
                                            ("no_barrier_empty", "lap"),
-                                           ("pipe_free2_early", "stale")])
+                                           ("free_other_early", "stale")])
 def test_wsp_protocol_model_catches_mutations(mutation, what):
     """The model fails for a single row-sum buffer (an empty item lets one consumer overwrite
     its sum before the other read it), for an empty item's Q hand-back without the
-    warpgroup barrier after the wait (a lagging warp's parity wait laps), and for
-    ``wsp_pipe``'s consumer 0 freeing its half of stage 1 before its remote PV completed (the
-    producer refills it under the product)."""
+    warpgroup barrier after the wait (a lagging warp's parity wait laps), and for a consumer
+    freeing its half of the other stage before its remote PV completed (the producer refills
+    it under the product)."""
     rnd = random.Random(0)
     flags = {mutation: True}
-    if mutation.startswith("pipe_"):
-        flags["pipe"] = True
     with pytest.raises(AssertionError, match=what):
         for seed in range(3000):
             run(_items(rnd), seed, **flags)

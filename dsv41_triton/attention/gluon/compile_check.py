@@ -187,16 +187,12 @@ _PREFILL_ARGS = (
 def compile_prefill(lazy: bool = True, has_len: bool = True, has_sink: bool = True,
                     arch: int = 90, ws: bool = False, variant: str = ""):
     """The Gluon prefill kernel compiled for ``sm_<arch>`` (no GPU needed): ``variant`` "ws"
-    (or ``ws=True``: the warp-specialized one), "wsp" (the persistent warp-specialized one),
-    "wsp_pipe" (that with the consumers' pipelined pair),
-    else ``prefill.py``'s (``lazy`` picks its rescale)."""
+    (or ``ws=True``: the warp-specialized one), "wsp" (the persistent warp-specialized one), else ``prefill.py``'s (``lazy`` picks its rescale)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     variant = variant or ("ws" if ws else "")
-    pipe = variant.endswith("_pipe")
-    variant = variant.removesuffix("_pipe")
     args = _PREFILL_ARGS
     if variant == "wsp":
         from .prefill_wsp import NUM_WARPS, _sparse_mla_prefill_gluon_wsp_kernel as kern
@@ -210,8 +206,6 @@ def compile_prefill(lazy: bool = True, has_len: bool = True, has_sink: bool = Tr
     aligned = [i for i, (n, ty) in enumerate(args)
                if ty.startswith("*") or n in ("stride_qt", "stride_qh", "kv_stride")]
     consts = dict(HAS_LEN=has_len, HAS_SINK=has_sink, LAZY=lazy)
-    if pipe:
-        consts["PIPE"] = True
     for k in consts:
         sig[k] = "constexpr"
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
@@ -295,7 +289,7 @@ if __name__ == "__main__":
     import json
     if len(sys.argv) in (3, 4) and sys.argv[1] == "prefill":
         # python -m ...compile_check prefill LAZY [WS] -> JSON line; WS: 0, 1 (= ws) or a
-        # variant name (ws, wsp, wsp_pipe)
+        # variant name (ws, wsp)
         v = sys.argv[3] if len(sys.argv) == 4 else "0"
         v = {"0": "", "1": "ws"}.get(v, v)
         print(json.dumps(summary_prefill(bool(int(sys.argv[2])), variant=v)))

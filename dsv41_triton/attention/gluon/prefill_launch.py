@@ -38,15 +38,12 @@ PICK = {
 #: variants the GPU tests run (tests/attention/test_prefill_gluon.py); PICK uses only these.
 #: "ws": the warp-specialized kernel (``prefill_ws.py``: a producer warpgroup and two consumer
 #: warpgroups ping-ponging on alternate key blocks, eager rescale); "wsp": its persistent form
-#: (``prefill_wsp.py``: one CTA per SM looping over (token, head tile) items); "wsp_pipe": the
-#: persistent one with consumer 0's next QK issued behind its
-#: remote PV and consumer 1's two PVs back to back (``PIPE``)
-VARIANTS = ("eager", "lazy", "ws", "wsp", "wsp_pipe")
+#: (``prefill_wsp.py``: one CTA per SM looping over (token, head tile) items)
+VARIANTS = ("eager", "lazy", "ws", "wsp")
 
 #: DSV41_PREFILL_KERNEL=tl|gluon|auto overrides the pick (benchmarks, tests)
 ENV = "DSV41_PREFILL_KERNEL"
-#: DSV41_PREFILL_GLUON_VARIANT=lazy|eager|ws|wsp|wsp_pipe pins the variant
-#: (benchmarks, tests)
+#: DSV41_PREFILL_GLUON_VARIANT=lazy|eager|ws|wsp pins the variant (benchmarks, tests)
 VARIANT_ENV = "DSV41_PREFILL_GLUON_VARIANT"
 #: heads per CTA (the kernel's wgmma M)
 BLOCK_H = 64
@@ -109,11 +106,9 @@ def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                or "eager")
     if variant not in VARIANTS:
         raise ValueError(f"{VARIANT_ENV}: expected one of {VARIANTS}, got {variant!r}")
-    base = variant.removesuffix("_pipe")
-    flags = {"PIPE": True} if variant.endswith("_pipe") else {}
-    if base == "wsp":
+    if variant == "wsp":
         from .prefill_wsp import NUM_WARPS, _sparse_mla_prefill_gluon_wsp_kernel as kernel
-    elif base == "ws":
+    elif variant == "ws":
         from .prefill_ws import NUM_WARPS, _sparse_mla_prefill_gluon_ws_kernel as kernel
     else:
         from .prefill import NUM_WARPS, _sparse_mla_prefill_gluon_kernel as kernel
@@ -124,8 +119,8 @@ def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     sink_arg = sink if sink is not None else lse
     items = T * n_ht
     # the persistent kernel: one CTA per SM (fewer for fewer items), each looping over items
-    grid = min(_sms(q.device), items) if base == "wsp" else items
-    extra = (items,) if base == "wsp" else ()
+    grid = min(_sms(q.device), items) if variant == "wsp" else items
+    extra = (items,) if variant == "wsp" else ()
     k = kernel[(grid,)](
         q, q.stride(0), q.stride(1),
         kv, kv_stride, S,
@@ -134,7 +129,7 @@ def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
         sink_arg, sink.stride(0) if sink is not None else 0,
         out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1),
         H, float(softmax_scale) * 1.4426950408889634, n_ht, *extra,
-        HAS_LEN=lens is not None, HAS_SINK=sink is not None, LAZY=variant == "lazy", **flags,
+        HAS_LEN=lens is not None, HAS_SINK=sink is not None, LAZY=variant == "lazy",
         num_warps=NUM_WARPS,
     )
     LAST_LAUNCH["fwd"] = (k, variant)

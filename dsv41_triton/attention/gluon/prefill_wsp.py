@@ -44,13 +44,6 @@ other read it; with two, consumer c reaches item k + 2 only after the other cons
 for item k + 1, i.e. after it read item k's sum. The ring, max and P exchanges keep ``ws``'s
 per-pair argument unchanged (each waits on the other partition's arrive of the same pair;
 items only renumber the pairs).
-
-``PIPE`` (variant ``"wsp_pipe"``, ``prefill_ws._consumer_pair_pipe``): consumer 0 issues
-the QK of an item's next pair behind its remote PV and carries it into the next pair, and
-frees its own ring half right after its local PV; consumer 1 issues its remote PV right
-behind its local one. The barriers, counts and phases are the table's; only the order of each
-consumer's arrives within a pair changes (consumer 0's ``free[0]`` before its ``m_bar[1]``
-wait, its ``free[2]`` after the next pair's first ``ready`` wait).
 """
 from __future__ import annotations
 
@@ -59,8 +52,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from .prefill_ws import (BH, BN, CONSUMER_REGS, NUM_WARPS, O_L, ROW_S, S_L, _consumer_pair,
-                         _consumer_pair_pipe, _consumer_rows, _fill_pairs, _qk0_issue)
+from .prefill_ws import (BH, BN, CONSUMER_REGS, NUM_WARPS, O_L, ROW_S, _consumer_pair,
+                         _consumer_rows, _fill_pairs)
 
 __all__ = ["NUM_WARPS", "_sparse_mla_prefill_gluon_wsp_kernel"]
 
@@ -112,7 +105,7 @@ def _consumer(C: gl.constexpr, pid, grid, num_items, num_ht, width, len_ptr, len
               idx_st, rows, H, qk_scale, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh,
               lse_ptr, stride_lt, stride_lh, q_smem, ring, p_smem, m_smem, l_smem, q_ready,
               q_free, ready, free, m_bar, p_bar, l_bar, HAS_LEN: gl.constexpr,
-              HAS_SINK: gl.constexpr, PIPE: gl.constexpr):
+              HAS_SINK: gl.constexpr):
     """One consumer warpgroup (``prefill_ws._consumer``'s per-pair work) over the CTA's items;
     the softmax state and O restart per item, the phases run on over the pair count ``g``."""
 
@@ -130,36 +123,10 @@ def _consumer(C: gl.constexpr, pid, grid, num_items, num_ht, width, len_ptr, len
         # an item without keys reads no Q: hand it back at once (after every warp's wait)
         gl.thread_barrier()
         mbarrier.arrive(q_free, pred=npair == 0)
-        if PIPE:
-            if C == 0:
-                # the QK of pair i + 1 is issued inside pair i: the item's first one before
-                # the loop, none inside its last pair (peeled), all within this block, so no
-                # in-flight accumulator meets another value at a join
-                if npair > 0:
-                    s_zero = gl.full([BH, BN], 0.0, gl.float32, layout=S_L)
-                    s_acc = _qk0_issue(q_smem.index(npair >> 30), ring.index(npair >> 30),
-                                       ready, g & 1, s_zero)
-                    for i in range(npair - 1):
-                        m_i, l_i, o, s_acc = _consumer_pair_pipe(
-                            C, i, (g + i) & 1, False, n, idx_row, rows, qk_scale, q_smem,
-                            ring, p_smem, m_smem, ready, free, m_bar, p_bar, q_free, s_acc,
-                            m_i, l_i, o, True)
-                    m_i, l_i, o, s_acc = _consumer_pair_pipe(
-                        C, npair - 1, (g + npair - 1) & 1, True, n, idx_row, rows, qk_scale,
-                        q_smem, ring, p_smem, m_smem, ready, free, m_bar, p_bar, q_free, s_acc,
-                        m_i, l_i, o, False)
-            else:
-                for i in range(npair):
-                    m_i, l_i, o, s_unused = _consumer_pair_pipe(
-                        C, i, (g + i) & 1, i == npair - 1, n, idx_row, rows, qk_scale, q_smem,
-                        ring, p_smem, m_smem, ready, free, m_bar, p_bar, q_free, o, m_i, l_i, o,
-                        False)
-        else:
-            for i in range(npair):
-                m_i, l_i, o = _consumer_pair(C, i, (g + i) & 1, i == npair - 1, n, idx_row,
-                                             rows, qk_scale, q_smem, ring, p_smem, m_smem,
-                                             ready, free, m_bar, p_bar, q_free, m_i, l_i, o,
-                                             True)
+        for i in range(npair):
+            m_i, l_i, o = _consumer_pair(C, i, (g + i) & 1, i == npair - 1, n, idx_row, rows,
+                                         qk_scale, q_smem, ring, p_smem, m_smem, ready, free,
+                                         m_bar, p_bar, q_free, m_i, l_i, o, True)
         g += npair
 
         # ---- the item's rows: both consumers' row sums (buffer k & 1), sink, stores ------
@@ -175,24 +142,22 @@ def _consumer(C: gl.constexpr, pid, grid, num_items, num_ht, width, len_ptr, len
 def _consumer0(pid, grid, num_items, num_ht, width, len_ptr, len_st, idx_ptr, idx_st, rows, H,
                qk_scale, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
                stride_lh, q_smem, ring, p_smem, m_smem, l_smem, q_ready, q_free, ready, free,
-               m_bar, p_bar, l_bar, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr,
-               PIPE: gl.constexpr):
+               m_bar, p_bar, l_bar, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr):
     _consumer(0, pid, grid, num_items, num_ht, width, len_ptr, len_st, idx_ptr, idx_st, rows,
               H, qk_scale, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr,
               stride_lt, stride_lh, q_smem, ring, p_smem, m_smem, l_smem, q_ready, q_free,
-              ready, free, m_bar, p_bar, l_bar, HAS_LEN, HAS_SINK, PIPE)
+              ready, free, m_bar, p_bar, l_bar, HAS_LEN, HAS_SINK)
 
 
 @gluon.jit
 def _consumer1(pid, grid, num_items, num_ht, width, len_ptr, len_st, idx_ptr, idx_st, rows, H,
                qk_scale, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
                stride_lh, q_smem, ring, p_smem, m_smem, l_smem, q_ready, q_free, ready, free,
-               m_bar, p_bar, l_bar, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr,
-               PIPE: gl.constexpr):
+               m_bar, p_bar, l_bar, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr):
     _consumer(1, pid, grid, num_items, num_ht, width, len_ptr, len_st, idx_ptr, idx_st, rows,
               H, qk_scale, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr,
               stride_lt, stride_lh, q_smem, ring, p_smem, m_smem, l_smem, q_ready, q_free,
-              ready, free, m_bar, p_bar, l_bar, HAS_LEN, HAS_SINK, PIPE)
+              ready, free, m_bar, p_bar, l_bar, HAS_LEN, HAS_SINK)
 
 
 @gluon.jit
@@ -204,12 +169,10 @@ def _sparse_mla_prefill_gluon_wsp_kernel(
     out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
     H, qk_scale, num_ht, num_items,
     HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, LAZY: gl.constexpr,
-    PIPE: gl.constexpr = False,
 ):
     """Arguments as ``prefill_ws._sparse_mla_prefill_gluon_ws_kernel`` plus ``num_items`` (=
     tokens x ``num_ht``); launch ``min(SMs, num_items)`` CTAs with ``num_warps=NUM_WARPS``
-    (12 warps run). ``LAZY`` is ignored; ``PIPE``: the
-    consumers' pipelined pair (``prefill_ws._consumer_pair_pipe``)."""
+    (12 warps run). ``LAZY`` is ignored."""
     KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, 512], gl.bfloat16)
     QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, 512], gl.bfloat16)
     PL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, BN], gl.bfloat16)
@@ -248,7 +211,7 @@ def _sparse_mla_prefill_gluon_wsp_kernel(
     cargs = (pid, grid, num_items, num_ht, width, len_ptr, len_st, idx_ptr, idx_st, rows, H,
              qk_scale, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
              stride_lh, q_smem, ring, p_smem, m_smem, l_smem, q_ready, q_free, ready, free,
-             m_bar, p_bar, l_bar, HAS_LEN, HAS_SINK, PIPE)
+             m_bar, p_bar, l_bar, HAS_LEN, HAS_SINK)
     gl.warp_specialize([
         (_producer, (pid, grid, num_items, num_ht, width, len_ptr, len_st, q_ptr, stride_qt,
                      stride_qh, kv_ptr, kv_stride, rows, idx_ptr, idx_st, H, q_smem, ring,
