@@ -33,11 +33,13 @@ FEW_WS16_SHAPE = "4:16:2:w"
 #: with the dequant partition's group prefetch (``DEQ_PREFETCH``)
 FEW_WS_PRELOAD_SHAPE = "4:8:2:w:0"
 FEW_WS_PREFETCH_SHAPE = "4:8:2:w:1:p"
-#: both: ids preloaded and the dequant group prefetch
+#: both: ids preloaded and the dequant group prefetch (8- and 16-head tiles)
 FEW_WS_PRELOAD_PREFETCH_SHAPE = "4:8:2:w:0:p"
+FEW_WS16_PRELOAD_PREFETCH_SHAPE = "4:16:2:w:0:p"
 TESTED_SHAPES = ("4:0:3", "4:16:2", "8:16:3", "8:16:2", "8:32:3", "4:0:3:h", "4:8:3:h",
                  "4:0:1", "4:0:1:h", HEADS_SHAPE, HEADS_WS_SHAPE, FEW_WS_SHAPE, FEW_WS16_SHAPE,
-                 FEW_WS_PRELOAD_SHAPE, FEW_WS_PREFETCH_SHAPE, FEW_WS_PRELOAD_PREFETCH_SHAPE)
+                 FEW_WS_PRELOAD_SHAPE, FEW_WS_PREFETCH_SHAPE, FEW_WS_PRELOAD_PREFETCH_SHAPE,
+                 FEW_WS16_PRELOAD_PREFETCH_SHAPE)
 #: the many-heads kernel's dequant order by default: True = block j + 1's keys are dequantized
 #: into registers while block j's O wgmma runs, False = after it (serial). A 4th shape field
 #: forces one (benchmark sweeps, tests): "8:64:2:1" serial, "8:64:2:2" overlapped, "8:64:2:3"
@@ -107,7 +109,10 @@ PICK = {
     # run); 584+584 T=32: 17.9 (w) / 18.5 (:0) / 17.7 (:1:p): unchanged.
     # Session 10, one sweep (median of 20), 8 h 584+584 T=128 / 512, us: 4:8:2:w:0:p 27.5 /
     # 89.4 vs 4:8:2:w:0 28.0 / 92.1 vs 4:8:2:w 29.2 / 95.1 (session 9: 27.2 / 88.9 vs 27.7 /
-    # 92.0); 528+288 T=512: 4:0:1:h 85.2 vs 4:8:2:w:1:p 94.4 (stays).
+    # 92.0); 528+288 T=512: 4:0:1:h 85.2 vs 4:8:2:w:1:p 94.4 (stays). A second sweep, us:
+    # 8 h 528+288 T=32 4:8:2:w:1:p 17.2 vs 4:8:2:w 17.8; 16 h 528+288 T=128 4:16:2:w:0:p 29.3
+    # vs 4:16:2:w 30.8 (:0 31.0); unchanged: 8 h 584+584 T=7 / 32 (w 12.6 / 17.7 fastest),
+    # 16 h 584+584 T=32 / 128 / 512 (w 20.1 / 30.2 / 99.5; :0:p 20.6 / 30.6 / 100.3).
     (9, 0): {
         (8, 584, 584, 1): FEW_WS_SHAPE,
         (8, 528, 288, 1): FEW_WS_SHAPE,
@@ -127,10 +132,10 @@ PICK = {
         (8, 584, 584, 128): FEW_WS_PRELOAD_PREFETCH_SHAPE,
         (8, 584, 584, 1 << 30): FEW_WS_PRELOAD_PREFETCH_SHAPE,
         (8, 528, 288, 7): FEW_WS_SHAPE,
-        (8, 528, 288, 32): FEW_WS_SHAPE,
+        (8, 528, 288, 32): FEW_WS_PREFETCH_SHAPE,
         (8, 528, 288, 128): FEW_WS_PREFETCH_SHAPE,
         (8, 528, 288, 1 << 30): "4:0:1:h",
-        (16, 528, 288, 128): FEW_WS16_SHAPE,
+        (16, 528, 288, 128): FEW_WS16_PRELOAD_PREFETCH_SHAPE,
         (64, 584, 584, 32): HEADS_SHAPE,
         (64, 584, 584, 128): HEADS_WS_SHAPE,
         (64, 584, 584, 1 << 30): HEADS_WS_SHAPE,
