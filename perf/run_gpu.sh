@@ -4,7 +4,8 @@
 #
 #   bash perf/run_gpu.sh [--quick] [extra dsv41-bench args...]
 #
-# PARTS (default "tests harness decode prefill") picks the parts to run and TESTS_K narrows the
+# PARTS (default "tests harness decode prefill"; "sanitize" adds compute-sanitizer memcheck
+# of the Gluon kernels' hostile-id, empty-row and edge tests) picks the parts to run and TESTS_K narrows the
 # GPU tests to a pytest -k expression, so a short device call can run only what changed, e.g.
 #   PARTS="tests prefill" TESTS_K=wsp BENCH_GLUON_VARIANTS=ws,wsp bash perf/run_gpu.sh
 #
@@ -81,6 +82,31 @@ else
   echo "not an sm_90 GPU: skipped"
 fi
 
+echo "== compute-sanitizer memcheck (Gluon decode / prefill: hostile ids, empty rows, edges)"
+san_rc=0
+if part sanitize; then
+  # Under memcheck the memory each test allocates stays allocated until its process exits
+  # (measured on the H200, torch 2.11: ~1 GiB per few-heads edge test, ~11 GiB per T = 512
+  # one; without the sanitizer the same tests end at 0.03 GiB), so each group runs in its own
+  # process, small enough for the GPU.
+  for grp in "test_decode_gluon.py|gpu and (hostile or empty_rows or wide_ids) and not f16" \
+             "test_decode_gluon.py|few_ws_edges and not -512-" \
+             "test_decode_gluon.py|few_ws_edges and 584-584-512" \
+             "test_decode_gluon.py|few_ws_edges and 528-288-512" \
+             "test_decode_gluon_heads.py|gpu and (hostile or empty_rows)" \
+             "test_prefill_gluon.py|gpu and (hostile or empty_rows)"; do
+    f=${grp%%|*}; k=${grp#*|}
+    compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 $PY -m pytest \
+      "tests/attention/$f" -q -p no:cacheprovider -k "$k" > "$OUTDIR/sanitize.log.tmp" 2>&1
+    rc=$?
+    cat "$OUTDIR/sanitize.log.tmp" >> "$OUTDIR/sanitize.log"
+    echo "$f [$k]: rc=$rc, $(grep -E 'passed|failed' "$OUTDIR/sanitize.log.tmp" | tail -1)," \
+      "$(grep 'ERROR SUMMARY' "$OUTDIR/sanitize.log.tmp" | head -1)"
+    [ $rc -ne 0 ] && san_rc=$rc
+  done
+  rm -f "$OUTDIR/sanitize.log.tmp"
+fi
+
 echo "== summary"
 $PY - "$OUTDIR/bench/results.csv" <<'PYEOF'
 import sys
@@ -93,4 +119,4 @@ cols = [c for c in ("family", "heads", "tokens", "records", "layout", "backend",
 pd.set_option("display.width", 200); pd.set_option("display.max_rows", 400)
 print(df[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
 PYEOF
-exit $(( test_rc != 0 || bench_rc != 0 ))
+exit $(( test_rc != 0 || bench_rc != 0 || san_rc != 0 ))
