@@ -72,15 +72,15 @@ def test_gluon_decode_compiles_for_sm90(src_a, src_b, bh, split, nw, f16, ns):
 
 @pytest.mark.parametrize("src_a,src_b,split,bh,ahead", [(584, 584, 0, 8, 1), (528, 288, 1, 8, 1),
                                                         (584, 528, 1, 8, 1), (584, 288, 0, 16, 1),
-                                                        (584, 584, 1, 16, 1), (584, 584, 0, 8, 2),
-                                                        (528, 288, 1, 16, 3), (584, 584, 0, 8, 0),
+                                                        (584, 584, 1, 16, 1), (528, 288, 1, 16, 1),
+                                                        (584, 584, 0, 8, 0),
                                                         (584, 528, 1, 8, 0), (584, 584, 0, 8, "1p"),
                                                         (528, 288, 1, 16, "0p")])
 def test_gluon_few_ws_compiles_for_sm90(src_a, src_b, split, bh, ahead):
     """The warp-specialized few-heads kernel compiles for sm_90 (subprocess, no interpreter):
     wgmma, cp.async and mbarriers in the PTX, one CTA's shared memory, per-partition register
-    budgets (``setmaxnreg``), and its producer (slot ids ``ahead`` blocks ahead, 0: preloaded
-    in chunks; ``p``: the dequant partition's group prefetch), dequant and MMA loops spill
+    budgets (``setmaxnreg``), and its producer (slot ids one block ahead, 0: preloaded in
+    chunks; ``p``: the dequant partition's group prefetch), dequant and MMA loops spill
     nothing."""
     if not gluon_pkg.AVAILABLE:
         pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
@@ -106,7 +106,7 @@ def test_gluon_few_ws_compiles_for_sm90(src_a, src_b, split, bh, ahead):
     assert len(mma) == 1 and len(dequant) == 1 and len(producer) == 1, facts["loops"]
     assert mma[0]["local_ld_st"] == 0 and dequant[0]["local_ld_st"] == 0, facts["loops"]
     # the producer's 48 registers: 584 records mixed with others (two address forms) spill a
-    # few words per block (2 local loads/stores with ids one or two blocks ahead, 10-12 with 3)
+    # few words per block (2 local loads/stores with ids one block ahead)
     mixed = src_a != src_b and 584 in (src_a, src_b)
     assert producer[0]["local_ld_st"] <= (16 if mixed else 0), facts["loops"]
 
@@ -158,16 +158,15 @@ def test_gluon_pick_table():
     assert gl_launch.parse_shape(gl_launch.FEW_WS_SHAPE) == {"num_warps": 4, "block_h": 8,
                                                              "stages": 2, "few_ws": True}
     assert gl_launch.parse_shape(gl_launch.FEW_WS16_SHAPE)["block_h"] == 16
-    assert gl_launch.parse_shape("4:8:2:w:3") == {"num_warps": 4, "block_h": 8, "stages": 2,
-                                                  "few_ws": True, "idx_ahead": 3}
-    assert gl_launch.parse_shape("8:64:2:3:2")["idx_ahead"] == 2
-    assert gl_launch.parse_shape("4:8:2:w:0")["idx_ahead"] == 0
+    assert gl_launch.parse_shape("4:8:2:w:0") == {"num_warps": 4, "block_h": 8, "stages": 2,
+                                                  "few_ws": True, "idx_ahead": 0}
+    assert gl_launch.parse_shape("8:64:2:3:0")["idx_ahead"] == 0
     assert gl_launch.parse_shape("4:8:2:w:1:p") == {"num_warps": 4, "block_h": 8, "stages": 2,
                                                     "few_ws": True, "idx_ahead": 1,
                                                     "deq_prefetch": True}
-    assert gl_launch.IDX_AHEAD in (1, 2, 3)
-    for bad in ("4:8:3:x", "4:8:2:h:2", "4:8:2:w:4", "4:8:2:w:-1", "4:8:2:w:1:q",
-                "8:64:2:3:1:p", "4:8:2:w::p", "4:8:2::2", "4:8:2:w:2:1"):
+    assert gl_launch.IDX_AHEAD in (0, 1)
+    for bad in ("4:8:3:x", "4:8:2:h:2", "4:8:2:w:2", "4:8:2:w:3", "8:64:2:3:2", "4:8:2:w:-1",
+                "4:8:2:w:1:q", "8:64:2:3:1:p", "4:8:2:w::p", "4:8:2::2", "4:8:2:w:2:1"):
         with pytest.raises(ValueError, match="launch shape"):
             gl_launch.parse_shape(bad)
 
@@ -416,9 +415,8 @@ def test_gluon_hostile_indices_gpu(device, monkeypatch, shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", ["4:0:3", "4:0:1", "4:0:1:h", "4:8:2:w", "4:8:2:w:2",
-                                   "4:8:2:w:0", "4:8:2:w:1:p", "4:8:2:w:0:p", "4:16:2:w", "8:64:2",
-                                   "8:64:2:3", "8:64:2:3:2", "8:64:2:3:0"])
+@pytest.mark.parametrize("shape", ["4:0:3", "4:0:1", "4:0:1:h", "4:8:2:w", "4:8:2:w:0", "4:8:2:w:1:p", "4:8:2:w:0:p", "4:16:2:w", "8:64:2",
+                                   "8:64:2:3", "8:64:2:3:0"])
 def test_gluon_wide_ids_gpu(device, monkeypatch, shape):
     """int64 slot ids outside ``[0, rows)`` only at 64 bits (2**32 + a valid slot, ...) are
     skipped, as the reference and the tl kernel skip them, by every Gluon decode kernel."""
@@ -504,15 +502,15 @@ def test_gluon_few_ws_gpu(device, monkeypatch, shape, T, H, swa_rec, extra_rec):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", ["4:8:2:w:2", "4:8:2:w:3", "4:16:2:w:3", "4:8:2:w:0",
-                                   "4:16:2:w:0", "4:8:2:w:1:p", "4:16:2:w:0:p", "4:8:2:w:0:p"])
+@pytest.mark.parametrize("shape", ["4:8:2:w:0", "4:16:2:w:0", "4:8:2:w:1:p", "4:16:2:w:0:p",
+                                   "4:8:2:w:0:p"])
 @pytest.mark.parametrize("T", [1, 7, 128])
 @pytest.mark.parametrize("H", [3, 16])
 @pytest.mark.parametrize("swa_rec,extra_rec", PAIRS)
-def test_gluon_few_ws_idx_ahead_gpu(device, monkeypatch, shape, T, H, swa_rec, extra_rec):
-    """The warp-specialized few-heads kernel with its slot ids loaded 2 or 3 blocks ahead or
-    preloaded 8 blocks at a time (0): every record pair, CTAs with fewer blocks than the lead
-    (split keys at T = 1), more than one preload chunk (T = 128: 10 blocks)."""
+def test_gluon_few_ws_idx_preload_gpu(device, monkeypatch, shape, T, H, swa_rec, extra_rec):
+    """The warp-specialized few-heads kernel with its slot ids preloaded 8 blocks at a time
+    (0) and / or the dequant group prefetch (p): every record pair, CTAs with fewer blocks than
+    a preload chunk (split keys at T = 1), more than one chunk (T = 128: 10 blocks)."""
     _need_gluon_gpu()
     from dsv41_triton.attention.gluon import launch as gl_launch
     monkeypatch.setenv("DSV41_GLUON_SHAPE", shape)
@@ -521,7 +519,7 @@ def test_gluon_few_ws_idx_ahead_gpu(device, monkeypatch, shape, T, H, swa_rec, e
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape,H", [("4:8:2:w", 8), ("4:16:2:w", 16), ("4:8:2:w:3", 8),
+@pytest.mark.parametrize("shape,H", [("4:8:2:w", 8), ("4:16:2:w", 16),
                                      ("4:8:2:w:0", 8), ("4:8:2:w:1:p", 8), ("4:16:2:w:0:p", 16),
                                      ("4:8:2:w:0:p", 8)])
 @pytest.mark.parametrize("T", [1, 5, 512])

@@ -171,16 +171,15 @@ def test_gluon_heads_variants_gpu(device, heads_launch, monkeypatch, variant, ov
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ahead", [0, 2, 3])
 @pytest.mark.parametrize("T,H", [(1, 64), (128, 128)])
 @pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, 288), (584, 528)])
-def test_gluon_heads_ws_idx_ahead_gpu(device, heads_launch, monkeypatch, ahead, T, H, swa_rec,
-                                      extra_rec):
-    """The warp-specialized kernel with its slot ids loaded 2 or 3 blocks ahead or preloaded
-    (0; 584 beside 528 falls back to 1: shared memory) (the shape's 5th field); one token
-    splits its keys into CTAs of fewer blocks than the lead."""
+def test_gluon_heads_ws_idx_preload_gpu(device, heads_launch, monkeypatch, T, H, swa_rec,
+                                        extra_rec):
+    """The warp-specialized kernel with its slot ids preloaded (the shape's 5th field 0; 584
+    beside 528 falls back to 1: shared memory); one token splits its keys into CTAs of fewer
+    blocks than a preload chunk."""
     _need_gluon_gpu()
-    monkeypatch.setenv("DSV41_GLUON_SHAPE", f"{WS_SHAPE}:{ahead}")
+    monkeypatch.setenv("DSV41_GLUON_SHAPE", f"{WS_SHAPE}:0")
     _check(_v41(device, T, H, swa_rec, extra_rec))
     _ran_heads(heads_launch, "ws")
 

@@ -9,7 +9,7 @@ out of the MMA warps by ``gl.warp_specialize``:
   release the stage (``free[s]``), store the bf16 key tile, ``S = Q K^T``, online softmax, P,
   ``O += P K`` (``decode_heads._qk_softmax``), then the row epilogue (``_heads_epilogue``).
 * **producer** (a worker of ``PRODUCER_WARPS`` warps, ``PRODUCER_REGS`` registers): per block,
-  wait ``free[s]``, store the block's checked slot ids (loaded ``IDX_AHEAD`` blocks ahead, or
+  wait ``free[s]``, store the block's checked slot ids (loaded one block ahead, or
   with ``IDX_AHEAD = 0`` read from a chunk of ``PRELOAD_BLOCKS`` blocks' ids loaded at once) to
   the ring, ``cp.async`` the raw records (``decode._copy_keys``; invalid keys zero-filled), then
   each thread's ``cp.async.mbarrier.arrive.noinc`` (its copies landed) and, after a producer
@@ -116,9 +116,9 @@ def _producer(a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_row, b_b
               free, SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
               NS: gl.constexpr, AHEAD: gl.constexpr = 1):
     """Every block's slot ids and raw records into ring stage ``j % NS`` once it is free; a
-    block's ids are loaded ``AHEAD`` (1..3) blocks before it, so that many id loads overlap,
-    or (``AHEAD = 0``) those of ``PRELOAD_BLOCKS`` blocks at once into ``ids_pre``."""
-    gl.static_assert(AHEAD >= 0 and AHEAD <= 3, "AHEAD: 0 (preload), 1, 2 or 3 blocks")
+    block's ids are loaded one block before it (``AHEAD = 1``), or (``AHEAD = 0``) those of
+    ``PRELOAD_BLOCKS`` blocks at once into ``ids_pre``."""
+    gl.static_assert(AHEAD == 0 or AHEAD == 1, "AHEAD: 0 (preload) or 1 block")
     LI: gl.constexpr = gl.SliceLayout(1, _copy_layout(16, PRODUCER_WARPS))
     if AHEAD == 0:
         _producer_preload(a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_row,
@@ -126,20 +126,9 @@ def _producer(a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_row, b_b
                           r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring,
                           ids_pre, ready, free, SRC_A, SRC_B, HAS_B, NS)
         return
-    # raw ids (checked only when their block is issued): (a0, b0) block j's, (a1, b1) j + 1's,
-    # (a2, b2) j + 2's
+    # block j's raw ids (checked only when the block is issued)
     a0, b0 = _load_idx_raw(0, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b, hi_b,
                            HAS_B, LI)
-    a1 = a0
-    b1 = b0
-    a2 = a0
-    b2 = b0
-    if AHEAD >= 2:
-        a1, b1 = _load_idx_raw(1, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b, hi_b,
-                               HAS_B, LI)
-    if AHEAD >= 3:
-        a2, b2 = _load_idx_raw(2, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b, hi_b,
-                               HAS_B, LI)
     for j in range(nblk):
         s = j % NS
         mbarrier.wait(free.index(s), ((j // NS) & 1) ^ 1)
@@ -147,25 +136,9 @@ def _producer(a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_row, b_b
         _fill_stage(j, s, idx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
                     r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, ready,
                     SRC_A, SRC_B, HAS_B)
-        # block j + AHEAD's ids: their latency passes under the waits and copies of the blocks
-        # before it
-        an, bn = _load_idx_raw(j + AHEAD, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b,
+        # block j + 1's ids: their latency passes under the next wait and this block's copies
+        a0, b0 = _load_idx_raw(j + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b,
                                hi_b, HAS_B, LI)
-        if AHEAD == 1:
-            a0 = an
-            b0 = bn
-        elif AHEAD == 2:
-            a0 = a1
-            b0 = b1
-            a1 = an
-            b1 = bn
-        else:
-            a0 = a1
-            b0 = b1
-            a1 = a2
-            b1 = b2
-            a2 = an
-            b2 = bn
 
 
 @gluon.jit
@@ -232,7 +205,7 @@ def _sparse_mla_decode_heads_ws_kernel(
     """Grid ``T * num_splits * num_ht`` (head tile of 64 fastest, then split, then token);
     launch with ``num_warps=NW`` (8 consumer warps; the producer's ``PRODUCER_WARPS`` run
     besides). Arguments as ``decode_heads._sparse_mla_decode_heads_kernel``'s; slot ids are
-    loaded ``IDX_AHEAD`` blocks ahead."""
+    loaded one block ahead (``IDX_AHEAD = 1``) or ``PRELOAD_BLOCKS`` blocks at once (0)."""
     ht, split, t = _program_ids(num_ht, num_splits)
 
     r0, r1, r2, r3, r4, r5, r6, r7, scale_ring, rope_ring, idx_ring = _alloc_rings(

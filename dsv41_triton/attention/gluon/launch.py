@@ -49,9 +49,9 @@ TESTED_SHAPES = ("4:0:3", "4:16:2", "8:16:3", "8:16:2", "8:32:3", "4:0:3:h", "4:
 #: / 58.9 overlapped for 64 h 584+584, 128 h 584+584, 64 h 528+288 (the overlapped order spills).
 HEADS_OVERLAP = False
 HEADS_VARIANTS = {1: False, 2: True, 3: "ws"}
-#: how many 64-key blocks ahead the warp-specialized kernels' producer loads slot ids (its
-#: ``IDX_AHEAD``, 1..3; 0: those of ``decode_heads_ws.PRELOAD_BLOCKS`` blocks at once into
-#: shared memory); a 5th shape field sets it ("4:8:2:w:0", "8:64:2:3:2")
+#: how the warp-specialized kernels' producer loads slot ids (its ``IDX_AHEAD``): 1 = one
+#: 64-key block ahead, 0 = those of ``decode_heads_ws.PRELOAD_BLOCKS`` blocks at once into
+#: shared memory; a 5th shape field sets it ("4:8:2:w:0", "8:64:2:3:0")
 IDX_AHEAD = 1
 #: the warp-specialized few-heads kernel's ``DEQ_PREFETCH`` (the dequant partition loads group
 #: ``g + 1``'s bytes before it converts group ``g``); a 6th shape field ``p`` sets it
@@ -232,8 +232,8 @@ def parse_shape(text: str) -> dict:
     a 4th field ``h`` adds ``f16: True`` (fp16 wgmma operands), ``b`` ``f16: False``, ``w``
     ``few_ws: True`` (the warp-specialized few-heads kernel); ``1`` / ``2``
     / ``3`` is the many-heads kernel's variant (``HEADS_VARIANTS``); after ``w`` or ``3`` a 5th
-    field 0..3 is the producer's ``idx_ahead`` (``IDX_AHEAD``; 0: the ids of 8 blocks at once
-    into shared memory); after ``w`` and a 5th field, a 6th ``p`` adds ``deq_prefetch: True``
+    field 0 or 1 is the producer's ``idx_ahead`` (``IDX_AHEAD``; 0: the ids of 8 blocks at once
+    into shared memory, 1: one block ahead); after ``w`` and a 5th field, a 6th ``p`` adds ``deq_prefetch: True``
     (the dequant partition loads each group's bytes one group ahead)."""
     if not text:
         return {}
@@ -244,10 +244,10 @@ def parse_shape(text: str) -> dict:
     if (len(parts) not in (3, 4, 5, 6)
             or extra not in (None, "h", "b", "w", *map(str, HEADS_VARIANTS))
             or (ahead is not None
-                and (extra not in ("w", "3") or ahead not in ("0", "1", "2", "3")))
+                and (extra not in ("w", "3") or ahead not in ("0", "1")))
             or (prefetch is not None and (extra != "w" or prefetch != "p"))):
         raise ValueError(f"launch shape {text!r}: expected num_warps:block_h:stages"
-                         "[:h|:b|:w|:1|:2|:3] (after :w or :3 optionally :0|:1|:2|:3, the slot-id "
+                         "[:h|:b|:w|:1|:2|:3] (after :w or :3 optionally :0|:1, the slot-id "
                          "lead, 0 = preloaded; after :w and a lead optionally :p, the dequant "
                          "prefetch)")
     nw, bh, st = (int(x) for x in parts[:3])
