@@ -1,11 +1,11 @@
-"""The Gluon decode kernels' inline-asm dequantizers (``gluon/decode.py``) against plain decodes,
+"""The Gluon decode kernels' inline-asm dequantizers (``gluon/dequant.py``) against plain decodes,
 bit for bit, on the CPU: their PTX runs in a small emulator (``ptx_emu.py``), every byte value
 and every scale byte included."""
 import numpy as np
 import pytest
 import torch
 
-from dsv41_triton.attention.gluon import decode as gd
+from dsv41_triton.attention.gluon import dequant as gd
 from dsv41_triton.ops.records import E2M1_VALUES
 
 from ptx_emu import run

@@ -23,9 +23,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from .decode import (_acc_layout, _alloc_rings, _convert_group, _dequant_group,
-                     _few_heads_epilogue, _key_ranges, _load_group, _online_softmax,
-                     _program_ids, _put, _pv, _q_rows, _qk, _store_q)
+from .decode import _acc_layout, _few_heads_epilogue, _online_softmax, _pv, _q_rows, _qk, _store_q
+from .dequant import _convert_group, _dequant_group, _load_group
+from .gather import _alloc_rings, _key_ranges, _program_ids, _put
 from .decode_heads_ws import PRODUCER_REGS, PRODUCER_WARPS, _alloc_ids_pre, _producer
 
 #: warps of the dequant partition (8: one key row of 64 dims per thread and group)

@@ -8,8 +8,8 @@ online softmax. Per block:
 1. **gather** (``NS`` blocks ahead; block ``j + NS`` is issued into block ``j``'s consumed
    stage while block ``j``'s O wgmma runs): the block's slot ids become byte offsets and
    ``cp.async`` copies the raw records into stage ``k % NS`` of a shared ring
-   (``decode._issue`` / ``decode._copy_keys``).
-2. **dequant** by all 8 warps (exact, ``decode._dequant``'s arithmetic) of the eight 64-dim
+   (``gather._issue`` / ``gather._copy_keys``).
+2. **dequant** by all 8 warps (exact, ``dequant._dequant``'s arithmetic) of the eight 64-dim
    groups into registers (for 584 records group 7 is the raw bf16 RoPE tail of the ring), then
    ONE store of the whole bf16 key tile ``[64 keys, 512]`` (NVMMA-swizzled): no CTA barriers
    between the groups. With ``OVERLAP`` (the default) block ``j + 1``'s registers are computed
@@ -35,8 +35,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .common import _finish_rows
-from .decode import (_alloc_rings, _copy_layout, _dequant_group, _issue, _key_ranges, _load_idx,
-                     _program_ids)
+from .dequant import _dequant_group
+from .gather import _alloc_rings, _copy_layout, _issue, _key_ranges, _load_idx, _program_ids
 
 #: heads per CTA (the wgmma M)
 BH = gl.constexpr(64)

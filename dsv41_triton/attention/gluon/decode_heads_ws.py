@@ -11,7 +11,7 @@ out of the MMA warps by ``gl.warp_specialize``:
 * **producer** (a worker of ``PRODUCER_WARPS`` warps, ``PRODUCER_REGS`` registers): per block,
   wait ``free[s]``, store the block's checked slot ids (loaded one block ahead, or
   with ``IDX_AHEAD = 0`` read from a chunk of ``PRELOAD_BLOCKS`` blocks' ids loaded at once) to
-  the ring, ``cp.async`` the raw records (``decode._copy_keys``; invalid keys zero-filled), then
+  the ring, ``cp.async`` the raw records (``gather._copy_keys``; invalid keys zero-filled), then
   each thread's ``cp.async.mbarrier.arrive.noinc`` (its copies landed) and, after a producer
   barrier, one plain arrive (the id stores): ``ready[s]`` has ``32 * PRODUCER_WARPS + 1`` arrivals.
 
@@ -28,8 +28,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .decode import (_alloc_rings, _check_idx, _copy_block, _copy_layout, _idx_at,
-                     _key_ranges, _load_idx_raw, _program_ids)
+from .gather import (_alloc_rings, _check_idx, _copy_block, _copy_layout, _idx_at, _key_ranges,
+                     _load_idx_raw, _program_ids)
 from .decode_heads import (BH, NW, _alloc_tiles, _dequant_keys, _heads_epilogue, _qk_softmax,
                            _thread_sums)
 
