@@ -135,6 +135,68 @@ def test_gluon_f16_mixed_584_refused():
     assert r.returncode != 0 and "not supported" in r.stderr, r.stderr[-2000:]
 
 
+def _pick_compile_case(entry, shape):
+    """``compile_check at``'s case for one pick-table entry: its launch shape at the heads and
+    tokens of its buckets (tokens 512 for the last), as ``launch.launch`` would run it."""
+    from types import SimpleNamespace
+
+    from dsv41_triton.attention.gluon import launch as gl_launch
+    hb, sa, sb, tb = entry
+    T = 512 if tb == 1 << 30 else tb
+    H = hb
+    o = gl_launch.parse_shape(shape)
+    a, b = SimpleNamespace(src=sa), SimpleNamespace(src=sb)
+    kw = dict(src_a=sa, src_b=sb)
+    if o.get("few_ws"):
+        bh = gl_launch.few_ws_block_h(o.get("block_h", 8), a, b)
+        kw.update(bh=bh, ns=2, nt=2, ahead=o.get("idx_ahead", gl_launch.IDX_AHEAD),
+                  deq_prefetch=o.get("deq_prefetch", False))
+        slots = 132
+    elif o.get("block_h") == 64:
+        bh = 64
+        variant = gl_launch.HEADS_VARIANTS.get(o.get("variant"), gl_launch.HEADS_OVERLAP)
+        kw.update(bh=64, ns=2, ws=variant == "ws", overlap=variant is True)
+        if variant == "ws":
+            ahead = o.get("idx_ahead", gl_launch.IDX_AHEAD)
+            kw["ahead"] = 1 if ahead == 0 and {sa, sb} == {584, 528} else ahead
+        slots = 132
+    else:
+        nw, st = o.get("num_warps", 4), o.get("stages", 3)
+        bh = o.get("block_h") or gl_launch.default_block_h(H, nw)
+        bh = max(bh, 16) if nw == 8 else bh
+        kw.update(bh=bh, ns=st, nw=nw,
+                  f16=bool(o.get("f16")) and gl_launch.f16_supported(a, b))
+        slots = 132 * gl_launch.ctas_per_sm(st, nw, bh, a, b)
+    splits = gl_launch.default_splits(T, -(-H // bh), 128 + 512, slots)
+    return dict(kind="decode", T=T, H=H, bh=bh, splits=splits, kw=kw)
+
+
+def _pick_entries():
+    from dsv41_triton.attention.gluon import launch as gl_launch
+    return sorted(gl_launch.PICK[(9, 0)].items())
+
+
+@pytest.mark.parametrize("entry,shape", _pick_entries(), ids=lambda x: str(x))
+def test_gluon_picks_compile_at_launch_values(entry, shape):
+    """Every pick-table entry compiled as a launch of its buckets specializes it (integer
+    arguments equal to 1 become constants, i32 by range, 16-divisible ones marked): no stack,
+    i.e. nothing spilled (on the H200 this specialization reproduced the spill sizes the GPU
+    build reported; the unspecialized compile shows 8-byte stacks the GPU build does not)."""
+    if not gluon_pkg.AVAILABLE:
+        pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
+    import json
+    import os
+    import subprocess
+    import sys
+    case = _pick_compile_case(entry, shape)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "dsv41_triton.attention.gluon.compile_check", "at",
+                        json.dumps(case)], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    facts = json.loads(r.stdout.strip().splitlines()[-1])
+    assert 0 < facts["regs"] <= 255 and facts["stack"] == 0, (case, facts)
+
+
 def test_gluon_pick_table():
     """Every pick-table entry names a launch shape the GPU tests run, on known buckets."""
     from dsv41_triton.attention.gluon import launch as gl_launch

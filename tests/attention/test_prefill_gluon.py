@@ -69,6 +69,29 @@ def test_gluon_prefill_compiles_for_sm90(lazy, variant):
         assert all(lp["local_ld_st"] == 0 for lp in facts["loops"]), facts
 
 
+@pytest.mark.parametrize("H", [64, 128])
+def test_gluon_prefill_pick_compiles_at_launch_values(H):
+    """The picked prefill (``prefill_launch.PICK``) compiled as a launch of the benchmark's
+    shape specializes it (integer arguments equal to 1 become constants, i32 by range,
+    16-divisible ones marked): no stack, i.e. nothing spilled (on the H200 this specialization
+    reproduced the spill sizes the GPU build reported)."""
+    if not gluon_pkg.AVAILABLE:
+        pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
+    import json
+    import os
+    import subprocess
+    import sys
+    from dsv41_triton.attention.gluon import prefill_launch as pl
+    variant = pl.PICK[(9, 0)][H]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    case = dict(kind="prefill", T=4096, H=H, S=36991, K=640, variant=variant)
+    r = subprocess.run([sys.executable, "-m", "dsv41_triton.attention.gluon.compile_check", "at",
+                        json.dumps(case)], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    facts = json.loads(r.stdout.strip().splitlines()[-1])
+    assert 0 < facts["regs"] <= 255 and facts["stack"] == 0, facts
+
+
 def test_gluon_prefill_pick_table():
     """Every pick entry names a tested variant on a known heads bucket."""
     from dsv41_triton.attention.gluon import prefill_launch as pl

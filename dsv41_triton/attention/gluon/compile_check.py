@@ -10,10 +10,10 @@ from __future__ import annotations
 import sys
 
 
-def _signature(idx_dtype: str = "i32"):
-    sig = {}
-    ptr16 = []
-    names = [
+def _decode_args(idx_dtype: str = "i32"):
+    """(name, type) of the decode kernels' shared arguments (``_launch.kernel_args`` + H,
+    scale, splits, head tiles)."""
+    return [
         ("q_ptr", "*bf16"), ("stride_qt", "i64"), ("stride_qh", "i64"),
         ("a_ptr", "*u8"), ("a_idx_ptr", f"*{idx_dtype}"), ("a_idx_st", "i64"),
         ("a_len_ptr", "*i32"), ("a_len_st", "i64"), ("a_width", "i32"), ("a_bstride", "i64"),
@@ -27,26 +27,43 @@ def _signature(idx_dtype: str = "i32"):
         ("po_ptr", "*fp32"), ("pl_ptr", "*fp32"),
         ("H", "i32"), ("qk_scale", "fp32"), ("num_splits", "i32"), ("num_ht", "i32"),
     ]
-    for i, (n, ty) in enumerate(names):
-        sig[n] = ty
-        if ty.startswith("*") or n in ("a_bstride", "b_bstride", "stride_qt", "stride_qh"):
-            ptr16.append(i)
-    return sig, ptr16
+
+
+#: integer arguments assumed 16-divisible when no launch values are given
+_DECODE_ALIGNED = ("a_bstride", "b_bstride", "stride_qt", "stride_qh")
+
+
+def decode_values(T: int, H: int, src_a: int, src_b: int, bh: int, splits: int = 1,
+                  W: int = 128, K: int = 512, nb_a: int = 392, nb_b: int = 2048,
+                  page: int = 64) -> dict:
+    """The integer arguments ``launch.launch`` passes for contiguous ``q``, ``out``, ``lse``,
+    ``[T, W]`` / ``[T, K]`` slot ids with lens, a sink, and caches of ``nb_a`` / ``nb_b``
+    blocks of ``page`` records (``perf/bench_decode_hopper.py``'s case: ``nb_a = 3 T + 8``,
+    ``nb_b = max(2048, 8 T)``)."""
+    from ...ops.records import get_record_format
+    ba = get_record_format(src_a).block_bytes(page)
+    bb = get_record_format(src_b).block_bytes(page)
+    return dict(stride_qt=H * 512, stride_qh=512, a_idx_st=W, a_len_st=1, a_width=W,
+                a_bstride=ba, a_page=page, a_rows=nb_a * page, b_idx_st=K, b_len_st=1,
+                b_width=K, b_bstride=bb, b_page=page, b_rows=nb_b * page, sink_st=1,
+                stride_ot=H * 512, stride_oh=512, stride_lt=H, stride_lh=1, H=H,
+                num_splits=splits, num_ht=-(-H // bh))
 
 
 def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool = False,
                    has_b: bool = True, ns: int = 3, arch: int = 90, nw: int = 4,
                    overlap: bool = True, f16: bool = False, ws: bool = False, nt: int = 0,
-                   ahead: int = 1, deq_prefetch: bool = False):
+                   ahead: int = 1, deq_prefetch: bool = False, values: dict | None = None):
     """``nt > 0`` with ``bh < 64``: the warp-specialized few-heads kernel (decode_few_ws.py)
     with ``nt`` key tiles and ``ns`` ring stages; ``ahead``: the warp-specialized kernels'
     ``IDX_AHEAD`` (their producer's slot-id lead in blocks); ``deq_prefetch``: the few-heads
-    ws kernel's ``DEQ_PREFETCH``."""
+    ws kernel's ``DEQ_PREFETCH``; ``values`` (e.g. ``decode_values``): specialized on a
+    launch's integer arguments, as on the GPU (``_specialize``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    sig, ptr16 = _signature()
+    sig, constexprs, attrs = _specialize(_decode_args(), _DECODE_ALIGNED, values)
     consts = dict(SRC_A=src_a, SRC_B=src_b, HAS_B=has_b, HAS_LEN_A=True, HAS_LEN_B=True,
                   HAS_SINK=True, SPLIT=split)
     if bh == 64 and ws:
@@ -68,9 +85,8 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
         consts.update(BH=bh, NS=ns, NW=nw, F16=f16)
     for k, v in consts.items():
         sig[k] = "constexpr"
-    attrs = {(i,): [["tt.divisibility", 16]] for i in ptr16}
-    src = GluonASTSource(kern, sig, constexprs={(list(sig).index(k),): v
-                                                for k, v in consts.items()}, attrs=attrs)
+    constexprs.update({(list(sig).index(k),): v for k, v in consts.items()})
+    src = GluonASTSource(kern, sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=nw))
 
@@ -184,10 +200,57 @@ _PREFILL_ARGS = (
 )
 
 
+def _specialize(args, aligned, values):
+    """``(signature, constexprs, attrs)`` of ``args`` (name, type) pairs. Without ``values``:
+    the given types, 16-byte divisibility for the ``aligned`` names. With ``values`` (name ->
+    the int a launch passes): each such argument typed and specialized as Triton's launcher
+    does for that value (1: a constant; an i32 or i64 by range; a multiple of 16: divisible),
+    so the compile is the one a GPU launch of that shape makes."""
+    values = values or {}
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+
+        def spec(v):
+            return native_specialize_impl(BaseBackend, v, False, True, True)
+    except ImportError:  # another Triton: the same rules by hand
+        def spec(v):
+            if v == 1:
+                return "constexpr", 1
+            return ("i32" if -2**31 <= v < 2**31 else "i64"), ("D" if v % 16 == 0 else "")
+    sig, consts, attrs = {}, {}, {}
+    for i, (name, ty) in enumerate(args):
+        sig[name] = ty
+        if name in values:
+            ty, key = spec(int(values[name]))
+            sig[name] = ty
+            if ty == "constexpr":
+                consts[(i,)] = key
+            elif key == "D":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif ty.startswith("*") or name in aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, consts, attrs
+
+
+def prefill_values(T: int, H: int, S: int, K: int, has_len: bool = False,
+                   has_sink: bool = True) -> dict:
+    """The integer arguments ``prefill_launch.launch`` passes for contiguous ``q [T, H, 512]``,
+    ``kv [S, 512]``, ``indices [T, K]``, ``lens [T]``, ``sink [H]``, ``out``, ``lse``."""
+    num_ht = -(-H // 64)
+    return dict(stride_qt=H * 512, stride_qh=512, kv_stride=512, rows=S, idx_st=K, width=K,
+                len_st=1 if has_len else 0, sink_st=1 if has_sink else 0, stride_ot=H * 512,
+                stride_oh=512, stride_lt=H, stride_lh=1, H=H, num_ht=num_ht,
+                num_items=T * num_ht)
+
+
 def compile_prefill(lazy: bool = True, has_len: bool = True, has_sink: bool = True,
-                    arch: int = 90, ws: bool = False, variant: str = ""):
+                    arch: int = 90, ws: bool = False, variant: str = "",
+                    values: dict | None = None):
     """The Gluon prefill kernel compiled for ``sm_<arch>`` (no GPU needed): ``variant`` "ws"
-    (or ``ws=True``: the warp-specialized one), "wsp" (the persistent warp-specialized one), else ``prefill.py``'s (``lazy`` picks its rescale)."""
+    (or ``ws=True``: the warp-specialized one), "wsp" (the persistent warp-specialized one),
+    else ``prefill.py``'s (``lazy`` picks its rescale); ``values`` (e.g. ``prefill_values``):
+    specialized on a launch's integer arguments, as on the GPU (``_specialize``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -202,15 +265,14 @@ def compile_prefill(lazy: bool = True, has_len: bool = True, has_sink: bool = Tr
     else:
         from .prefill import NUM_WARPS, _sparse_mla_prefill_gluon_kernel as kern
 
-    sig = dict(args)
-    aligned = [i for i, (n, ty) in enumerate(args)
-               if ty.startswith("*") or n in ("stride_qt", "stride_qh", "kv_stride")]
+    if variant != "wsp" and values:
+        values = {k: v for k, v in values.items() if k != "num_items"}
+    sig, constexprs, attrs = _specialize(args, ("stride_qt", "stride_qh", "kv_stride"), values)
     consts = dict(HAS_LEN=has_len, HAS_SINK=has_sink, LAZY=lazy)
     for k in consts:
         sig[k] = "constexpr"
-    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
-    src = GluonASTSource(kern, sig, constexprs={(list(sig).index(k),): v
-                                                for k, v in consts.items()}, attrs=attrs)
+    constexprs.update({(list(sig).index(k),): v for k, v in consts.items()})
+    src = GluonASTSource(kern, sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=NUM_WARPS))
 
@@ -287,6 +349,24 @@ if __name__ == "__main__":
     # instruction counts. Run with
     # TRITON_INTERPRET unset: the interpreter replaces the functions Gluon calls.
     import json
+    if len(sys.argv) == 3 and sys.argv[1] == "at":
+        # python -m ...compile_check at JSON -> JSON line (registers, stack bytes) of one
+        # compile at a launch's specialization: {"kind": "decode", "T", "H", "bh", "splits",
+        # "kw": compile_decode's keywords} or {"kind": "prefill", "T", "H", "S", "K",
+        # "variant"} (no lens, a sink: perf/bench_prefill.py's case)
+        c = json.loads(sys.argv[2])
+        if c["kind"] == "prefill":
+            vals = prefill_values(c["T"], c["H"], c["S"], c["K"], has_len=False)
+            k = compile_prefill(False, has_len=False, variant=c["variant"], values=vals)
+        else:
+            kw = c["kw"]
+            vals = decode_values(c["T"], c["H"], kw["src_a"], kw["src_b"], c["bh"],
+                                 splits=c["splits"], nb_a=3 * c["T"] + 8,
+                                 nb_b=max(2048, 8 * c["T"]))
+            k = compile_decode(**kw, split=c["splits"] > 1, values=vals)
+        regs, stack = _regs_stack(k)
+        print(json.dumps({"regs": regs, "stack": stack}))
+        sys.exit(0)
     if len(sys.argv) in (3, 4) and sys.argv[1] == "prefill":
         # python -m ...compile_check prefill LAZY [WS] -> JSON line; WS: 0, 1 (= ws) or a
         # variant name (ws, wsp)
