@@ -59,11 +59,6 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
     ``IDX_AHEAD`` (their producer's slot-id lead in blocks); ``deq_prefetch``: the few-heads
     ws kernel's ``DEQ_PREFETCH``; ``values`` (e.g. ``decode_values``): specialized on a
     launch's integer arguments, as on the GPU (``_specialize``)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    sig, constexprs, attrs = _specialize(_decode_args(), _DECODE_ALIGNED, values)
     consts = dict(SRC_A=src_a, SRC_B=src_b, HAS_B=has_b, HAS_LEN_A=True, HAS_LEN_B=True,
                   HAS_SINK=True, SPLIT=split)
     if bh == 64 and ws:
@@ -83,12 +78,7 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
     else:
         from .decode import _sparse_mla_decode_gluon_kernel as kern
         consts.update(BH=bh, NS=ns, NW=nw, F16=f16)
-    for k, v in consts.items():
-        sig[k] = "constexpr"
-    constexprs.update({(list(sig).index(k),): v for k, v in consts.items()})
-    src = GluonASTSource(kern, sig, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=nw))
+    return _compile(kern, _decode_args(), _DECODE_ALIGNED, values, consts, nw, arch)
 
 
 def resource_usage(k, flag: str = "--dump-resource-usage") -> str:
@@ -200,6 +190,22 @@ _PREFILL_ARGS = (
 )
 
 
+def _compile(kern, args, aligned, values, consts: dict, num_warps: int, arch: int):
+    """``kern`` compiled for ``sm_<arch>`` with the ``(name, type)`` arguments ``args``
+    (specialized by ``_specialize``) followed by the constexprs ``consts``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig, constexprs, attrs = _specialize(args, aligned, values)
+    for k, v in consts.items():
+        sig[k] = "constexpr"
+        constexprs[(list(sig).index(k),)] = v
+    src = GluonASTSource(kern, sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=num_warps))
+
+
 def _specialize(args, aligned, values):
     """``(signature, constexprs, attrs)`` of ``args`` (name, type) pairs. Without ``values``:
     the given types, 16-byte divisibility for the ``aligned`` names. With ``values`` (name ->
@@ -251,10 +257,6 @@ def compile_prefill(lazy: bool = True, has_len: bool = True, has_sink: bool = Tr
     (or ``ws=True``: the warp-specialized one), "wsp" (the persistent warp-specialized one),
     else ``prefill.py``'s (``lazy`` picks its rescale); ``values`` (e.g. ``prefill_values``):
     specialized on a launch's integer arguments, as on the GPU (``_specialize``)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     variant = variant or ("ws" if ws else "")
     args = _PREFILL_ARGS
     if variant == "wsp":
@@ -265,16 +267,9 @@ def compile_prefill(lazy: bool = True, has_len: bool = True, has_sink: bool = Tr
     else:
         from .prefill import NUM_WARPS, _sparse_mla_prefill_gluon_kernel as kern
 
-    if variant != "wsp" and values:
-        values = {k: v for k, v in values.items() if k != "num_items"}
-    sig, constexprs, attrs = _specialize(args, ("stride_qt", "stride_qh", "kv_stride"), values)
     consts = dict(HAS_LEN=has_len, HAS_SINK=has_sink, LAZY=lazy)
-    for k in consts:
-        sig[k] = "constexpr"
-    constexprs.update({(list(sig).index(k),): v for k, v in consts.items()})
-    src = GluonASTSource(kern, sig, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=NUM_WARPS))
+    return _compile(kern, args, ("stride_qt", "stride_qh", "kv_stride"), values, consts,
+                    NUM_WARPS, arch)
 
 
 def loops_sass(k) -> list:
