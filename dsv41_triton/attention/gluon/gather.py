@@ -252,20 +252,5 @@ def _pick(g: gl.constexpr, t0, t1, t2, t3, t4, t5, t6, t7):
 @gluon.jit
 def _put(x, g: gl.constexpr, k0, k1, k2, k3, k4, k5, k6, k7):
     """Store ``x`` into tile ``g`` (separate allocations: no false write-after-write barriers)."""
-    if g == 0:
-        k0.store(x)
-    elif g == 1:
-        k1.store(x)
-    elif g == 2:
-        k2.store(x)
-    elif g == 3:
-        k3.store(x)
-    elif g == 4:
-        k4.store(x)
-    elif g == 5:
-        k5.store(x)
-    elif g == 6:
-        k6.store(x)
-    else:
-        k7.store(x)
+    _pick(g, k0, k1, k2, k3, k4, k5, k6, k7).store(x)
 
