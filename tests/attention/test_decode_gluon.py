@@ -23,6 +23,26 @@ PAIRS = [(584, 584), (584, 528), (584, 288), (528, 584), (528, 528), (528, 288),
          (528, None)]
 
 
+def _compile_check(*argv):
+    """``python -m dsv41_triton.attention.gluon.compile_check ARGV`` in a subprocess without the
+    interpreter (it would replace the functions Gluon calls): the completed process."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-m", "dsv41_triton.attention.gluon.compile_check",
+                           *map(str, argv)], env=env, capture_output=True, text=True,
+                          timeout=900)
+
+
+def _compile_facts(*argv):
+    """``_compile_check``'s JSON line (the facts of one compile); the compile must succeed."""
+    import json
+    r = _compile_check(*argv)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def _need_gluon_gpu():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
@@ -52,17 +72,7 @@ def test_gluon_decode_compiles_for_sm90(src_a, src_b, bh, split, nw, f16, ns):
     1 KB of it reserved per CTA (``launch.ctas_per_sm``)."""
     if not gluon_pkg.AVAILABLE:
         pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
-    import json
-    import os
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", "dsv41_triton.attention.gluon.compile_check",
-                        str(src_a), str(src_b), str(bh), str(int(split)), str(nw),
-                        str(f16), str(ns)],
-                       env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-2000:]
-    facts = json.loads(r.stdout.strip().splitlines()[-1])
+    facts = _compile_facts(src_a, src_b, bh, int(split), nw, f16, ns)
     assert facts["wgmma"] and facts["cp_async"], facts
     assert facts["f16_mma"] == bool(f16) and facts["e4m3_cvt"], facts
     assert 0 < facts["shared"] <= 227 * 1024, facts
@@ -84,18 +94,9 @@ def test_gluon_few_ws_compiles_for_sm90(src_a, src_b, split, bh, ahead):
     nothing."""
     if not gluon_pkg.AVAILABLE:
         pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
-    import json
-    import os
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     lead, prefetch = str(ahead)[0], str(ahead)[1:]  # "1p": lead 1 and the dequant prefetch
-    r = subprocess.run([sys.executable, "-m", "dsv41_triton.attention.gluon.compile_check",
-                        "few_ws", str(src_a), str(src_b), str(split), str(bh), lead,
-                        *([prefetch] if prefetch else [])],
-                       env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-2000:]
-    facts = json.loads(r.stdout.strip().splitlines()[-1])
+    facts = _compile_facts("few_ws", src_a, src_b, split, bh, lead,
+                           *([prefetch] if prefetch else []))
     assert facts["wgmma"] and facts["cp_async"] and facts["mbarrier"], facts
     assert 0 < facts["shared"] <= 227 * 1024, facts
     assert facts["setmaxnreg"], facts
@@ -125,13 +126,7 @@ def test_gluon_f16_mixed_584_refused():
         assert gl_launch.f16_supported(K(a), K(b) if b else None) == ok, (a, b)
     if not gluon_pkg.AVAILABLE:
         pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
-    import os
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", "dsv41_triton.attention.gluon.compile_check",
-                        "584", "528", "8", "0", "4", "1"], env=env, capture_output=True,
-                       text=True, timeout=900)
+    r = _compile_check(584, 528, 8, 0, 4, 1)
     assert r.returncode != 0 and "not supported" in r.stderr, r.stderr[-2000:]
 
 
@@ -185,15 +180,8 @@ def test_gluon_picks_compile_at_launch_values(entry, shape):
     if not gluon_pkg.AVAILABLE:
         pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
     import json
-    import os
-    import subprocess
-    import sys
     case = _pick_compile_case(entry, shape)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", "dsv41_triton.attention.gluon.compile_check", "at",
-                        json.dumps(case)], env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-2000:]
-    facts = json.loads(r.stdout.strip().splitlines()[-1])
+    facts = _compile_facts("at", json.dumps(case))
     assert 0 < facts["regs"] <= 255 and facts["stack"] == 0, (case, facts)
 
 

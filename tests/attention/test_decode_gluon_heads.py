@@ -8,10 +8,7 @@ otherwise). GPU-marked: heads 16..128 (one padded tile, two tiles, 65 = one head
 tile), tokens 1..128 (1/2/7 split the keys), every record pair, ragged lens, ``-1`` and empty
 rows, sinks, a > 2 GiB cache, strided layouts, CUDA graphs, hostile indices; outputs poisoned.
 """
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,8 +19,8 @@ from dsv41_triton.attention.ref import sparse_mla_decode_ref
 from dsv41_triton.testing import (assert_graph_replay, large_offset_decode_case, max_abs_err,
                                   poison_, rel_err)
 from test_decode_gluon import (GRAPH_INPUTS, LSE_TOL, OUT_TOL, PAIRS, _case, _check,
-                               _check_empty_rows, _check_layouts, _empty_rows_case, _hostile_case,
-                               _need_gluon_gpu, _v41)
+                               _check_empty_rows, _check_layouts, _compile_facts,
+                               _empty_rows_case, _hostile_case, _need_gluon_gpu, _v41)
 
 SHAPE = "8:64:2"
 #: the warp-specialized kernel (decode_heads_ws.py)
@@ -83,12 +80,7 @@ def test_gluon_heads_compiles_for_sm90(src_a, src_b, split, variant):
     block in the consumers' loop (membar's around the mbarrier ops), 2 in the producer's."""
     if not gluon_pkg.AVAILABLE:
         pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", "dsv41_triton.attention.gluon.compile_check",
-                        str(src_a), str(src_b), "64", str(int(split)), "8", "2", variant],
-                       env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-2000:]
-    facts = json.loads(r.stdout.strip().splitlines()[-1])
+    facts = _compile_facts(src_a, src_b, 64, int(split), 8, 2, variant)
     assert facts["wgmma"] and facts["cp_async"], facts
     assert facts["wgmma_ptx"] == 36, facts
     assert 0 < facts["shared"] <= 227 * 1024, facts

@@ -16,7 +16,7 @@ from dsv41_triton.attention import gluon as gluon_pkg
 from dsv41_triton.attention.prefill import sparse_mla_prefill
 from dsv41_triton.attention.ref import sparse_mla_prefill_ref
 from dsv41_triton.testing import assert_graph_replay, max_abs_err, poison_, rel_err
-from test_decode_gluon import _need_gluon_gpu
+from test_decode_gluon import _compile_facts, _need_gluon_gpu
 
 OUT_TOL = 1e-2
 LSE_TOL = 1e-3
@@ -47,16 +47,7 @@ def test_gluon_prefill_compiles_for_sm90(lazy, variant):
     partitions' register budgets (setmaxnreg) and spill nothing."""
     if not gluon_pkg.AVAILABLE:
         pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
-    import json
-    import os
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", "dsv41_triton.attention.gluon.compile_check",
-                        "prefill", str(int(lazy)), variant], env=env, capture_output=True,
-                       text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-2000:]
-    facts = json.loads(r.stdout.strip().splitlines()[-1])
+    facts = _compile_facts("prefill", int(lazy), variant)
     assert facts["wgmma"] and facts["cp_async"], facts
     assert 0 < facts["shared"] <= 227 * 1024, facts
     assert 0 < facts["regs"] <= 255, facts
@@ -78,17 +69,9 @@ def test_gluon_prefill_pick_compiles_at_launch_values(H):
     if not gluon_pkg.AVAILABLE:
         pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
     import json
-    import os
-    import subprocess
-    import sys
     from dsv41_triton.attention.gluon import prefill_launch as pl
-    variant = pl.PICK[(9, 0)][H]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    case = dict(kind="prefill", T=4096, H=H, S=36991, K=640, variant=variant)
-    r = subprocess.run([sys.executable, "-m", "dsv41_triton.attention.gluon.compile_check", "at",
-                        json.dumps(case)], env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-2000:]
-    facts = json.loads(r.stdout.strip().splitlines()[-1])
+    case = dict(kind="prefill", T=4096, H=H, S=36991, K=640, variant=pl.PICK[(9, 0)][H])
+    facts = _compile_facts("at", json.dumps(case))
     assert 0 < facts["regs"] <= 255 and facts["stack"] == 0, facts
 
 
