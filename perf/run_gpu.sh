@@ -5,8 +5,9 @@
 #   bash perf/run_gpu.sh [--quick] [extra dsv41-bench args...]
 #
 # PARTS (default "tests harness decode prefill"; "sanitize" adds compute-sanitizer memcheck
-# of the Gluon kernels' hostile-id, empty-row and edge tests) picks the parts to run and TESTS_K narrows the
-# GPU tests to a pytest -k expression, so a short device call can run only what changed, e.g.
+# of the Gluon kernels' hostile-id, empty-row and edge tests) picks the parts to run and
+# TESTS_K narrows the GPU tests to a pytest -k expression, so a short device call can run only
+# what changed, e.g.
 #   PARTS="tests prefill" TESTS_K=wsp BENCH_GLUON_VARIANTS=ws,wsp bash perf/run_gpu.sh
 #
 # Writes logs and the report to $OUT (the device tool's output folder) or ./bench-out.

@@ -465,7 +465,8 @@ def test_gluon_hostile_indices_gpu(device, monkeypatch, shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", ["4:0:3", "4:0:1", "4:0:1:h", "4:8:2:w", "4:8:2:w:0", "4:8:2:w:1:p", "4:8:2:w:0:p", "4:16:2:w", "8:64:2",
+@pytest.mark.parametrize("shape", ["4:0:3", "4:0:1", "4:0:1:h", "4:8:2:w", "4:8:2:w:0",
+                                   "4:8:2:w:1:p", "4:8:2:w:0:p", "4:16:2:w", "8:64:2",
                                    "8:64:2:3", "8:64:2:3:0"])
 def test_gluon_wide_ids_gpu(device, monkeypatch, shape):
     """int64 slot ids outside ``[0, rows)`` only at 64 bits (2**32 + a valid slot, ...) are

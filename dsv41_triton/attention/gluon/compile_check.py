@@ -321,9 +321,8 @@ def summary_prefill(lazy: bool = True, ws: bool = False, variant: str = "") -> d
     """Facts of one prefill compile: wgmma / cp.async in the PTX, shared memory, registers,
     stack bytes, named barriers (``BAR.SYNC``), local stores (``STL``), ``HGMMA`` and wgmma
     waits (``WARPGROUP.DEPBAR``: one after every ``HGMMA`` when ptxas serialized them) in the
-    SASS, the
-    loops (``loops_sass``), and ``setmaxnreg`` (the partitions' register budgets of the
-    warp-specialized kernels)."""
+    SASS, the loops (``loops_sass``), and ``setmaxnreg`` (the partitions' register budgets of
+    the warp-specialized kernels)."""
     k = compile_prefill(lazy, ws=ws, variant=variant)
     ptx = k.asm["ptx"]
     regs, stack = _regs_stack(k)

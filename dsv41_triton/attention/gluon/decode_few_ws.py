@@ -166,8 +166,8 @@ def _sparse_mla_decode_few_ws_kernel(
     """Grid ``T * num_splits * num_ht`` (head tile fastest, then split, then token); launch with
     ``num_warps=MMA_WARPS``. Arguments as ``decode._sparse_mla_decode_gluon_kernel``'s; ``NS``
     byte-ring stages, ``NT`` bf16 key tiles, slot ids loaded one block ahead (``IDX_AHEAD``
-    1) or 8 blocks at once (0);
-    ``DEQ_PREFETCH``: the dequant partition loads each group's bytes one group ahead."""
+    1) or 8 blocks at once (0); ``DEQ_PREFETCH``: the dequant partition loads each group's
+    bytes one group ahead."""
     ht, split, t = _program_ids(num_ht, num_splits)
 
     USE_288: gl.constexpr = SRC_A == 288 or (HAS_B and SRC_B == 288)

@@ -233,8 +233,8 @@ def parse_shape(text: str) -> dict:
     ``few_ws: True`` (the warp-specialized few-heads kernel); ``1`` / ``2``
     / ``3`` is the many-heads kernel's variant (``HEADS_VARIANTS``); after ``w`` or ``3`` a 5th
     field 0 or 1 is the producer's ``idx_ahead`` (``IDX_AHEAD``; 0: the ids of 8 blocks at once
-    into shared memory, 1: one block ahead); after ``w`` and a 5th field, a 6th ``p`` adds ``deq_prefetch: True``
-    (the dequant partition loads each group's bytes one group ahead)."""
+    into shared memory, 1: one block ahead); after ``w`` and a 5th field, a 6th ``p`` adds
+    ``deq_prefetch: True`` (the dequant partition loads each group's bytes one group ahead)."""
     if not text:
         return {}
     parts = text.split(":")
