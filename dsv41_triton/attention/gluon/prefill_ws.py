@@ -142,7 +142,7 @@ def _qk(q_smem, kt, ready, C: gl.constexpr, ph, s_zero):
 
 
 @gluon.jit
-def _block_ok(C: gl.constexpr, i, n, idx_row, rows, COL_S: gl.constexpr):
+def _block_ok(C: gl.constexpr, i, n, idx_row, rows):
     """Column validity of consumer ``C``'s block of pair ``i`` in the S accumulator's column
     layout ``COL_S``: loaded one column a thread pair and moved there (the load's latency
     hides behind the QK product)."""
@@ -217,7 +217,7 @@ def _consumer_pair(C: gl.constexpr, i, ph, last, n, idx_row, rows, qk_scale, q_s
     with ``FREES_Q``, Q after the QK of the ``last`` pair). Returns ``(m_i, l_i, o)``."""
     s_zero = gl.full([BH, BN], 0.0, gl.float32, layout=S_L)
     opaque, mine, v_mine, v_other = _pair_views(C, i, ring)
-    ok = _block_ok(C, i, n, idx_row, rows, COL_S)
+    ok = _block_ok(C, i, n, idx_row, rows)
     sc = _qk(q_smem.index(opaque), mine, ready, C, ph, s_zero)
     gl.thread_barrier()
     if FREES_Q:
