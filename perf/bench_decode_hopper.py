@@ -193,7 +193,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--sweep", default="",
                     help="gluon launch shapes to time on the --quick rows, e.g. "
-                         "'4:0:3,8:16:3' (num_warps:block_h(0 = default):stages)")
+                         "'4:0:3,8:16:3' (num_warps:block_h(0 = default):stages; "
+                         "'flashmla': its kernel)")
     ap.add_argument("--sweep-rows", default="",
                     help="rows for --sweep, e.g. '8,1,528,288;16,128,584,584' (default: --quick's)")
     ap.add_argument("--no-table", action="store_true", help="only the --sweep part")
@@ -215,7 +216,7 @@ def main(argv=None):
     warm(rows, ["tl", "4:0:3", gluon_launch.HEADS_SHAPE, ""])  # "": the pick table's shape
     warm([r for r in rows if r[0] <= 16], ["4:0:3:h"])
     if variants:
-        warm(sweep_rows, variants)
+        warm(sweep_rows, [v for v in variants if v != "flashmla"])
     print(f"# {torch.cuda.get_device_name()} | gluon available: {gluon_launch.AVAILABLE} "
           f"{gluon_launch.REASON}")
     print("| heads | tokens | records | tl (µs) | gluon (µs) | fp16 (µs) | gluon shape (bh, splits, "
@@ -257,6 +258,11 @@ def main(argv=None):
             case = build_case(T, H, ra, rb)
             ro, rl = sparse_mla_decode_ref(**case)
             for v in variants:
+                if v == "flashmla":  # FlashMLA's kernel on the row (584 records only)
+                    fn = flashmla_fn(case) if ra == rb == 584 else None
+                    t = time_graph(fn, args.reps) if fn is not None else float("nan")
+                    print(f"| {H} | {T} | {ra}+{rb} | flashmla | {t:.1f} | - |", flush=True)
+                    continue
                 gluon_launch.OVERRIDE.clear()
                 gluon_launch.OVERRIDE.update(gluon_launch.parse_shape(v))
                 try:
