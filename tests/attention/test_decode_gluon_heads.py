@@ -25,24 +25,14 @@ from test_decode_gluon import (GRAPH_INPUTS, LSE_TOL, OUT_TOL, PAIRS, _case, _ch
 SHAPE = "8:64:2"
 #: the warp-specialized kernel (decode_heads_ws.py)
 WS_SHAPE = "8:64:2:3"
-#: the block-pair kernel (decode_pairs.py: persistent, never splits the keys)
-PAIRS_SHAPE = "8:64:2:4"
-#: the kernels every GPU contract test runs: the default order (serial), the ws kernel and the
-#: block-pair kernel
-KERNELS = {"serial": SHAPE, "ws": WS_SHAPE, "pairs": PAIRS_SHAPE}
+#: the kernels every GPU contract test runs: the default order (serial) and the ws kernel
+KERNELS = {"serial": SHAPE, "ws": WS_SHAPE}
 
 
 def _launch_module():
     from dsv41_triton.attention.gluon import launch as gl_launch
     assert gl_launch.HEADS_SHAPE == SHAPE and gl_launch.HEADS_WS_SHAPE == WS_SHAPE
-    assert gl_launch.HEADS_PAIRS_SHAPE == PAIRS_SHAPE
     return gl_launch
-
-
-def _splits_expected(splits):
-    """The key splits a launch makes when ``splits`` are asked for: the block-pair kernel
-    makes none."""
-    return 1 if os.environ["DSV41_GLUON_SHAPE"] == PAIRS_SHAPE else splits
 
 
 @pytest.fixture(params=list(KERNELS))
@@ -105,22 +95,6 @@ def test_gluon_heads_compiles_for_sm90(src_a, src_b, split, variant):
         assert facts["bar_sync"] <= (10 if variant == "1" else 8), facts
 
 
-@pytest.mark.parametrize("src_a,src_b", [(584, 584), (528, 288), (584, 528), (584, 288)])
-def test_gluon_heads_pairs_compiles_for_sm90(src_a, src_b):
-    """The block-pair kernel compiles for sm_90: wgmma (the prefill consumers' 32 S and 8 PV
-    products per consumer), shared memory within one CTA's 227 KB, the consumers' budget
-    (setmaxnreg 192; the producer keeps 120), ptxas did not serialize the products (a wgmma
-    wait after each); the producer's two register-staged halves spill (up to 144 bytes)."""
-    if not gluon_pkg.AVAILABLE:
-        pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
-    facts = _compile_facts(src_a, src_b, 64, 0, 8, 2, "pairs")
-    assert facts["wgmma"] and facts["hgmma"] >= 80, facts
-    assert 0 < facts["shared"] <= 227 * 1024, facts
-    assert "inc 192" in facts["setmaxnreg"], facts
-    assert 4 * facts["wgmma_waits"] < facts["hgmma"], facts
-    assert 0 <= facts["stack"] <= 160, facts
-
-
 def test_gluon_heads_shape_in_pick_vocabulary():
     """The many-heads launch shape is one the GPU tests run; the split count fills one wave."""
     from dsv41_triton.attention.gluon import launch as gl_launch
@@ -128,9 +102,8 @@ def test_gluon_heads_shape_in_pick_vocabulary():
     assert gl_launch.parse_shape(SHAPE) == {"num_warps": 8, "block_h": 64, "stages": 2}
     assert gl_launch.parse_shape(SHAPE + ":1")["variant"] == 1
     assert gl_launch.parse_shape(WS_SHAPE)["variant"] == 3 and WS_SHAPE in gl_launch.TESTED_SHAPES
-    assert gl_launch.HEADS_VARIANTS == {1: False, 2: True, 3: "ws", 4: "pairs"}
-    assert PAIRS_SHAPE in gl_launch.TESTED_SHAPES
-    for bad in (SHAPE + ":5", "8:64", "8:64:2:1:1", PAIRS_SHAPE + ":0"):
+    assert gl_launch.HEADS_VARIANTS == {1: False, 2: True, 3: "ws"}
+    for bad in (SHAPE + ":4", "8:64", "8:64:2:1:1"):
         with pytest.raises(ValueError, match="launch shape"):
             gl_launch.parse_shape(bad)
     assert gl_launch.default_splits(128, 1, 640, 132) == 1
@@ -172,13 +145,12 @@ def test_gluon_heads_v41_shapes_gpu(device, heads_kernel, T, H, swa_rec, extra_r
     _need_gluon_gpu()
     _check(_v41(device, T, H, swa_rec, extra_rec))
     shape = _ran_heads(heads_kernel)
-    if T == 1 and _splits_expected(2) > 1:
+    if T == 1:
         assert shape[1] > 1, shape  # one token: the keys are split
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant,overlap", [("1", False), ("2", True), ("3", "ws"),
-                                             ("4", "pairs")])
+@pytest.mark.parametrize("variant,overlap", [("1", False), ("2", True), ("3", "ws")])
 @pytest.mark.parametrize("T,H", [(1, 64), (128, 128)])
 @pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, 288), (584, 288)])
 def test_gluon_heads_variants_gpu(device, heads_launch, monkeypatch, variant, overlap, T, H,
@@ -222,7 +194,7 @@ def test_gluon_heads_empty_rows_gpu(device, heads_kernel, monkeypatch, T, splits
     _need_gluon_gpu()
     monkeypatch.setattr(heads_kernel, "default_splits", lambda *a: splits)
     _check_empty_rows(_empty_rows_case(device, T, 64, 584, 528))
-    assert _ran_heads(heads_kernel)[1] == _splits_expected(splits)
+    assert _ran_heads(heads_kernel)[1] == splits
 
 
 @pytest.mark.gpu
@@ -277,7 +249,7 @@ def test_gluon_heads_nan_sink_gpu(device, heads_kernel, monkeypatch, splits):
     args["extra_lens"][1] = 0
     out = poison_(torch.empty(3, H, 512, dtype=torch.bfloat16, device=device))
     o, lse = sparse_mla_decode(**args, out=out, _kernel="gluon")
-    assert _ran_heads(heads_kernel)[1] == _splits_expected(splits)
+    assert _ran_heads(heads_kernel)[1] == splits
     ro, rl = sparse_mla_decode_ref(**args)
     assert torch.isnan(o[:, 37]).all() and torch.isnan(ro[:, 37]).all()
     keep = [h for h in range(H) if h != 37]

@@ -53,22 +53,15 @@ def decode_values(T: int, H: int, src_a: int, src_b: int, bh: int, splits: int =
 def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool = False,
                    has_b: bool = True, ns: int = 3, arch: int = 90, nw: int = 4,
                    overlap: bool = True, f16: bool = False, ws: bool = False, nt: int = 0,
-                   ahead: int = 1, deq_prefetch: bool = False, values: dict | None = None,
-                   pairs: bool = False):
-    """``pairs`` (``bh = 64``): the block-pair kernel of decode_pairs.py; ``nt > 0`` with ``bh < 64``: the warp-specialized few-heads kernel (decode_few_ws.py)
+                   ahead: int = 1, deq_prefetch: bool = False, values: dict | None = None):
+    """``nt > 0`` with ``bh < 64``: the warp-specialized few-heads kernel (decode_few_ws.py)
     with ``nt`` key tiles and ``ns`` ring stages; ``ahead``: the warp-specialized kernels'
     ``IDX_AHEAD`` (their producer's slot-id lead in blocks); ``deq_prefetch``: the few-heads
     ws kernel's ``DEQ_PREFETCH``; ``values`` (e.g. ``decode_values``): specialized on a
     launch's integer arguments, as on the GPU (``_specialize``)."""
     consts = dict(SRC_A=src_a, SRC_B=src_b, HAS_B=has_b, HAS_LEN_A=True, HAS_LEN_B=True,
                   HAS_SINK=True, SPLIT=split)
-    args = _decode_args()
-    if bh == 64 and pairs:
-        from .decode_pairs import NUM_WARPS, _sparse_mla_decode_pairs_kernel as kern
-        nw = NUM_WARPS
-        consts.pop("SPLIT")
-        args = args + [("num_items", "i32")]
-    elif bh == 64 and ws:
+    if bh == 64 and ws:
         from .decode_heads import NW
         from .decode_heads_ws import _sparse_mla_decode_heads_ws_kernel as kern
         nw = NW.value
@@ -85,7 +78,7 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
     else:
         from .decode import _sparse_mla_decode_gluon_kernel as kern
         consts.update(BH=bh, NS=ns, NW=nw, F16=f16)
-    return _compile(kern, args, _DECODE_ALIGNED, values, consts, nw, arch)
+    return _compile(kern, _decode_args(), _DECODE_ALIGNED, values, consts, nw, arch)
 
 
 def resource_usage(k, flag: str = "--dump-resource-usage") -> str:
@@ -163,15 +156,13 @@ def _setmaxnreg(ptx: str) -> list:
 
 
 def summary(src_a: int, src_b: int, bh: int, split: bool, nw: int = 4, ns: int = 3,
-            overlap: bool = True, f16: bool = False, ws: bool = False,
-            pairs: bool = False) -> dict:
+            overlap: bool = True, f16: bool = False, ws: bool = False) -> dict:
     """Facts of one compile: wgmma / cp.async present in the PTX, shared memory, registers,
     stack bytes (spills) and CTA barriers in the SASS (``overlap``: the many-heads kernel's
     variant; ``ws``: its warp-specialized kernel, with the ``setmaxnreg`` requests and the
     consumer / producer loops' SASS, ``loop_sass``); ``f16_mma`` / ``e4m3_cvt``: fp16 wgmma and
     the e4m3 -> f16x2 ``cvt`` in the PTX."""
-    k = compile_decode(src_a, src_b, bh, split, nw=nw, ns=ns, overlap=overlap, f16=f16, ws=ws,
-                       pairs=pairs)
+    k = compile_decode(src_a, src_b, bh, split, nw=nw, ns=ns, overlap=overlap, f16=f16, ws=ws)
     ptx = k.asm["ptx"]
     regs, stack = _regs_stack(k)
     sass = resource_usage(k, "-sass")
@@ -180,9 +171,6 @@ def summary(src_a: int, src_b: int, bh: int, split: bool, nw: int = 4, ns: int =
            "stack": stack, "bar_sync": sass.count("BAR.SYNC"),
            "wgmma_ptx": ptx.count("wgmma.mma_async"),
            "f16_mma": ".f32.f16.f16" in ptx, "e4m3_cvt": "cvt.rn.f16x2.e4m3x2" in ptx}
-    if pairs:
-        out.update(setmaxnreg=_setmaxnreg(ptx), hgmma=sass.count("HGMMA"),
-                   wgmma_waits=sass.count("WARPGROUP.DEPBAR"), local_st=sass.count("STL"))
     if ws:
         out["setmaxnreg"] = _setmaxnreg(ptx)
         for name, op in (("consumer", "HGMMA"), ("producer", "LDGSTS")):
@@ -390,15 +378,11 @@ if __name__ == "__main__":
                                         len(sys.argv) == 8 and sys.argv[7] == "p")))
         sys.exit(0)
     if len(sys.argv) in (6, 7, 8, 9) and int(sys.argv[3]) == 64:
-        # ... 64 SPLIT 8 NS Y [sass]: Y = OVERLAP 0/1, "ws" (the warp-specialized kernel) or
-        # "pairs" (decode_pairs.py; SPLIT ignored); "sass": the main loop's instruction counts
-        # (``loop_sass``) instead of the summary
+        # ... 64 SPLIT 8 NS Y [sass]: Y = OVERLAP 0/1 or "ws" (the warp-specialized kernel);
+        # "sass": the main loop's instruction counts (``loop_sass``) instead of the summary
         a, b, bh, sp, nw = (int(x) for x in sys.argv[1:6])
         ns = int(sys.argv[6]) if len(sys.argv) >= 7 else 2
         y = sys.argv[7] if len(sys.argv) >= 8 else "1"
-        if y == "pairs":
-            print(json.dumps(summary(a, b, bh, False, nw, ns, pairs=True)))
-            sys.exit(0)
         ws = y == "ws"
         ov = (not ws) and bool(int(y))
         if len(sys.argv) == 9 and sys.argv[8] == "sass":

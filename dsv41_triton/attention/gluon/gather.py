@@ -119,12 +119,15 @@ def _load_idx(k, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b, h
 
 
 @gluon.jit
-def _record_offsets(idx, bstride, page, SRC: gl.constexpr):
-    """Slot ids (``-1`` = none) of ``SRC`` records -> ``(valid, byte offset of each data row,
-    byte offset of each scale row)`` (SPEC section 4's split block layout; slot 0's offsets
-    where not valid)."""
+def _copy_keys(base, idx, bstride, page, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s,
+               SRC: gl.constexpr, NW: gl.constexpr):
+    """cp.async the records of one block (slot ids ``idx``, -1 = none) into one ring stage."""
     DATA: gl.constexpr = 576 if SRC == 584 else (512 if SRC == 528 else 256)
     SB: gl.constexpr = 8 if SRC == 584 else (16 if SRC == 528 else 32)
+    L16: gl.constexpr = _copy_layout(16, NW)
+    # the scale tile is [64, 16 | 32 | 64] bytes wide (4 threads per row)
+    SW: gl.constexpr = scale_s.shape[1]
+    LS: gl.constexpr = _copy_layout(SW // 4, NW)
     valid = idx >= 0
     slot = gl.where(valid, idx, 0)
     blk = slot // page
@@ -132,19 +135,6 @@ def _record_offsets(idx, bstride, page, SRC: gl.constexpr):
     bbase = blk.to(gl.int64) * bstride
     data_off = gl.multiple_of(bbase + off.to(gl.int64) * DATA, 16)
     scale_off = gl.multiple_of(bbase + page.to(gl.int64) * DATA + off.to(gl.int64) * SB, 8)
-    return valid, data_off, scale_off
-
-
-@gluon.jit
-def _copy_keys(base, idx, bstride, page, s, r0, r1, r2, r3, r4, r5, r6, r7, rope_s, scale_s,
-               SRC: gl.constexpr, NW: gl.constexpr):
-    """cp.async the records of one block (slot ids ``idx``, -1 = none) into one ring stage."""
-    SB: gl.constexpr = 8 if SRC == 584 else (16 if SRC == 528 else 32)
-    L16: gl.constexpr = _copy_layout(16, NW)
-    # the scale tile is [64, 16 | 32 | 64] bytes wide (4 threads per row)
-    SW: gl.constexpr = scale_s.shape[1]
-    LS: gl.constexpr = _copy_layout(SW // 4, NW)
-    valid, data_off, scale_off = _record_offsets(idx, bstride, page, SRC)
 
     c16 = gl.arange(0, 64, layout=gl.SliceLayout(0, L16))
     vm = valid[:, None]

@@ -24,9 +24,6 @@ HEADS_SHAPE = "8:64:2"
 #: the warp-specialized many-heads kernel (decode_heads_ws.py: a cp.async producer partition
 #: beside the 8 MMA warps), selectable only by the launch shape for now
 HEADS_WS_SHAPE = "8:64:2:3"
-#: the many-heads decode on the prefill's block-pair schedule (decode_pairs.py: a dequantizing
-#: producer, two consumer warpgroups splitting the value dims; persistent, no key splits)
-HEADS_PAIRS_SHAPE = "8:64:2:4"
 #: the warp-specialized few-heads kernel (decode_few_ws.py: producer, dequant and MMA
 #: partitions; 8-head tiles, two ring stages, two key tiles)
 FEW_WS_SHAPE = "4:8:2:w"
@@ -40,7 +37,7 @@ FEW_WS_PREFETCH_SHAPE = "4:8:2:w:1:p"
 FEW_WS_PRELOAD_PREFETCH_SHAPE = "4:8:2:w:0:p"
 FEW_WS16_PRELOAD_PREFETCH_SHAPE = "4:16:2:w:0:p"
 TESTED_SHAPES = ("4:0:3", "4:16:2", "8:16:3", "8:16:2", "8:32:3", "4:0:3:h", "4:8:3:h",
-                 "4:0:1", "4:0:1:h", HEADS_SHAPE, HEADS_WS_SHAPE, HEADS_PAIRS_SHAPE, FEW_WS_SHAPE, FEW_WS16_SHAPE,
+                 "4:0:1", "4:0:1:h", HEADS_SHAPE, HEADS_WS_SHAPE, FEW_WS_SHAPE, FEW_WS16_SHAPE,
                  FEW_WS_PRELOAD_SHAPE, FEW_WS_PREFETCH_SHAPE, FEW_WS_PRELOAD_PREFETCH_SHAPE,
                  FEW_WS16_PRELOAD_PREFETCH_SHAPE)
 #: the many-heads kernel's dequant order by default: True = block j + 1's keys are dequantized
@@ -51,7 +48,7 @@ TESTED_SHAPES = ("4:0:3", "4:16:2", "8:16:3", "8:16:2", "8:32:3", "4:0:3:h", "4:
 #: memory). Serial: on the H200 (one run, T = 128) 55.9 / 103.6 / 56.6 us against 59.2 / 107.1
 #: / 58.9 overlapped for 64 h 584+584, 128 h 584+584, 64 h 528+288 (the overlapped order spills).
 HEADS_OVERLAP = False
-HEADS_VARIANTS = {1: False, 2: True, 3: "ws", 4: "pairs"}
+HEADS_VARIANTS = {1: False, 2: True, 3: "ws"}
 #: how the warp-specialized kernels' producer loads slot ids (its ``IDX_AHEAD``): 1 = one
 #: 64-key block ahead, 0 = those of ``decode_heads_ws.PRELOAD_BLOCKS`` blocks at once into
 #: shared memory; a 5th shape field sets it ("4:8:2:w:0", "8:64:2:3:0")
@@ -358,17 +355,10 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
         nw, stages = 8, 2
         n_ht = cdiv(H, 64)
         ns = num_splits or default_splits(T, n_ht, width, _sms(q.device))
-        overlap = HEADS_VARIANTS.get(over.get("variant"), HEADS_OVERLAP)
-        if overlap == "pairs":
-            ns = 1  # persistent over (token, head tile) items: no key splits
         args, po, pl, sink_arg, sink_st = kernel_args(q, a, b, sink, out, lse, ns)
+        overlap = HEADS_VARIANTS.get(over.get("variant"), HEADS_OVERLAP)
         grid = (T * ns * n_ht,)
-        if overlap == "pairs":
-            from .decode_pairs import NUM_WARPS, _sparse_mla_decode_pairs_kernel
-            items = T * n_ht
-            k = _sparse_mla_decode_pairs_kernel[(min(_sms(q.device), items),)](
-                *args, H, qk_scale, 1, n_ht, items, **flags, num_warps=NUM_WARPS)
-        elif overlap == "ws":
+        if overlap == "ws":
             from .decode_heads_ws import _sparse_mla_decode_heads_ws_kernel
             if ahead == 0 and {a.src, bb.src} == {584, 528}:
                 ahead = 1  # the preload's 2 KB of shared memory do not fit beside both rings
@@ -399,8 +389,7 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
 
 
 __all__ = ["PICK", "ENV", "OVERRIDE", "usable", "pick", "launch", "default_block_h",
-           "default_shape", "default_splits", "HEADS_SHAPE", "HEADS_WS_SHAPE", "HEADS_PAIRS_SHAPE",
-           "FEW_WS_SHAPE",
+           "default_shape", "default_splits", "HEADS_SHAPE", "HEADS_WS_SHAPE", "FEW_WS_SHAPE",
            "FEW_WS16_SHAPE", "few_ws_block_h", "HEADS_OVERLAP", "IDX_AHEAD", "DEQ_PREFETCH",
            "HEADS_VARIANTS", "f16_supported", "heads_bucket", "tokens_bucket", "table_shape",
            "parse_shape", "TESTED_SHAPES", "ctas_per_sm"]

@@ -208,15 +208,16 @@ def _pair_views(C: gl.constexpr, i, ring):
 
 
 @gluon.jit
-def _consumer_pair(C: gl.constexpr, i, ph, last, ok, qk_scale, q_smem, ring, p_smem, m_smem,
-                   ready, free, m_bar, p_bar, q_free, m_i, l_i, o, FREES_Q: gl.constexpr):
-    """Consumer ``C``'s share of block pair ``i`` (barrier phase ``ph``; ``ok``: its block's
-    key validity in ``COL_S``, loaded by the caller just before): the QK of its own block, the
-    running max handed 0 -> 1 -> 0, P (its own from registers, the other's from shared memory)
-    times its value dims; frees the ring halves as it is done with them (and, with
-    ``FREES_Q``, Q after the QK of the ``last`` pair). Returns ``(m_i, l_i, o)``."""
+def _consumer_pair(C: gl.constexpr, i, ph, last, n, idx_row, rows, qk_scale, q_smem, ring,
+                   p_smem, m_smem, ready, free, m_bar, p_bar, q_free, m_i, l_i, o,
+                   FREES_Q: gl.constexpr):
+    """Consumer ``C``'s share of block pair ``i`` (barrier phase ``ph``): the QK of its own
+    block, the running max handed 0 -> 1 -> 0, P (its own from registers, the other's from
+    shared memory) times its value dims; frees the ring halves as it is done with them (and,
+    with ``FREES_Q``, Q after the QK of the ``last`` pair). Returns ``(m_i, l_i, o)``."""
     s_zero = gl.full([BH, BN], 0.0, gl.float32, layout=S_L)
     opaque, mine, v_mine, v_other = _pair_views(C, i, ring)
+    ok = _block_ok(C, i, n, idx_row, rows)
     sc = _qk(q_smem.index(opaque), mine, ready, C, ph, s_zero)
     gl.thread_barrier()
     if FREES_Q:
@@ -298,8 +299,7 @@ def _consumer(C: gl.constexpr, idx_ptr, idx_st, n, rows, t, ht, H, qk_scale,
 
     mbarrier.wait(q_bar, 0)
     for i in range(npair):
-        ok = _block_ok(C, i, n, idx_row, rows)
-        m_i, l_i, o = _consumer_pair(C, i, i & 1, i == npair - 1, ok, qk_scale,
+        m_i, l_i, o = _consumer_pair(C, i, i & 1, i == npair - 1, n, idx_row, rows, qk_scale,
                                      q_smem, ring, p_smem, m_smem, ready, free, m_bar, p_bar,
                                      q_bar, m_i, l_i, o, False)
 

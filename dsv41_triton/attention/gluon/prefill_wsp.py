@@ -52,8 +52,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from .prefill_ws import (BH, BN, CONSUMER_REGS, NUM_WARPS, O_L, ROW_S, _block_ok,
-                         _consumer_pair, _consumer_rows, _fill_pairs)
+from .prefill_ws import (BH, BN, CONSUMER_REGS, NUM_WARPS, O_L, ROW_S, _consumer_pair,
+                         _consumer_rows, _fill_pairs)
 
 __all__ = ["NUM_WARPS", "_sparse_mla_prefill_gluon_wsp_kernel"]
 
@@ -124,8 +124,7 @@ def _consumer(C: gl.constexpr, pid, grid, num_items, num_ht, width, len_ptr, len
         gl.thread_barrier()
         mbarrier.arrive(q_free, pred=npair == 0)
         for i in range(npair):
-            ok = _block_ok(C, i, n, idx_row, rows)
-            m_i, l_i, o = _consumer_pair(C, i, (g + i) & 1, i == npair - 1, ok,
+            m_i, l_i, o = _consumer_pair(C, i, (g + i) & 1, i == npair - 1, n, idx_row, rows,
                                          qk_scale, q_smem, ring, p_smem, m_smem, ready, free,
                                          m_bar, p_bar, q_free, m_i, l_i, o, True)
         g += npair
