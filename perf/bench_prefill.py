@@ -15,9 +15,10 @@ Kernels: 4096 query tokens of one request x 640 keys each (the V4.1 pattern: the
   ``flash_mla`` imports);
 * ``shared``: ``sparse_mla_prefill_shared_window`` on the same workspace (<= 16 heads), the
   window as a row range per token, tiles of ``block_t`` tokens;
-* ``paged``: ``sparse_mla_prefill_paged`` over 584-byte record caches (131072-position
-  request, pages of 64: slot rows + the decode kernel); ``paged-attn``: its attention launch
-  alone (slot rows precomputed).
+* ``paged``: ``sparse_mla_prefill_paged`` over 584-byte record caches (``--paged-records
+  528,288``: V4.1's window and compressed records; 131072-position request, pages of 64: slot
+  rows + the decode kernel); ``paged-attn``: its attention launch alone (slot rows
+  precomputed).
 
 Each is captured as a CUDA graph of one call and replayed 15 times; a 512 MB buffer is
 written before every replay (outside the timed events) so that L2 starts cold. Median us,
@@ -69,6 +70,9 @@ PAGED_SHAPES_FEW = (("group", 16, 64, 4, 2, True), ("group", 16, 32, 4, 3, True)
 PAGED_SHAPES_MANY = (("group", 32, 64, 8, 3, False), ("group", 32, 64, 8, 3, True),
                      ("group", 64, 32, 8, 2, False), ("group", 64, 64, 8, 2, True))
 PAGED_CANDIDATES = False
+#: record widths of the paged rows' window and compressed caches (``--paged-records``)
+PAGED_RECORDS = (584, 584)
+NO_SHARED = False
 QUICK = False
 CHUNK = 2048
 FLUSH_BYTES = 512 << 20
@@ -153,8 +157,8 @@ def build_kernel_inputs(H: int, device="cuda", seed=0) -> Dict[str, object]:
     idx = torch.cat([local.long(), win], 1).to(torch.int32).contiguous()
     # paged caches
     nb = seq // PAGE
-    swa = random_k_cache(nb, PAGE, 584, device)
-    comp = random_k_cache(NCOMP // PAGE, PAGE, 584, device)
+    swa = random_k_cache(nb, PAGE, PAGED_RECORDS[0], device)
+    comp = random_k_cache(NCOMP // PAGE, PAGE, PAGED_RECORDS[1], device)
     sbt = torch.randperm(nb, device=device, generator=g).to(torch.int32)[None, :]
     cbt = torch.randperm(NCOMP // PAGE, device=device, generator=g).to(torch.int32)[None, :]
     ttr = torch.zeros(T, dtype=torch.int32, device=device)
@@ -224,7 +228,7 @@ def kernel_fns(inp) -> List[tuple]:
     fns = [("workspace", lambda: sparse_mla_prefill(q, inp["kv"], inp["idx"], None, inp["sink"],
                                                     None, out, _kernel="tl"))]
     for variant in os.environ.get("BENCH_GLUON_VARIANTS", "eager,lazy,ws,wsp").split(","):
-        fn = _gluon_fn(inp, variant)
+        fn = _gluon_fn(inp, variant) if variant else None
         if fn is not None:
             fns.append((f"gluon-{variant}", fn))
     fm = _flashmla_fn(inp)
@@ -232,7 +236,7 @@ def kernel_fns(inp) -> List[tuple]:
         fns.append(("flashmla", fm))
     if QUICK:
         return fns
-    if H <= 16:
+    if H <= 16 and not NO_SHARED:
         for bt, bn, warps in SHARED_SHAPES:
             lab = f"shared-bt{bt or 'def'}"
             fns.append((lab, lambda bt=bt, bn=bn, warps=warps: sparse_mla_prefill_shared_window(
@@ -407,9 +411,14 @@ def main(argv=None):
                     help="comma-separated head counts (default 8,64,128)")
     ap.add_argument("--paged-candidates", action="store_true",
                     help="also time other launch shapes on the paged prefill")
+    ap.add_argument("--paged-records", default="584,584",
+                    help="window,compressed record widths of the paged rows (e.g. 528,288)")
+    ap.add_argument("--no-shared", action="store_true", help="skip the shared-window rows")
     args = ap.parse_args(argv)
-    global PAGED_CANDIDATES, QUICK, HEADS
+    global PAGED_CANDIDATES, PAGED_RECORDS, NO_SHARED, QUICK, HEADS
+    NO_SHARED = args.no_shared
     PAGED_CANDIDATES = args.paged_candidates
+    PAGED_RECORDS = tuple(int(x) for x in args.paged_records.split(","))
     QUICK = args.quick
     if args.heads:
         HEADS = tuple(int(h) for h in args.heads.split(","))
@@ -419,7 +428,8 @@ def main(argv=None):
     import triton
     t0 = time.time()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
-          f"triton {triton.__version__}", flush=True)
+          f"triton {triton.__version__}  paged records {PAGED_RECORDS[0]}+{PAGED_RECORDS[1]}",
+          flush=True)
     kernels, layer = not args.layer_only, not (args.kernels_only or args.quick)
     if args.warm:
         for line in warm(args.warm, kernels, layer):
