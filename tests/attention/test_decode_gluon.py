@@ -130,59 +130,72 @@ def test_gluon_f16_mixed_584_refused():
     assert r.returncode != 0 and "not supported" in r.stderr, r.stderr[-2000:]
 
 
-def _pick_compile_case(entry, shape):
-    """``compile_check at``'s case for one pick-table entry: its launch shape at the heads and
-    tokens of its buckets (tokens 512 for the last), as ``launch.launch`` would run it."""
-    from types import SimpleNamespace
-
-    from dsv41_triton.attention.gluon import launch as gl_launch
-    hb, sa, sb, tb = entry
-    T = 512 if tb == 1 << 30 else tb
-    H = hb
-    o = gl_launch.parse_shape(shape)
-    a, b = SimpleNamespace(src=sa), SimpleNamespace(src=sb)
-    kw = dict(src_a=sa, src_b=sb)
-    if o.get("few_ws"):
-        bh = gl_launch.few_ws_block_h(o.get("block_h", 8), a, b)
-        kw.update(bh=bh, ns=2, nt=2, ahead=o.get("idx_ahead", gl_launch.IDX_AHEAD),
-                  deq_prefetch=o.get("deq_prefetch", False))
-        slots = 132
-    elif o.get("block_h") == 64:
-        bh = 64
-        variant = gl_launch.HEADS_VARIANTS.get(o.get("variant"), gl_launch.HEADS_OVERLAP)
-        kw.update(bh=64, ns=2, ws=variant == "ws", overlap=variant is True)
-        if variant == "ws":
-            ahead = o.get("idx_ahead", gl_launch.IDX_AHEAD)
-            kw["ahead"] = 1 if ahead == 0 and {sa, sb} == {584, 528} else ahead
-        slots = 132
-    else:
-        nw, st = o.get("num_warps", 4), o.get("stages", 3)
-        bh = o.get("block_h") or gl_launch.default_block_h(H, nw)
-        bh = max(bh, 16) if nw == 8 else bh
-        kw.update(bh=bh, ns=st, nw=nw,
-                  f16=bool(o.get("f16")) and gl_launch.f16_supported(a, b))
-        slots = 132 * gl_launch.ctas_per_sm(st, nw, bh, a, b)
-    splits = gl_launch.default_splits(T, -(-H // bh), 128 + 512, slots)
-    return dict(kind="decode", T=T, H=H, bh=bh, splits=splits, kw=kw)
-
-
 def _pick_entries():
     from dsv41_triton.attention.gluon import launch as gl_launch
     return sorted(gl_launch.PICK[(9, 0)].items())
 
 
+def _kernel_module(shape: str) -> str:
+    """The module of the decode kernel a launch shape names."""
+    from dsv41_triton.attention.gluon import launch as gl_launch
+    o = gl_launch.parse_shape(shape)
+    if o.get("few_ws"):
+        return "decode_few_ws"
+    if o.get("block_h") == 64:
+        variant = gl_launch.HEADS_VARIANTS.get(o.get("variant"), gl_launch.HEADS_OVERLAP)
+        return "decode_heads_ws" if variant == "ws" else "decode_heads"
+    return "decode"
+
+
 @pytest.mark.parametrize("entry,shape", _pick_entries(), ids=lambda x: str(x))
 def test_gluon_picks_compile_at_launch_values(entry, shape):
-    """Every pick-table entry compiled as a launch of its buckets specializes it (integer
-    arguments equal to 1 become constants, i32 by range, 16-divisible ones marked): no stack,
-    i.e. nothing spilled (on the H200 this specialization reproduced the spill sizes the GPU
-    build reported; the unspecialized compile shows 8-byte stacks the GPU build does not)."""
+    """Every pick-table entry: ``launch.launch`` run on the CPU at its buckets' heads and
+    tokens (tokens 512 for the last) with recording kernels (``compile_check.capture_decode``)
+    starts the kernel its shape names, and that launch compiled as the GPU builds it (integers
+    specialized on the values passed: 1 -> constant, i32 by range, 16-divisible marked) has no
+    stack, i.e. nothing spilled (on the H200 this specialization reproduced the spill sizes the
+    GPU build reported; the unspecialized compile shows 8-byte stacks the GPU build does
+    not)."""
     if not gluon_pkg.AVAILABLE:
         pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
     import json
-    case = _pick_compile_case(entry, shape)
-    facts = _compile_facts("at", json.dumps(case))
-    assert 0 < facts["regs"] <= 255 and facts["stack"] == 0, (case, facts)
+    hb, sa, sb, tb = entry
+    case = dict(T=512 if tb == 1 << 30 else tb, H=hb, src_a=sa, src_b=sb)
+    rows = _compile_facts("launch", json.dumps(case))
+    assert [r["kernel"].split(".")[0] for r in rows] == [_kernel_module(shape)], (case, rows)
+    for r in rows:
+        assert 0 < r["regs"] <= 255 and r["stack"] == 0, (case, r)
+
+
+#: launch shapes the wiring test forces beside the pick table's (every kernel family and its
+#: variants)
+WIRING_SHAPES = ("4:0:3", "4:0:3:h", "4:8:3:h", "4:0:1", "8:16:3", "8:32:3", "8:64:2",
+                 "8:64:2:1", "8:64:2:2", "8:64:2:3", "8:64:2:3:0", "4:8:2:w", "4:16:2:w:0:p",
+                 "4:8:2:w:1:p", "")
+
+
+@pytest.mark.parametrize("shape", WIRING_SHAPES)
+@pytest.mark.parametrize("T,H,src_a,src_b", [(1, 8, 584, 584), (128, 64, 528, 288),
+                                             (7, 16, 584, 0), (512, 128, 584, 528)])
+def test_gluon_launch_wiring(shape, T, H, src_a, src_b):
+    """``launch.launch`` on the CPU with recording kernels: every launch it makes passes as many
+    positional arguments as its kernel has non-constexpr parameters and only (and all required)
+    constexprs of that kernel, with a grid of whole CTAs; a launch with one argument too few or
+    an unknown constexpr is refused (so the check can fail)."""
+    if not gluon_pkg.AVAILABLE:
+        pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
+    from dsv41_triton.attention.gluon import compile_check as cc
+    rows = cc.capture_decode(T, H, src_a, src_b, shape)
+    assert rows
+    for rec in rows:
+        cc.launch_signature(rec)
+        assert len(rec["grid"]) == 1 and rec["grid"][0] >= 1, rec["grid"]
+    bad = dict(rows[0], args=rows[0]["args"][:-1])
+    with pytest.raises(ValueError, match="positional arguments"):
+        cc.launch_signature(bad)
+    bad = dict(rows[0], kwargs=dict(rows[0]["kwargs"], NOT_A_PARAM=1))
+    with pytest.raises(ValueError, match="unknown"):
+        cc.launch_signature(bad)
 
 
 def test_gluon_pick_table():

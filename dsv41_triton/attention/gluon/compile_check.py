@@ -33,23 +33,6 @@ def _decode_args(idx_dtype: str = "i32"):
 _DECODE_ALIGNED = ("a_bstride", "b_bstride", "stride_qt", "stride_qh")
 
 
-def decode_values(T: int, H: int, src_a: int, src_b: int, bh: int, splits: int = 1,
-                  W: int = 128, K: int = 512, nb_a: int = 392, nb_b: int = 2048,
-                  page: int = 64) -> dict:
-    """The integer arguments ``launch.launch`` passes for contiguous ``q``, ``out``, ``lse``,
-    ``[T, W]`` / ``[T, K]`` slot ids with lens, a sink, and caches of ``nb_a`` / ``nb_b``
-    blocks of ``page`` records (``perf/bench_decode_hopper.py``'s case: ``nb_a = 3 T + 8``,
-    ``nb_b = max(2048, 8 T)``)."""
-    from ...ops.records import get_record_format
-    ba = get_record_format(src_a).block_bytes(page)
-    bb = get_record_format(src_b).block_bytes(page)
-    return dict(stride_qt=H * 512, stride_qh=512, a_idx_st=W, a_len_st=1, a_width=W,
-                a_bstride=ba, a_page=page, a_rows=nb_a * page, b_idx_st=K, b_len_st=1,
-                b_width=K, b_bstride=bb, b_page=page, b_rows=nb_b * page, sink_st=1,
-                stride_ot=H * 512, stride_oh=512, stride_lt=H, stride_lh=1, H=H,
-                num_splits=splits, num_ht=-(-H // bh))
-
-
 def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool = False,
                    has_b: bool = True, ns: int = 3, arch: int = 90, nw: int = 4,
                    overlap: bool = True, f16: bool = False, ws: bool = False, nt: int = 0,
@@ -57,8 +40,9 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
     """``nt > 0`` with ``bh < 64``: the warp-specialized few-heads kernel (decode_few_ws.py)
     with ``nt`` key tiles and ``ns`` ring stages; ``ahead``: the warp-specialized kernels'
     ``IDX_AHEAD`` (their producer's slot-id lead in blocks); ``deq_prefetch``: the few-heads
-    ws kernel's ``DEQ_PREFETCH``; ``values`` (e.g. ``decode_values``): specialized on a
-    launch's integer arguments, as on the GPU (``_specialize``)."""
+    ws kernel's ``DEQ_PREFETCH``; ``values`` (argument name -> int): specialized on a
+    launch's integer arguments, as on the GPU (``_specialize``; ``compile_launch`` compiles
+    what ``launch.launch`` actually passes)."""
     consts = dict(SRC_A=src_a, SRC_B=src_b, HAS_B=has_b, HAS_LEN_A=True, HAS_LEN_B=True,
                   HAS_SINK=True, SPLIT=split)
     if bh == 64 and ws:
@@ -79,6 +63,121 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
         from .decode import _sparse_mla_decode_gluon_kernel as kern
         consts.update(BH=bh, NS=ns, NW=nw, F16=f16)
     return _compile(kern, _decode_args(), _DECODE_ALIGNED, values, consts, nw, arch)
+
+
+#: the modules and names of the decode kernels ``launch.launch`` starts
+_DECODE_KERNELS = (("decode", "_sparse_mla_decode_gluon_kernel"),
+                   ("decode_few_ws", "_sparse_mla_decode_few_ws_kernel"),
+                   ("decode_heads", "_sparse_mla_decode_heads_kernel"),
+                   ("decode_heads_ws", "_sparse_mla_decode_heads_ws_kernel"))
+
+
+class _Recorder:
+    """Stands in for a Gluon kernel: ``kernel[grid](*args, **kwargs)`` appends the launch to
+    ``log`` instead of running it."""
+
+    def __init__(self, name: str, real, log: list):
+        self.name, self.real, self.log = name, real, log
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.log.append(dict(kernel=self.name, real=self.real, grid=tuple(grid), args=args,
+                                 kwargs=kwargs))
+            return None
+        return run
+
+
+def capture_decode(T: int, H: int, src_a: int, src_b: int, shape: str = "", W: int = 128,
+                   K: int = 512, page: int = 64, sms: int = 132) -> list:
+    """The kernel launches ``launch.launch`` makes for a decode of ``T`` tokens x ``H`` heads
+    (``W`` window slot ids of ``src_a`` records, ``K`` extra ones of ``src_b`` (0: none), lens and a sink;
+    caches of ``perf/bench_decode_hopper.py``'s sizes) on an sm_90 GPU of ``sms`` SMs, at launch
+    shape ``shape`` (empty: the pick table's). Runs on the CPU: the kernels are replaced by
+    recorders, the merge of key splits by a no-op, the device queries by constants. Each launch:
+    ``{kernel, real, grid, args, kwargs}``."""
+    import importlib
+
+    import torch
+
+    from ...ops.records import allocate_k_cache
+    from .. import _launch
+    from ..decode import _keyset
+    from . import launch as gl_launch
+
+    log, saved = [], []
+    for m, name in _DECODE_KERNELS:
+        mod = importlib.import_module(f"{__package__}.{m}")
+        saved.append((mod, name, getattr(mod, name)))
+        setattr(mod, name, _Recorder(f"{m}.{name}", getattr(mod, name), log))
+    saved += [(gl_launch, "_sms", gl_launch._sms), (gl_launch, "_cap", gl_launch._cap),
+              (_launch, "merge_splits", _launch.merge_splits)]
+    gl_launch._sms = lambda device: sms
+    gl_launch._cap = lambda device: (9, 0)
+    _launch.merge_splits = lambda *a, **k: None
+    over = dict(gl_launch.OVERRIDE)
+
+    def keys(nb, src, n):
+        ids = torch.zeros(T, n, dtype=torch.int32)
+        return _keyset(allocate_k_cache(nb, page, src), ids,
+                       torch.full((T,), n, dtype=torch.int32))
+    try:
+        gl_launch.OVERRIDE.clear()
+        gl_launch.OVERRIDE.update(gl_launch.parse_shape(shape))
+        a = keys(3 * T + 8, src_a, W)
+        b = keys(max(2048, 8 * T), src_b, K) if src_b else None
+        q = torch.empty(T, H, 512, dtype=torch.bfloat16)
+        lse = torch.empty(T, H, dtype=torch.float32)
+        gl_launch.launch(q, a, b, torch.zeros(H), 512 ** -0.5, torch.empty_like(q), lse)
+    finally:
+        for mod, name, obj in saved:
+            setattr(mod, name, obj)
+        gl_launch.OVERRIDE.clear()
+        gl_launch.OVERRIDE.update(over)
+    return log
+
+
+_PTR = {"torch.bfloat16": "*bf16", "torch.uint8": "*u8", "torch.int32": "*i32",
+        "torch.int64": "*i64", "torch.float32": "*fp32"}
+
+
+def launch_signature(rec: dict):
+    """``(args, values, constexprs, num_warps)`` of one ``capture_decode`` launch for ``_compile``:
+    every positional argument typed from what the launch passes (tensors as pointers of their
+    dtype, integers to be specialized on their values, floats fp32), the keyword constexprs as
+    given. Raises ``ValueError`` when the launch's arguments do not match the kernel's
+    parameters (a wiring fault the CPU otherwise never sees)."""
+    import torch
+    kern = rec["real"]
+    kw = dict(rec["kwargs"])
+    num_warps = kw.pop("num_warps")
+    const = {p.name for p in kern.params if p.is_constexpr}
+    free = [p.name for p in kern.params if not p.is_constexpr]
+    if len(rec["args"]) != len(free):
+        raise ValueError(f"{rec['kernel']}: {len(rec['args'])} positional arguments for "
+                         f"{len(free)} parameters ({free})")
+    unknown = set(kw) - const
+    missing = {p.name for p in kern.params
+               if p.is_constexpr and not p.has_default and p.name not in kw}
+    if unknown or missing:
+        raise ValueError(f"{rec['kernel']}: constexprs {sorted(unknown)} unknown, "
+                         f"{sorted(missing)} missing")
+    args, values = [], {}
+    for name, v in zip(free, rec["args"]):
+        if isinstance(v, torch.Tensor):
+            args.append((name, _PTR[str(v.dtype)]))
+        elif isinstance(v, float):
+            args.append((name, "fp32"))
+        else:
+            args.append((name, "i64"))
+            values[name] = int(v)
+    return args, values, kw, num_warps
+
+
+def compile_launch(rec: dict, arch: int = 90):
+    """One ``capture_decode`` launch compiled as the GPU builds it (``launch_signature``; the
+    integers specialized by ``_specialize``)."""
+    args, values, consts, num_warps = launch_signature(rec)
+    return _compile(rec["real"], args, (), values, consts, num_warps, arch)
 
 
 def resource_usage(k, flag: str = "--dump-resource-usage") -> str:
@@ -343,21 +442,25 @@ if __name__ == "__main__":
     # instruction counts. Run with
     # TRITON_INTERPRET unset: the interpreter replaces the functions Gluon calls.
     import json
+    if len(sys.argv) == 3 and sys.argv[1] == "launch":
+        # python -m ...compile_check launch JSON -> JSON line: the decode launches of
+        # {"T", "H", "src_a", "src_b", "shape"} (``capture_decode``) compiled as the GPU builds
+        # them: kernel, grid, registers and stack bytes of each
+        c = json.loads(sys.argv[2])
+        rows = []
+        for rec in capture_decode(c["T"], c["H"], c["src_a"], c["src_b"], c.get("shape", "")):
+            regs, stack = _regs_stack(compile_launch(rec))
+            rows.append({"kernel": rec["kernel"], "grid": list(rec["grid"]), "regs": regs,
+                         "stack": stack})
+        print(json.dumps(rows))
+        sys.exit(0)
     if len(sys.argv) == 3 and sys.argv[1] == "at":
         # python -m ...compile_check at JSON -> JSON line (registers, stack bytes) of one
-        # compile at a launch's specialization: {"kind": "decode", "T", "H", "bh", "splits",
-        # "kw": compile_decode's keywords} or {"kind": "prefill", "T", "H", "S", "K",
-        # "variant"} (no lens, a sink: perf/bench_prefill.py's case)
+        # prefill compile at a launch's specialization: {"kind": "prefill", "T", "H", "S", "K",
+        # "variant"} (no lens, a sink: perf/bench_prefill.py's case); decode: "launch"
         c = json.loads(sys.argv[2])
-        if c["kind"] == "prefill":
-            vals = prefill_values(c["T"], c["H"], c["S"], c["K"], has_len=False)
-            k = compile_prefill(False, has_len=False, variant=c["variant"], values=vals)
-        else:
-            kw = c["kw"]
-            vals = decode_values(c["T"], c["H"], kw["src_a"], kw["src_b"], c["bh"],
-                                 splits=c["splits"], nb_a=3 * c["T"] + 8,
-                                 nb_b=max(2048, 8 * c["T"]))
-            k = compile_decode(**kw, split=c["splits"] > 1, values=vals)
+        vals = prefill_values(c["T"], c["H"], c["S"], c["K"], has_len=False)
+        k = compile_prefill(False, has_len=False, variant=c["variant"], values=vals)
         regs, stack = _regs_stack(k)
         print(json.dumps({"regs": regs, "stack": stack}))
         sys.exit(0)
