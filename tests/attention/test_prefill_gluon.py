@@ -62,17 +62,45 @@ def test_gluon_prefill_compiles_for_sm90(lazy, variant):
 
 @pytest.mark.parametrize("H", [64, 128])
 def test_gluon_prefill_pick_compiles_at_launch_values(H):
-    """The picked prefill (``prefill_launch.PICK``) compiled as a launch of the benchmark's
-    shape specializes it (integer arguments equal to 1 become constants, i32 by range,
-    16-divisible ones marked): no stack, i.e. nothing spilled (on the H200 this specialization
-    reproduced the spill sizes the GPU build reported)."""
+    """The picked prefill (``prefill_launch.PICK``): ``prefill_launch.launch`` run on the CPU
+    at the benchmark's shape with recording kernels starts the picked variant's kernel once,
+    and that launch compiled as the GPU builds it (integers specialized on the values passed:
+    1 -> constant, i32 by range, 16-divisible marked) has no stack, i.e. nothing spilled (on the
+    H200 this specialization reproduced the spill sizes the GPU build reported)."""
     if not gluon_pkg.AVAILABLE:
         pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
     import json
     from dsv41_triton.attention.gluon import prefill_launch as pl
-    case = dict(kind="prefill", T=4096, H=H, S=36991, K=640, variant=pl.PICK[(9, 0)][H])
-    facts = _compile_facts("at", json.dumps(case))
-    assert 0 < facts["regs"] <= 255 and facts["stack"] == 0, facts
+    variant = pl.PICK[(9, 0)][H]
+    rows = _compile_facts("launch", json.dumps(dict(kind="prefill", T=4096, H=H, S=36991,
+                                                    K=640)))
+    module = {"wsp": "prefill_wsp", "ws": "prefill_ws"}.get(variant, "prefill")
+    assert [r["kernel"].split(".")[0] for r in rows] == [module], rows
+    assert 0 < rows[0]["regs"] <= 255 and rows[0]["stack"] == 0, rows
+
+
+@pytest.mark.parametrize("variant", ["eager", "lazy", "ws", "wsp"])
+@pytest.mark.parametrize("T,H,has_len", [(7, 64, True), (3, 65, False), (1, 128, True)])
+def test_gluon_prefill_launch_wiring(variant, T, H, has_len):
+    """``prefill_launch.launch`` on the CPU with recording kernels: one launch of the variant's
+    kernel, with as many positional arguments as its non-constexpr parameters and only (and all
+    required) constexprs of it, a grid of one CTA per (token, head tile) (``wsp``: at most one
+    per SM); one argument short or an unknown constexpr is refused (so the check can fail)."""
+    if not gluon_pkg.AVAILABLE:
+        pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
+    from dsv41_triton.attention.gluon import compile_check as cc
+    rows = cc.capture_prefill(T, H, 1000, 96, variant, has_len=has_len)
+    module = {"wsp": "prefill_wsp", "ws": "prefill_ws"}.get(variant, "prefill")
+    assert [r["kernel"].split(".")[0] for r in rows] == [module]
+    rec = rows[0]
+    cc.launch_signature(rec)
+    items = T * -(-H // 64)
+    assert rec["grid"] == ((min(132, items),) if variant == "wsp" else (items,))
+    assert rec["kwargs"]["HAS_LEN"] is has_len and rec["kwargs"]["LAZY"] is (variant == "lazy")
+    with pytest.raises(ValueError, match="positional arguments"):
+        cc.launch_signature(dict(rec, args=rec["args"][:-1]))
+    with pytest.raises(ValueError, match="unknown"):
+        cc.launch_signature(dict(rec, kwargs=dict(rec["kwargs"], NOT_A_PARAM=1)))
 
 
 def test_gluon_prefill_pick_table():

@@ -65,11 +65,15 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
     return _compile(kern, _decode_args(), _DECODE_ALIGNED, values, consts, nw, arch)
 
 
-#: the modules and names of the decode kernels ``launch.launch`` starts
+#: the modules and names of the kernels ``launch.launch`` (decode) and
+#: ``prefill_launch.launch`` start
 _DECODE_KERNELS = (("decode", "_sparse_mla_decode_gluon_kernel"),
                    ("decode_few_ws", "_sparse_mla_decode_few_ws_kernel"),
                    ("decode_heads", "_sparse_mla_decode_heads_kernel"),
                    ("decode_heads_ws", "_sparse_mla_decode_heads_ws_kernel"))
+_PREFILL_KERNELS = (("prefill", "_sparse_mla_prefill_gluon_kernel"),
+                    ("prefill_ws", "_sparse_mla_prefill_gluon_ws_kernel"),
+                    ("prefill_wsp", "_sparse_mla_prefill_gluon_wsp_kernel"))
 
 
 class _Recorder:
@@ -87,53 +91,86 @@ class _Recorder:
         return run
 
 
-def capture_decode(T: int, H: int, src_a: int, src_b: int, shape: str = "", W: int = 128,
-                   K: int = 512, page: int = 64, sms: int = 132) -> list:
-    """The kernel launches ``launch.launch`` makes for a decode of ``T`` tokens x ``H`` heads
-    (``W`` window slot ids of ``src_a`` records, ``K`` extra ones of ``src_b`` (0: none), lens and a sink;
-    caches of ``perf/bench_decode_hopper.py``'s sizes) on an sm_90 GPU of ``sms`` SMs, at launch
-    shape ``shape`` (empty: the pick table's). Runs on the CPU: the kernels are replaced by
-    recorders, the merge of key splits by a no-op, the device queries by constants. Each launch:
-    ``{kernel, real, grid, args, kwargs}``."""
+def _recording(kernels, sms: int, run) -> list:
+    """``run()`` with ``kernels`` (module, name) replaced by recorders, the launch modules' SM
+    count and capability queries answering ``sms`` and sm_90, and the split merge a no-op;
+    everything restored after. Returns the recorded launches."""
     import importlib
 
-    import torch
-
-    from ...ops.records import allocate_k_cache
     from .. import _launch
-    from ..decode import _keyset
     from . import launch as gl_launch
+    from . import prefill_launch as pf_launch
 
     log, saved = [], []
-    for m, name in _DECODE_KERNELS:
+    for m, name in kernels:
         mod = importlib.import_module(f"{__package__}.{m}")
         saved.append((mod, name, getattr(mod, name)))
         setattr(mod, name, _Recorder(f"{m}.{name}", getattr(mod, name), log))
-    saved += [(gl_launch, "_sms", gl_launch._sms), (gl_launch, "_cap", gl_launch._cap),
-              (_launch, "merge_splits", _launch.merge_splits)]
-    gl_launch._sms = lambda device: sms
-    gl_launch._cap = lambda device: (9, 0)
+    fakes = {"_sms": lambda device: sms, "_cap": lambda device: (9, 0)}
+    for mod in (gl_launch, pf_launch):
+        for name, fake in fakes.items():
+            saved.append((mod, name, getattr(mod, name)))
+            setattr(mod, name, fake)
+    saved.append((_launch, "merge_splits", _launch.merge_splits))
     _launch.merge_splits = lambda *a, **k: None
-    over = dict(gl_launch.OVERRIDE)
+    try:
+        run()
+    finally:
+        for mod, name, obj in saved:
+            setattr(mod, name, obj)
+    return log
+
+
+def capture_decode(T: int, H: int, src_a: int, src_b: int, shape: str = "", W: int = 128,
+                   K: int = 512, page: int = 64, sms: int = 132) -> list:
+    """The kernel launches ``launch.launch`` makes for a decode of ``T`` tokens x ``H`` heads
+    (``W`` window slot ids of ``src_a`` records, ``K`` extra ones of ``src_b`` (0: none), lens
+    and a sink; caches of ``perf/bench_decode_hopper.py``'s sizes) on an sm_90 GPU of ``sms``
+    SMs, at launch shape ``shape`` (empty: the pick table's). Runs on the CPU (``_recording``).
+    Each launch: ``{kernel, real, grid, args, kwargs}``."""
+    import torch
+
+    from ...ops.records import allocate_k_cache
+    from ..decode import _keyset
+    from . import launch as gl_launch
 
     def keys(nb, src, n):
         ids = torch.zeros(T, n, dtype=torch.int32)
         return _keyset(allocate_k_cache(nb, page, src), ids,
                        torch.full((T,), n, dtype=torch.int32))
-    try:
-        gl_launch.OVERRIDE.clear()
-        gl_launch.OVERRIDE.update(gl_launch.parse_shape(shape))
-        a = keys(3 * T + 8, src_a, W)
-        b = keys(max(2048, 8 * T), src_b, K) if src_b else None
+
+    def run():
+        over = dict(gl_launch.OVERRIDE)
+        try:
+            gl_launch.OVERRIDE.clear()
+            gl_launch.OVERRIDE.update(gl_launch.parse_shape(shape))
+            a = keys(3 * T + 8, src_a, W)
+            b = keys(max(2048, 8 * T), src_b, K) if src_b else None
+            q = torch.empty(T, H, 512, dtype=torch.bfloat16)
+            lse = torch.empty(T, H, dtype=torch.float32)
+            gl_launch.launch(q, a, b, torch.zeros(H), 512 ** -0.5, torch.empty_like(q), lse)
+        finally:
+            gl_launch.OVERRIDE.clear()
+            gl_launch.OVERRIDE.update(over)
+    return _recording(_DECODE_KERNELS, sms, run)
+
+
+def capture_prefill(T: int, H: int, S: int, K: int, variant: str = "",
+                    has_len: bool = False, sms: int = 132) -> list:
+    """The kernel launches ``prefill_launch.launch`` makes for ``T`` tokens x ``H`` heads x
+    ``K`` ids into an ``S``-row bf16 workspace (a sink; lens with ``has_len``; variant
+    ``variant``, empty: the pick table's) on an sm_90 GPU of ``sms`` SMs, on the CPU."""
+    import torch
+
+    from . import prefill_launch as pf_launch
+
+    def run():
         q = torch.empty(T, H, 512, dtype=torch.bfloat16)
-        lse = torch.empty(T, H, dtype=torch.float32)
-        gl_launch.launch(q, a, b, torch.zeros(H), 512 ** -0.5, torch.empty_like(q), lse)
-    finally:
-        for mod, name, obj in saved:
-            setattr(mod, name, obj)
-        gl_launch.OVERRIDE.clear()
-        gl_launch.OVERRIDE.update(over)
-    return log
+        lens = torch.full((T,), K, dtype=torch.int32) if has_len else None
+        pf_launch.launch(q, torch.empty(S, 512, dtype=torch.bfloat16),
+                         torch.zeros(T, K, dtype=torch.int32), lens, torch.zeros(H),
+                         512 ** -0.5, torch.empty_like(q), torch.empty(T, H), variant or None)
+    return _recording(_PREFILL_KERNELS, sms, run)
 
 
 _PTR = {"torch.bfloat16": "*bf16", "torch.uint8": "*u8", "torch.int32": "*i32",
@@ -141,7 +178,7 @@ _PTR = {"torch.bfloat16": "*bf16", "torch.uint8": "*u8", "torch.int32": "*i32",
 
 
 def launch_signature(rec: dict):
-    """``(args, values, constexprs, num_warps)`` of one ``capture_decode`` launch for ``_compile``:
+    """``(args, values, constexprs, num_warps)`` of one recorded launch for ``_compile``:
     every positional argument typed from what the launch passes (tensors as pointers of their
     dtype, integers to be specialized on their values, floats fp32), the keyword constexprs as
     given. Raises ``ValueError`` when the launch's arguments do not match the kernel's
@@ -174,7 +211,7 @@ def launch_signature(rec: dict):
 
 
 def compile_launch(rec: dict, arch: int = 90):
-    """One ``capture_decode`` launch compiled as the GPU builds it (``launch_signature``; the
+    """One recorded launch compiled as the GPU builds it (``launch_signature``; the
     integers specialized by ``_specialize``)."""
     args, values, consts, num_warps = launch_signature(rec)
     return _compile(rec["real"], args, (), values, consts, num_warps, arch)
@@ -338,24 +375,14 @@ def _specialize(args, aligned, values):
     return sig, consts, attrs
 
 
-def prefill_values(T: int, H: int, S: int, K: int, has_len: bool = False,
-                   has_sink: bool = True) -> dict:
-    """The integer arguments ``prefill_launch.launch`` passes for contiguous ``q [T, H, 512]``,
-    ``kv [S, 512]``, ``indices [T, K]``, ``lens [T]``, ``sink [H]``, ``out``, ``lse``."""
-    num_ht = -(-H // 64)
-    return dict(stride_qt=H * 512, stride_qh=512, kv_stride=512, rows=S, idx_st=K, width=K,
-                len_st=1 if has_len else 0, sink_st=1 if has_sink else 0, stride_ot=H * 512,
-                stride_oh=512, stride_lt=H, stride_lh=1, H=H, num_ht=num_ht,
-                num_items=T * num_ht)
-
-
 def compile_prefill(lazy: bool = True, has_len: bool = True, has_sink: bool = True,
                     arch: int = 90, ws: bool = False, variant: str = "",
                     values: dict | None = None):
     """The Gluon prefill kernel compiled for ``sm_<arch>`` (no GPU needed): ``variant`` "ws"
     (or ``ws=True``: the warp-specialized one), "wsp" (the persistent warp-specialized one),
-    else ``prefill.py``'s (``lazy`` picks its rescale); ``values`` (e.g. ``prefill_values``):
-    specialized on a launch's integer arguments, as on the GPU (``_specialize``)."""
+    else ``prefill.py``'s (``lazy`` picks its rescale); ``values`` (argument name -> int):
+    specialized on a launch's integer arguments, as on the GPU (``_specialize``;
+    ``compile_launch`` compiles what ``prefill_launch.launch`` actually passes)."""
     variant = variant or ("ws" if ws else "")
     args = _PREFILL_ARGS
     if variant == "wsp":
@@ -443,26 +470,21 @@ if __name__ == "__main__":
     # TRITON_INTERPRET unset: the interpreter replaces the functions Gluon calls.
     import json
     if len(sys.argv) == 3 and sys.argv[1] == "launch":
-        # python -m ...compile_check launch JSON -> JSON line: the decode launches of
-        # {"T", "H", "src_a", "src_b", "shape"} (``capture_decode``) compiled as the GPU builds
-        # them: kernel, grid, registers and stack bytes of each
+        # python -m ...compile_check launch JSON -> JSON line: the launches of a decode
+        # {"T", "H", "src_a", "src_b", "shape"} (``capture_decode``) or of a prefill {"kind":
+        # "prefill", "T", "H", "S", "K", "variant"} (``capture_prefill``) compiled as the GPU
+        # builds them: kernel, grid, registers and stack bytes of each
         c = json.loads(sys.argv[2])
+        if c.get("kind") == "prefill":
+            recs = capture_prefill(c["T"], c["H"], c["S"], c["K"], c.get("variant", ""))
+        else:
+            recs = capture_decode(c["T"], c["H"], c["src_a"], c["src_b"], c.get("shape", ""))
         rows = []
-        for rec in capture_decode(c["T"], c["H"], c["src_a"], c["src_b"], c.get("shape", "")):
+        for rec in recs:
             regs, stack = _regs_stack(compile_launch(rec))
             rows.append({"kernel": rec["kernel"], "grid": list(rec["grid"]), "regs": regs,
                          "stack": stack})
         print(json.dumps(rows))
-        sys.exit(0)
-    if len(sys.argv) == 3 and sys.argv[1] == "at":
-        # python -m ...compile_check at JSON -> JSON line (registers, stack bytes) of one
-        # prefill compile at a launch's specialization: {"kind": "prefill", "T", "H", "S", "K",
-        # "variant"} (no lens, a sink: perf/bench_prefill.py's case); decode: "launch"
-        c = json.loads(sys.argv[2])
-        vals = prefill_values(c["T"], c["H"], c["S"], c["K"], has_len=False)
-        k = compile_prefill(False, has_len=False, variant=c["variant"], values=vals)
-        regs, stack = _regs_stack(k)
-        print(json.dumps({"regs": regs, "stack": stack}))
         sys.exit(0)
     if len(sys.argv) in (3, 4) and sys.argv[1] == "prefill":
         # python -m ...compile_check prefill LAZY [WS] -> JSON line; WS: 0, 1 (= ws) or a
