@@ -375,8 +375,16 @@ def run_layer(lines: List[str], contexts=CONTEXTS):
 # --------------------------------------------------------------------------------------------
 # warm-up: compile in parallel processes on the same shapes
 # --------------------------------------------------------------------------------------------
+def _settings() -> dict:
+    """The module settings ``main`` sets from the command line (a spawned warm process starts
+    from the defaults and gets them with its task)."""
+    return dict(PAGED_CANDIDATES=PAGED_CANDIDATES, PAGED_RECORDS=PAGED_RECORDS,
+                NO_SHARED=NO_SHARED, QUICK=QUICK, HEADS=HEADS)
+
+
 def _warm_task(task):
-    kind, arg = task
+    kind, arg, settings = task
+    globals().update(settings)
     try:
         if kind == "kernel":
             inp = build_kernel_inputs(arg)
@@ -393,8 +401,9 @@ def _warm_task(task):
 def warm(procs: int, kernels: bool, layer: bool):
     import concurrent.futures as cf
     import multiprocessing as mp
-    tasks = ([("kernel", H) for H in HEADS] if kernels else []) + \
-        ([("layer", 8192)] if layer else [])
+    settings = _settings()
+    tasks = ([("kernel", H, settings) for H in HEADS] if kernels else []) + \
+        ([("layer", 8192, settings)] if layer else [])
     with cf.ProcessPoolExecutor(max_workers=procs, mp_context=mp.get_context("spawn")) as ex:
         return [r for r in ex.map(_warm_task, tasks) if r]
 
