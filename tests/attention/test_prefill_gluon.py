@@ -60,6 +60,11 @@ def test_gluon_prefill_compiles_for_sm90(lazy, variant):
         assert all(lp["local_ld_st"] == 0 for lp in facts["loops"]), facts
 
 
+def _prefill_module(variant: str) -> str:
+    """The module of the prefill kernel a variant names."""
+    return {"wsp": "prefill_wsp", "ws": "prefill_ws"}.get(variant, "prefill")
+
+
 @pytest.mark.parametrize("H", [64, 128])
 def test_gluon_prefill_pick_compiles_at_launch_values(H):
     """The picked prefill (``prefill_launch.PICK``): ``prefill_launch.launch`` run on the CPU
@@ -74,7 +79,7 @@ def test_gluon_prefill_pick_compiles_at_launch_values(H):
     variant = pl.PICK[(9, 0)][H]
     rows = _compile_facts("launch", json.dumps(dict(kind="prefill", T=4096, H=H, S=36991,
                                                     K=640)))
-    module = {"wsp": "prefill_wsp", "ws": "prefill_ws"}.get(variant, "prefill")
+    module = _prefill_module(variant)
     assert [r["kernel"].split(".")[0] for r in rows] == [module], rows
     assert 0 < rows[0]["regs"] <= 255 and rows[0]["stack"] == 0, rows
 
@@ -90,7 +95,7 @@ def test_gluon_prefill_launch_wiring(variant, T, H, has_len):
         pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
     from dsv41_triton.attention.gluon import compile_check as cc
     rows = cc.capture_prefill(T, H, 1000, 96, variant, has_len=has_len)
-    module = {"wsp": "prefill_wsp", "ws": "prefill_ws"}.get(variant, "prefill")
+    module = _prefill_module(variant)
     assert [r["kernel"].split(".")[0] for r in rows] == [module]
     rec = rows[0]
     cc.launch_signature(rec)
