@@ -1,7 +1,7 @@
 """What the prefill's schedule would give decode: the persistent warp-specialized prefill (``wsp``)
 run on decode-sized batches, beside the many-heads decode and FlashMLA in one run.
 
-    python perf/decode_schedule_probe.py [--tokens 128,512] [--heads 64,128]
+    python perf/decode_schedule_probe.py [--tokens 128,512] [--heads 64,128] [--variants wsp]
 
 The decode's many-heads kernels run one serial chain per 64-key block (dequant, S, softmax,
 PV); the prefill's ``wsp`` ping-pongs two consumer warpgroups over block pairs. This times
@@ -54,25 +54,32 @@ def main(argv=None):
     ap.add_argument("--tokens", default="128,512")
     ap.add_argument("--heads", default="64,128")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--variants", default="wsp",
+                    help="comma-separated prefill Gluon variants to time (prefill_launch.VARIANTS)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("decode_schedule_probe: no CUDA device; nothing to time")
         return 0
-    print("| heads | T | wsp bf16 ws | FlashMLA sparse_fwd bf16 ws | ours decode 584 (auto) | "
-          "FlashMLA decode 584 | wsp vs FlashMLA fwd |")
-    print("|---|---|---|---|---|---|---|")
+    variants = args.variants.split(",")
+    print("| heads | T | " + " | ".join(f"{v} bf16 ws" for v in variants)
+          + " | FlashMLA sparse_fwd bf16 ws | ours decode 584 (auto) | FlashMLA decode 584 | "
+          + " | ".join(f"{v} vs FlashMLA fwd" for v in variants) + " |")
+    print("|---|---|" + "---|" * (2 * len(variants) + 3))
     for H in (int(x) for x in args.heads.split(",")):
         for T in (int(x) for x in args.tokens.split(",")):
             inp = workspace_case(T, H)
             cells = []
             outs = []
-            for fn in (_gluon_fn(inp, "wsp"), _flashmla_fn(inp)):
+            for fn in [_gluon_fn(inp, v) for v in variants] + [_flashmla_fn(inp)]:
                 if fn is None:
                     cells.append(float("nan"))
+                    outs.append(None)
                     continue
                 cells.append(time_graph(fn, args.reps))
                 outs.append(fn()[0].float().clone())
-            agree = rel_err(outs[0], outs[1]) if len(outs) == 2 else float("nan")
+            ref = outs[-1]
+            agree = [rel_err(o, ref) if o is not None and ref is not None else float("nan")
+                     for o in outs[:-1]]
             del inp
             case = build_case(T, H, 584, 584)
             cells.append(time_graph(lambda c=case: sparse_mla_decode(**c), args.reps))
@@ -81,7 +88,7 @@ def main(argv=None):
             del case
             torch.cuda.empty_cache()
             print(f"| {H} | {T} | " + " | ".join(f"{c:.1f}" for c in cells)
-                  + f" | out agree {agree:.1e} |", flush=True)
+                  + " | " + " | ".join(f"{a:.1e}" for a in agree) + " |", flush=True)
     return 0
 
 

@@ -46,6 +46,14 @@ P_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2))
 ROW_O = gl.constexpr(gl.SliceLayout(1, O_L))
 ROW_S = gl.constexpr(gl.SliceLayout(1, S_L))
 COL_S = gl.constexpr(gl.SliceLayout(0, S_L))
+#: O's rows for the store: ``O_L`` with two lane bits and two register bits of the columns
+#: exchanged (within each warp, through a 512-byte per-warp scratch) so that a thread holds 8
+#: consecutive columns (one 16-byte store) and a warp's store covers 8 rows x 64 bytes; with
+#: ``O_L`` itself a thread stores 4 bytes at a time and the stores stall the consumers
+O_ST = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0], [0, 32], [0, 64], [0, 128]],
+    lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 256]))
 
 
 
@@ -147,7 +155,9 @@ def _block_ok(C: gl.constexpr, i, n, idx_row, rows):
     layout ``COL_S``: loaded one column a thread pair and moved there (the load's latency
     hides behind the QK product)."""
     IL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    c = (2 * i + C) * BN + gl.arange(0, BN, layout=IL)
+    # (+ i >> 30, i.e. 0: keeps the column pointers from being hoisted to the kernel's entry,
+    # where they stay live in every partition and make ptxas spill)
+    c = (2 * i + C) * BN + (gl.arange(0, BN, layout=IL) + (i >> 30))
     cm = c < n
     ci = gl.load(idx_row + c, mask=cm, other=-1)
     return gl.convert_layout(cm & (ci >= 0) & (ci < rows), COL_S)
@@ -274,9 +284,9 @@ def _consumer_rows(C: gl.constexpr, l_i, m_i, o, t, ht, H, sink_ptr, sink_st, ou
     inv, lse = _finish_rows(l_tot, m_i, h64, hmask, sink_ptr, sink_st, HAS_SINK)
     if C == 0:
         gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
-    ho = ht * BH + gl.arange(0, BH, layout=ROW_O)
-    do = 256 * C + gl.arange(0, 256, layout=gl.SliceLayout(0, O_L))
-    v = (o * gl.convert_layout(inv, ROW_O)[:, None]).to(gl.bfloat16)
+    ho = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, O_ST))
+    do = 256 * C + gl.arange(0, 256, layout=gl.SliceLayout(0, O_ST))
+    v = gl.convert_layout((o * gl.convert_layout(inv, ROW_O)[:, None]).to(gl.bfloat16), O_ST)
     op = out_ptr + t * stride_ot + ho.to(gl.int64)[:, None] * stride_oh + do[None, :]
     gl.store(op, v, mask=(ho < H)[:, None], cache_modifier=".cs")
 
