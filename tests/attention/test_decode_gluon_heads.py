@@ -73,8 +73,9 @@ def test_gluon_heads_compiles_for_sm90(src_a, src_b, split, variant):
     """Compiles for sm_90 (subprocess without the interpreter), both dequant orders and the
     warp-specialized kernel: wgmma (32 for S, 4 for O), cp.async, shared memory within the
     227 KB of one CTA, registers within 255 for 256 threads, no large spills, and few CTA
-    barriers (the key tile in one store: 4 per block serial, 5 overlapped, 8 / 10 in the whole
-    kernel; main had 12 per block and 23 / 30 with one store per 64-dim group). ws: the
+    barriers (the key tile in one store: 4 per block serial, 5 overlapped, 10 / 12 in the whole
+    kernel, two of them the epilogue's pass of O through the key tile; main had 12 per block and
+    23 / 30 with one store per 64-dim group). ws: the
     partitions' register budgets (setmaxnreg: 224 for the 8 MMA warps, 48 for the producer),
     the gathers (cp.async + its mbarrier arrive) only in the producer's loop, 5 barriers per
     block in the consumers' loop (membar's around the mbarrier ops), 2 in the producer's."""
@@ -92,7 +93,7 @@ def test_gluon_heads_compiles_for_sm90(src_a, src_b, split, variant):
         assert cons["spill_ld_st"] <= 4 and prod["spill_ld_st"] == 0, facts
         assert 0 < prod["loop"] < cons["loop"], facts
     else:
-        assert facts["bar_sync"] <= (10 if variant == "1" else 8), facts
+        assert facts["bar_sync"] <= (12 if variant == "1" else 10), facts
 
 
 def test_gluon_heads_shape_in_pick_vocabulary():

@@ -26,3 +26,19 @@ def _finish_rows(l_i, m_i, h64, hmask, sink_ptr, sink_st, HAS_SINK: gl.constexpr
         inv = gl.where(has, 1.0 / den, 0.0)
     lse = gl.where(has, (m_i + gl.log2(l_safe)) * LN2, float("inf"))
     return inv, lse
+
+
+def row_store_layout(n: int, warp_bases) -> gl.DistributedLinearLayout:
+    """The store layout of a ``[64, n * 2**(extra warp column bits)]`` wgmma accumulator
+    (``instr_shape [16, n, 16]``, 4 warps down the 64 rows, ``warp_bases`` as its linear
+    layout's): column bits 1-2 (lanes in the accumulator) and 3-4 (registers) exchanged, so a
+    thread holds 8 consecutive columns (one 16-byte bf16 store, two fp32 ones) and a warp's
+    store covers 8 rows x 32 columns. ``gl.convert_layout`` moves the accumulator there within
+    each warp (a 512-byte-per-warp scratch for bf16); storing from the accumulator layout itself
+    writes 4 bytes at a time and stalls the warps on the store queue."""
+    cols = [[0, 1 << b] for b in range(n.bit_length() - 1)]
+    width = max([n] + [2 * b[1] for b in warp_bases if b[1]])
+    return gl.DistributedLinearLayout(
+        reg_bases=cols[:3] + [[8, 0]] + cols[5:],
+        lane_bases=cols[3:5] + [[1, 0], [2, 0], [4, 0]],
+        warp_bases=warp_bases, block_bases=[], shape=[64, width])

@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import _finish_rows
+from .common import _finish_rows, row_store_layout
 from .dequant import _dequant_group
 from .gather import _alloc_rings, _copy_layout, _issue, _key_ranges, _load_idx, _program_ids
 
@@ -42,6 +42,8 @@ from .gather import _alloc_rings, _copy_layout, _issue, _key_ranges, _load_idx, 
 BH = gl.constexpr(64)
 #: warps per CTA (two warpgroups)
 NW = gl.constexpr(8)
+#: the epilogue's store layout of the ``[64, 512]`` O accumulator (two warpgroups side by side)
+O_ST = gl.constexpr(row_store_layout(256, [[16, 0], [32, 0], [0, 256]]))
 
 
 @gluon.jit
@@ -147,18 +149,19 @@ def _qk_softmax(q_smem, k_smem, p_smem, mx_smem, kidx, m_i, l_part, zero_s, qk_s
 
 @gluon.jit
 def _heads_epilogue(o, l_part, m_i, t, split, ht, H, num_splits, sink_ptr, sink_st, out_ptr,
-                    stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, po_ptr, pl_ptr,
+                    stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, po_ptr, pl_ptr, k_smem,
                     HAS_SINK: gl.constexpr, SPLIT: gl.constexpr):
     """Rows of one 64-head tile from ``o [64, 512]`` (O accumulator layout), the per-thread
     row sums ``l_part`` and the row maxima ``m_i``: normalized fp32 partials + log2-sum-exp
-    (``SPLIT``) or bf16 out + lse with the sink (``_finish_rows``)."""
+    (``SPLIT``) or bf16 out + lse with the sink (``_finish_rows``). The bf16 rows go through
+    the (then unused) key tile ``k_smem`` into ``O_ST`` for 16-byte stores; the caller's
+    warps have all waited their last wgmma on ``k_smem``."""
     OACC: gl.constexpr = o.type.layout
     l_i = gl.convert_layout(gl.sum(gl.sum(l_part, axis=2), axis=1), gl.SliceLayout(1, OACC))
     m_o = gl.convert_layout(m_i, gl.SliceLayout(1, OACC))
     h = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, OACC))
     hmask = h < H
     h64 = h.to(gl.int64)
-    d = gl.arange(0, 512, layout=gl.SliceLayout(0, OACC))
     has = l_i != 0.0  # no key <=> l == 0 exactly; a NaN l propagates (docs/semantics.md)
     l_safe = gl.where(has, l_i, 1.0)
     if SPLIT:
@@ -166,14 +169,19 @@ def _heads_epilogue(o, l_part, m_i, t, split, ht, H, num_splits, sink_ptr, sink_
         prow = (t * num_splits + split) * H + h64
         lse2 = gl.where(has, m_o + gl.log2(l_safe), float("-inf"))
         gl.store(pl_ptr + prow, lse2, mask=hmask)
+        d = gl.arange(0, 512, layout=gl.SliceLayout(0, OACC))
         gl.store(po_ptr + (prow * 512)[:, None] + d[None, :], o * inv[:, None],
                  mask=hmask[:, None])
     else:
         inv, lse = _finish_rows(l_i, m_o, h64, hmask, sink_ptr, sink_st, HAS_SINK)
         gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
-        orow = out_ptr + t * stride_ot + h64 * stride_oh
-        gl.store(orow[:, None] + d[None, :], (o * inv[:, None]).to(gl.bfloat16),
-                 mask=hmask[:, None])
+        gl.thread_barrier()  # every warp's last O wgmma has read k_smem
+        k_smem.store((o * inv[:, None]).to(gl.bfloat16))
+        gl.thread_barrier()
+        hs = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, O_ST))
+        ds = gl.arange(0, 512, layout=gl.SliceLayout(0, O_ST))
+        orow = out_ptr + t * stride_ot + hs.to(gl.int64) * stride_oh
+        gl.store(orow[:, None] + ds[None, :], k_smem.load(O_ST), mask=(hs < H)[:, None])
 
 
 @gluon.jit
@@ -279,5 +287,5 @@ def _sparse_mla_decode_heads_kernel(
         o = warpgroup_mma_wait(0, deps=[o])
     cp.wait_group(0)
     _heads_epilogue(o, l_part, m_i, t, split, ht, H, num_splits, sink_ptr, sink_st, out_ptr,
-                    stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, po_ptr, pl_ptr,
+                    stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, po_ptr, pl_ptr, k_smem,
                     HAS_SINK, SPLIT)

@@ -185,7 +185,7 @@ def _consumer(q_ptr, stride_qt, stride_qh, t, split, ht, H, qk_scale, num_splits
         o = warpgroup_mma(p_smem, k_smem, o * alpha_o[:, None], is_async=True)
         o = warpgroup_mma_wait(0, deps=[o])
     _heads_epilogue(o, l_part, m_i, t, split, ht, H, num_splits, sink_ptr, sink_st, out_ptr,
-                    stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, po_ptr, pl_ptr,
+                    stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, po_ptr, pl_ptr, k_smem,
                     HAS_SINK, SPLIT)
 
 

@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .common import _finish_rows
+from .common import _finish_rows, row_store_layout
 
 BN = gl.constexpr(64)
 BH = gl.constexpr(64)
@@ -46,14 +46,8 @@ P_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2))
 ROW_O = gl.constexpr(gl.SliceLayout(1, O_L))
 ROW_S = gl.constexpr(gl.SliceLayout(1, S_L))
 COL_S = gl.constexpr(gl.SliceLayout(0, S_L))
-#: O's rows for the store: ``O_L`` with two lane bits and two register bits of the columns
-#: exchanged (within each warp, through a 512-byte per-warp scratch) so that a thread holds 8
-#: consecutive columns (one 16-byte store) and a warp's store covers 8 rows x 64 bytes; with
-#: ``O_L`` itself a thread stores 4 bytes at a time and the stores stall the consumers
-O_ST = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0], [0, 32], [0, 64], [0, 128]],
-    lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 256]))
+#: O's rows for the store (8 consecutive columns a thread: 16-byte stores)
+O_ST = gl.constexpr(row_store_layout(256, [[16, 0], [32, 0]]))
 
 
 
