@@ -30,8 +30,8 @@ PICK = {
     # heads). tl tiles 33..64 heads as one 64-head tile and 65..128 as two, like this kernel.
     # Warp-specialized kernel (prefill_ws.py), same method, one run: tl / eager / ws / FlashMLA
     # 64 heads 1472.3 / 1113.7 / 930.0 / 653.7 us, 128 heads 2920.2 / 2175.8 / 1819.3 / 1290.0.
-    # Persistent warp-specialized kernel (prefill_wsp.py), session 4, one run: wsp / FlashMLA
-    # 64 heads 882.6 / 649.8 us, 128 heads 1693.6 / 1282.6 (ws, session 3: 921.6 / 1806.2).
+    # Persistent warp-specialized kernel (prefill_wsp.py), 2026-12-02, one run: wsp / ws /
+    # FlashMLA 64 heads 666.1 / 740.0 / 655.5 us, 128 heads 1266.0 / 1436.3 / 1287.2.
     (9, 0): {64: "wsp", 128: "wsp"},
 }
 
