@@ -198,6 +198,22 @@ def test_gluon_launch_wiring(shape, T, H, src_a, src_b):
         cc.launch_signature(bad)
 
 
+def test_gluon_compile_constexpr_defaults():
+    """The CPU compile binds a constexpr the caller omits to the kernel's default (a bare
+    signature would bind it to None), keeps the kernel's parameter order, and refuses a name
+    the kernel does not have."""
+    if not gluon_pkg.AVAILABLE:
+        pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
+    from dsv41_triton.attention.gluon import compile_check as cc
+    from dsv41_triton.attention.gluon.decode_few_ws import _sparse_mla_decode_few_ws_kernel as k
+    got = cc.kernel_constexprs(k, dict(NT=2, SRC_A=584, DEQ_PREFETCH=True))
+    assert got["IDX_AHEAD"] == 1 and got["DEQ_PREFETCH"] is True and got["NT"] == 2, got
+    order = [p.name for p in k.params if p.name in got]
+    assert list(got) == order, (list(got), order)
+    with pytest.raises(ValueError, match="NOT_A_PARAM"):
+        cc.kernel_constexprs(k, dict(NOT_A_PARAM=1))
+
+
 def test_gluon_pick_table():
     """Every pick-table entry names a launch shape the GPU tests run, on known buckets."""
     from dsv41_triton.attention.gluon import launch as gl_launch

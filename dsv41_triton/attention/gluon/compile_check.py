@@ -326,6 +326,18 @@ _PREFILL_ARGS = (
 )
 
 
+def kernel_constexprs(kern, consts: dict) -> dict:
+    """``consts`` completed with ``kern``'s constexpr defaults (a compile from a bare
+    signature would bind an omitted one to None, not to its default), in the order of the
+    kernel's parameters."""
+    given = {p.name: p.default for p in kern.params if p.is_constexpr and p.has_default}
+    given.update(consts)
+    unknown = set(given) - {p.name for p in kern.params if p.is_constexpr}
+    if unknown:
+        raise ValueError(f"constexprs {sorted(unknown)} are not parameters of the kernel")
+    return {p.name: given[p.name] for p in kern.params if p.name in given}
+
+
 def _compile(kern, args, aligned, values, consts: dict, num_warps: int, arch: int):
     """``kern`` compiled for ``sm_<arch>`` with the ``(name, type)`` arguments ``args``
     (specialized by ``_specialize``) followed by the constexprs ``consts``."""
@@ -334,7 +346,7 @@ def _compile(kern, args, aligned, values, consts: dict, num_warps: int, arch: in
     from triton.experimental.gluon._runtime import GluonASTSource
 
     sig, constexprs, attrs = _specialize(args, aligned, values)
-    for k, v in consts.items():
+    for k, v in kernel_constexprs(kern, consts).items():
         sig[k] = "constexpr"
         constexprs[(list(sig).index(k),)] = v
     src = GluonASTSource(kern, sig, constexprs=constexprs, attrs=attrs)
