@@ -340,7 +340,8 @@ def kernel_constexprs(kern, consts: dict) -> dict:
 
 def _compile(kern, args, aligned, values, consts: dict, num_warps: int, arch: int):
     """``kern`` compiled for ``sm_<arch>`` with the ``(name, type)`` arguments ``args``
-    (specialized by ``_specialize``) followed by the constexprs ``consts``."""
+    (specialized by ``_specialize``) followed by the constexprs ``consts`` and the kernel's
+    defaults of those it omits (``kernel_constexprs``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
