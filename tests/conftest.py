@@ -95,6 +95,7 @@ SLOW_AFTER_FIRST_CASE = {
     "test_shared_window_tile_sizes",
     "test_shared_window_matches_ref",
     "test_shared_window_sinks",
+    "test_shared_window_tiles_kernel_matches_torch",
 }
 
 

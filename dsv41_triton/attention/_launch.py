@@ -52,8 +52,11 @@ def _page_log2(page: int) -> int:
 
 def launch(q: torch.Tensor, a: KeySet, b: Optional[KeySet], sink: Optional[torch.Tensor],
            softmax_scale: float, out: torch.Tensor, lse: torch.Tensor,
-           config: Optional[KernelConfig] = None) -> None:
-    """Run the kernel on validated arguments (no checks here; see decode.py/prefill.py)."""
+           config: Optional[KernelConfig] = None, prior: bool = False) -> None:
+    """Run the kernel on validated arguments (no checks here; see decode.py/prefill.py).
+
+    ``prior``: ``out``/``lse`` hold a normalized partial of other keys to merge with (the
+    kernel's ``PRIOR``; one split)."""
     T, H, _ = q.shape
     if T == 0 or H == 0:
         return
@@ -63,7 +66,7 @@ def launch(q: torch.Tensor, a: KeySet, b: Optional[KeySet], sink: Optional[torch
         raise ValueError(f"config: block_n must be >= {MIN_BLOCK_N_GPU} on a GPU, got "
                          f"{cfg.block_n} (16-key blocks gave wrong results on an H200 with "
                          f"triton 3.6)")
-    bh, ns = cfg.block_h, cfg.num_splits
+    bh, ns = cfg.block_h, (1 if prior else cfg.num_splits)
     n_ht = cdiv(H, bh)
     interp = is_interpreter()
     bb = b if b is not None else a
@@ -80,7 +83,8 @@ def launch(q: torch.Tensor, a: KeySet, b: Optional[KeySet], sink: Optional[torch
     pdl = ns > 1 and small_merge(T, H) and pdl_enabled(q.device)
     k = _sparse_mla_fwd_grouped_kernel[grid](*args, PAGE_LOG2_A=_page_log2(a.page),
                                              PAGE_LOG2_B=_page_log2(bb.page),
-                                             LAZY=cfg.lazy_rescale, PDL=pdl, **kw)
+                                             LAZY=cfg.lazy_rescale, PDL=pdl, PRIOR=prior,
+                                             **kw)
     LAST_LAUNCH["fwd"] = (k, cfg)
     if ns > 1:
         merge_splits(po, pl, sink, sink_arg, sink_st, out, lse, ns, sw=interp, pdl=pdl)

@@ -241,6 +241,19 @@ def _load_q_group(qrow, hmask, G: tl.constexpr, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _load_prior_group(ptr_row, hmask, G: tl.constexpr):
+    return tl.load(ptr_row + (G * 64 + tl.arange(0, 64))[None, :], mask=hmask[:, None],
+                   other=0.0)
+
+
+@triton.jit
+def _merge_prior_group(a, w_a, p, w_p):
+    # a zero weight drops its side (an unwritten or garbage partial row included)
+    pp = tl.where(w_p[:, None] != 0.0, p.to(tl.float32) * w_p[:, None], 0.0)
+    return a * w_a[:, None] + pp
+
+
+@triton.jit
 def _store_group(ptr_row, a, hmask, scale, G: tl.constexpr, TO_BF16: tl.constexpr,
                  SW: tl.constexpr):
     v = a * scale[:, None]
@@ -277,7 +290,7 @@ def _sparse_mla_fwd_grouped_kernel(
     HAS_SINK: tl.constexpr, SPLIT: tl.constexpr,
     BH: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr, SW: tl.constexpr,
     PAGE_LOG2_A: tl.constexpr, PAGE_LOG2_B: tl.constexpr, LAZY: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, PRIOR: tl.constexpr = False,
 ):
     """Grid: ``T * num_splits * num_ht`` programs (head tile fastest, then split, then token).
 
@@ -286,6 +299,9 @@ def _sparse_mla_fwd_grouped_kernel(
     (not SPLIT) or partials ``po [T, NS, H, 512]`` / ``pl [T, NS, H]`` fp32 (log2 domain).
     Eight ``[BH, 64]`` accumulators and Q pieces, eight ``[BN, 64]`` key pieces per step.
     ``PDL``: lets the split merge (a programmatic dependent launch) start its launch now.
+    ``PRIOR`` (one split only): ``out``/``lse`` already hold a normalized partial of other
+    keys (bf16, natural lse, ``+inf`` = none); it is merged with this program's keys after
+    the key loop and the result (sink applied) overwrites it.
     """
     if PDL:
         gdc_launch_dependents()
@@ -329,6 +345,19 @@ def _sparse_mla_fwd_grouped_kernel(
         lo = split * chunk
         hi = tl.minimum(lo + chunk, total)
 
+    if PRIOR:
+        # issued before the key loop (its latency hides under it), merged after it
+        lp = tl.load(lse_ptr + t * stride_lt + h64 * stride_lh, mask=hmask,
+                     other=float("inf"))
+        prow = out_ptr + t * stride_ot + h64[:, None] * stride_oh
+        p0 = _load_prior_group(prow, hmask, 0)
+        p1 = _load_prior_group(prow, hmask, 1)
+        p2 = _load_prior_group(prow, hmask, 2)
+        p3 = _load_prior_group(prow, hmask, 3)
+        p4 = _load_prior_group(prow, hmask, 4)
+        p5 = _load_prior_group(prow, hmask, 5)
+        p6 = _load_prior_group(prow, hmask, 6)
+        p7 = _load_prior_group(prow, hmask, 7)
     m_i = tl.full([BH], float("-inf"), tl.float32)
     l_i = tl.zeros([BH], tl.float32)
     a0 = tl.zeros([BH, 64], tl.float32)
@@ -351,6 +380,24 @@ def _sparse_mla_fwd_grouped_kernel(
             b_ptr, b_idx_ptr + t * b_idx_st, b_lo, hi - len_a, b_bstride, b_page, b_rows,
             qk_scale, SRC_B, DATA_B, SCALE_B, PAGE_LOG2_B, BN, DOT_F32, LAZY)
 
+    if PRIOR:
+        # the partial is an online state of max lse2 and sum 1; +inf lse: no partial
+        m_p = tl.where(lp == float("inf"), float("-inf"), lp * 1.4426950408889634)
+        m_c = tl.maximum(m_i, m_p)
+        m_c = tl.where(m_p != m_p, m_p, m_c)  # the GPU max drops a NaN partial
+        m_cs = tl.where(m_c == float("-inf"), 0.0, m_c)
+        w_i = tl.where(m_i == float("-inf"), 0.0, tl.exp2(m_i - m_cs))
+        w_p = tl.where(m_p == float("-inf"), 0.0, tl.exp2(m_p - m_cs))
+        l_i = l_i * w_i + w_p
+        a0 = _merge_prior_group(a0, w_i, p0, w_p)
+        a1 = _merge_prior_group(a1, w_i, p1, w_p)
+        a2 = _merge_prior_group(a2, w_i, p2, w_p)
+        a3 = _merge_prior_group(a3, w_i, p3, w_p)
+        a4 = _merge_prior_group(a4, w_i, p4, w_p)
+        a5 = _merge_prior_group(a5, w_i, p5, w_p)
+        a6 = _merge_prior_group(a6, w_i, p6, w_p)
+        a7 = _merge_prior_group(a7, w_i, p7, w_p)
+        m_i = m_c
     # no key <=> l == 0 exactly; a NaN l (NaN in q or a key) propagates to out and lse
     has = l_i != 0.0
     l_safe = tl.where(has, l_i, 1.0)

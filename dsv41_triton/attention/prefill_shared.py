@@ -3,9 +3,11 @@
 In V4.1 a prefill token reads a window of ``W`` consecutive positions plus its own top-k
 compressed entries; consecutive tokens of one request share ``W - 1`` of their window keys.
 ``sparse_mla_prefill_shared_window`` takes the window as a row range per token (rows of the
-workspace, ``[win_start, win_start + win_len)``) and the top-k part as index rows, and runs
-``_shared_window_kernel.py``: tiles of ``BT`` consecutive tokens of one request load each
-window key once for the whole tile. ``sparse_mla_prefill`` stays the general entry point (any
+workspace, ``[win_start, win_start + win_len)``) and the top-k part as index rows, in two
+launches: ``_shared_window_kernel.py`` (tiles of ``BT`` consecutive tokens of one request load
+each window key once for the whole tile and leave a normalized partial in ``out``/``lse``),
+then the general kernel over each token's top-k rows, which merges that partial in (its
+``PRIOR``) and applies the sink. ``sparse_mla_prefill`` stays the general entry point (any
 head count, any key rows). Reference: ``prefill_shared_ref.py``.
 
 ``workspace_window_rows`` derives the window ranges and top-k lengths of the layer's gathered
@@ -32,19 +34,40 @@ from .._utils import (
 from ..ops.indices_ref import token_requests_ref
 from ._configs import MIN_BLOCK_N_GPU
 from ._kernels import check_common, check_indices, check_lens, new_outputs
-from ._launch import LAST_LAUNCH
-from ._shared_window_kernel import _shared_window_fwd_kernel
+from ._launch import LAST_LAUNCH, KeySet, launch
+from ._shared_window_kernel import _tiles_kernel, _window_partial_kernel
+from ._sparse_kernel import SRC_BF16
 
 LOG2E = 1.4426950408889634
 #: most heads the shared-window kernel takes (more heads: ``sparse_mla_prefill``)
 MAX_SHARED_HEADS = 16
 
 
+#: most ``query_start_loc`` entries the one-launch tile builder takes (more: torch ops)
+MAX_TILE_KERNEL_ENTRIES = 4096
+
+
 def shared_window_tiles(query_start_loc: torch.Tensor, T: int, block_t: int) -> torch.Tensor:
     """``[cdiv(T, block_t) + B + 1, 2]`` int32 tiles (first token, count) of at most
     ``block_t`` consecutive tokens of one request (tokens ``query_start_loc[b] - [0] ..``);
-    tokens past the last request form their own tiles; unused tiles have count 0. Device
-    ops only (no host sync); ``query_start_loc`` must be non-decreasing."""
+    tokens past the last request form their own tiles; unused tiles have count 0. No host
+    sync; ``query_start_loc`` must be non-decreasing. One Triton launch on a GPU (and in the
+    interpreter), else :func:`shared_window_tiles_ref`."""
+    nq = query_start_loc.shape[0]
+    NT = -(-T // block_t) + nq
+    dev = query_start_loc.device
+    if not ((dev.type == "cuda" or is_interpreter()) and nq <= MAX_TILE_KERNEL_ENTRIES):
+        return shared_window_tiles_ref(query_start_loc, T, block_t)
+    tiles = torch.empty((NT, 2), dtype=torch.int32, device=dev)
+    bi = 128
+    _tiles_kernel[(-(-NT // bi),)](query_start_loc, nq, T, NT, tiles, BT=block_t,
+                                   BB=max(16, next_power_of_2(nq)), BI=bi)
+    return tiles
+
+
+def shared_window_tiles_ref(query_start_loc: torch.Tensor, T: int, block_t: int
+                            ) -> torch.Tensor:
+    """:func:`shared_window_tiles` in torch ops (no host sync)."""
     dev = query_start_loc.device
     qsl = query_start_loc.long() - query_start_loc[0].long()
     B = qsl.numel() - 1
@@ -124,7 +147,7 @@ def sparse_mla_prefill_shared_window(
         attn_sink: ``[H]`` fp32 or None; softmax_scale: default ``512 ** -0.5``;
         out: optional ``[T, H, 512]`` bf16.
         block_t: tokens per tile (default ``64 // next_power_of_2(H)``, at least 1);
-        block_n, num_warps, num_stages: launch shape.
+        block_n, num_warps, num_stages: the window launch's shape.
 
     Each token attends over its window rows and its top-k rows in one softmax (a row in both
     counts twice). Returns ``(out [T, H, 512] bf16, lse [T, H] fp32)``; empty rows 0 / +inf.
@@ -176,7 +199,7 @@ def _shared_window_op(q: torch.Tensor, kv: torch.Tensor, win_start: torch.Tensor
                       num_stages: int) -> None:
     """The op behind :func:`sparse_mla_prefill_shared_window` (checked arguments; the
     outputs allocated by the caller; ``num_warps = -1``: the default)."""
-    if use_reference(q.device, _shared_window_fwd_kernel):
+    if use_reference(q.device, _window_partial_kernel):
         from .prefill_shared_ref import sparse_mla_prefill_shared_window_ref
 
         o, l = sparse_mla_prefill_shared_window_ref(q, kv, win_start, win_len, topk_indices,
@@ -190,31 +213,25 @@ def _shared_window_op(q: torch.Tensor, kv: torch.Tensor, win_start: torch.Tensor
         return
     hp = next_power_of_2(H)
     rows = bt * hp
-    num_warps = None if num_warps < 0 else num_warps
     tiles = shared_window_tiles(query_start_loc, T, bt)
     win_start, win_len = win_start.contiguous(), win_len.contiguous()
-    scr = torch.empty((T, H, HEAD_DIM), dtype=torch.float32, device=q.device)
-    scl = torch.empty((T, H), dtype=torch.float32, device=q.device)
     S = int(kv.shape[0])
+    row_stride = kv.stride(0) if S > 1 else HEAD_DIM
     interp = is_interpreter()
-    sink_arg = attn_sink if attn_sink is not None else lse
-    lens_arg = topk_lens if topk_lens is not None else win_len
-    k = _shared_window_fwd_kernel[(tiles.shape[0],)](
+    k = _window_partial_kernel[(tiles.shape[0],)](
         q, q.stride(0), q.stride(1),
-        kv, kv.stride(0) if S > 1 else HEAD_DIM, S,
-        win_start, win_len, topk_indices, topk_indices.stride(0),
-        lens_arg, lens_arg.stride(0), topk_indices.shape[1],
-        tiles,
-        sink_arg, attn_sink.stride(0) if attn_sink is not None else 0,
+        kv, row_stride, S,
+        win_start, win_len, tiles,
         out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1),
-        scr, scl,
         H, scale * LOG2E,
-        HP=hp, BT=bt, BH=max(16, hp), BN=block_n,
-        HAS_LEN=topk_lens is not None, HAS_SINK=attn_sink is not None, LAZY=False,
-        DOT_F32=interp, SW=interp,
-        num_warps=num_warps or (8 if rows >= 64 else 4), num_stages=1 if interp else num_stages,
+        HP=hp, BT=bt, BN=block_n, DOT_F32=interp, SW=interp,
+        num_warps=num_warps if num_warps > 0 else (8 if rows >= 64 else 4),
+        num_stages=1 if interp else num_stages,
     )
     LAST_LAUNCH["shared"] = (k, (bt, block_n))
+    topk = KeySet(src=SRC_BF16, k=kv, indices=topk_indices, lens=topk_lens, bstride=row_stride,
+                  page=1, rows=S)
+    launch(q, topk, None, attn_sink, scale, out, lse, prior=True)
 
 
 @_shared_window_op.register_fake
@@ -223,4 +240,5 @@ def _shared_window_fake(q, kv, win_start, win_len, topk_indices, topk_lens, quer
     return None
 
 
-__all__ = ["sparse_mla_prefill_shared_window", "shared_window_tiles", "workspace_window_rows"]
+__all__ = ["sparse_mla_prefill_shared_window", "shared_window_tiles", "shared_window_tiles_ref",
+           "workspace_window_rows"]

@@ -7,6 +7,7 @@ from dsv41_triton.attention._configs import MIN_BLOCK_N_GPU
 from dsv41_triton.attention.prefill import sparse_mla_prefill
 from dsv41_triton.attention.prefill_shared import (
     shared_window_tiles,
+    shared_window_tiles_ref,
     sparse_mla_prefill_shared_window,
     workspace_window_rows,
 )
@@ -75,6 +76,23 @@ def test_shared_window_tiles_cover_each_token_once(device):
                 b = max(i for i in range(len(bounds) - 1) if bounds[i] <= s)
                 assert s + c <= bounds[b + 1]  # never across a request boundary
         assert torch.equal(seen, torch.ones(T, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_shared_window_tiles_kernel_matches_torch(device, seed):
+    g = torch.Generator().manual_seed(seed)
+    nq = [1, 2, 7, 300][seed]
+    lens = torch.randint(0, 40, (nq - 1,), generator=g)
+    lens[torch.rand(nq - 1, generator=g) < 0.3] = 0  # empty requests
+    qsl = torch.cat([torch.tensor([int(torch.randint(0, 9, (1,), generator=g))]),
+                     lens]).cumsum(0)
+    for T in (1, int(qsl[-1] - qsl[0]) + 5, max(1, int(qsl[-1] - qsl[0]) // 2)):
+        for bt in (1, 4, 8, 16):
+            for dt in (torch.int32, torch.int64):
+                q = qsl.to(dt).to(device)
+                got = shared_window_tiles(q, T, bt)
+                want = shared_window_tiles_ref(q, T, bt)
+                assert got.dtype == torch.int32 and torch.equal(got.cpu(), want.cpu()), (T, bt)
 
 
 @pytest.mark.parametrize("H", [1, 3, 8, 16])
