@@ -1,0 +1,130 @@
+"""Can a few-heads kernel feed both wgmma products from record bytes held in registers?
+A compile-only probe for sm_90 (Gluon, Triton 3.6; no GPU needed).
+
+    python perf/register_operand_probe.py
+
+With heads as the wgmma N (swap-AB), both products take the key block as the A operand:
+``S^T = K Q^T`` (keys as M, dims as K) and ``O^T = V^T P^T`` (dims as M, keys as K). If a
+thread can load its A elements straight from a record row and reach the A register layout
+(fp16, ``k_width`` 2) without shared memory, a kernel needs no dequantized key tile: the
+record is written to shared memory once and read once per product. Both probes permute what
+the products contract over (dims for S, keys for O) and, for O, the output dims, so that a
+thread's elements are whole runs of one key's bytes:
+
+* ``qk``: a thread reads 16 consecutive bytes of its key per 64-dim chunk (logical dim
+  ``16 b + 8 u + 2 c + v`` is byte ``16 c + 4 b + 2 u + v``);
+* ``pv``: a thread reads 2 consecutive bytes (dims) of each of its 16 keys.
+
+Each probe loads one 64-key x 64-dim e4m3 chunk (rows ``stride`` bytes apart), converts it to
+fp16 and issues the wgmma. ``count_ops`` returns the SASS opcode counts: with no ``LDS``,
+``STS`` (beyond the B tile's one) or ``SHFL``, the operand never touched shared memory.
+Results: perf/NOTES.md, session 14.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from collections import Counter
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+ROW_BYTES = 584
+
+
+@gluon.jit
+def _mma_and_store(a, b_ptr, o_ptr):
+    """``a [64, 64]`` fp16 (A layout) times a ``[64, 8]`` fp16 tile from ``b_ptr``, stored."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 8, 16])
+    BL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 8], gl.float16)
+    LB: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])
+    kk = gl.arange(0, 64, layout=gl.SliceLayout(1, LB))
+    nn = gl.arange(0, 8, layout=gl.SliceLayout(0, LB))
+    b = gl.allocate_shared_memory(gl.float16, [64, 8], BL)
+    b.store(gl.load(b_ptr + kk[:, None] * 8 + nn[None, :]))
+    fence_async_shared()
+    acc = gl.zeros([64, 8], gl.float32, layout=MMA)
+    acc = warpgroup_mma(a, b, acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    mr = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+    mn = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    gl.store(o_ptr + mr[:, None] * 8 + mn[None, :], acc)
+
+
+@gluon.jit
+def qk_probe_kernel(k_ptr, b_ptr, o_ptr, STRIDE: gl.constexpr):
+    """K as the A operand of S^T: ``[key, c, 16 bytes]`` loaded, split into ``[key, c, b, u,
+    v]``, permuted to ``[key, b, u, c, v]`` = ``[64 keys, 64 dims]``."""
+    L3: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [8, 0, 0]],
+        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 4, 16])
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 8, 16])
+    AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+    c = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+    w = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    row = gl.multiple_of(r * STRIDE, 8)
+    x = gl.load(k_ptr + row[:, None, None] + c[None, :, None] * 16 + w[None, None, :])
+    x = x.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+    a = gl.reshape(gl.permute(gl.reshape(x, [64, 4, 4, 2, 2]), (0, 2, 3, 1, 4)), [64, 64])
+    _mma_and_store(gl.convert_layout(a, AL), b_ptr, o_ptr)
+
+
+@gluon.jit
+def pv_probe_kernel(k_ptr, b_ptr, o_ptr, STRIDE: gl.constexpr):
+    """V^T as the A operand of O^T: ``[key, memory dim]`` loaded (key ``16 b + 8 u + 2 c + v``,
+    byte ``16 w + 2 q + s``), permuted to ``[w, s, q | b, u, c, v]`` = ``[64 dims, 64 keys]``."""
+    L2: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [1, 0], [8, 0], [16, 0], [32, 0]],
+        lane_bases=[[2, 0], [4, 0], [0, 2], [0, 4], [0, 8]],
+        warp_bases=[[0, 16], [0, 32]], block_bases=[], shape=[64, 64])
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 8, 16])
+    AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    key = gl.arange(0, 64, layout=gl.SliceLayout(1, L2))
+    md = gl.arange(0, 64, layout=gl.SliceLayout(0, L2))
+    x = gl.load(k_ptr + gl.multiple_of(key * STRIDE, 8)[:, None] + md[None, :])
+    x = x.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+    x = gl.permute(gl.reshape(x, [4, 2, 4, 2, 4, 8, 2]), (4, 6, 5, 0, 1, 2, 3))
+    _mma_and_store(gl.convert_layout(gl.reshape(x, [64, 64]), AL), b_ptr, o_ptr)
+
+
+def compile_probe(kind: str, stride: int = ROW_BYTES, arch: int = 90):
+    """``kind`` "qk" or "pv" compiled for ``sm_<arch>`` (one warpgroup)."""
+    import os
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from dsv41_triton.attention.gluon import compile_check as cc
+
+    kern = {"qk": qk_probe_kernel, "pv": pv_probe_kernel}[kind]
+    args = [("k_ptr", "*u8"), ("b_ptr", "*fp16"), ("o_ptr", "*fp32")]
+    return cc._compile(kern, args, (), None, dict(STRIDE=stride), 4, arch)
+
+
+def count_ops(k) -> Counter:
+    """SASS opcode counts (the opcode up to its first dot; predicates skipped) of ``k``."""
+    import os
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from dsv41_triton.attention.gluon import compile_check as cc
+
+    out = Counter()
+    for line in cc.resource_usage(k, "-sass").splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s*(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
+        if m and ";" in line:
+            out[m.group(1)] += 1
+    return out
+
+
+def main() -> None:
+    keep = ("LDG", "LDS", "STS", "SHFL", "PRMT", "F2FP", "HGMMA")
+    for kind in ("qk", "pv"):
+        ops = count_ops(compile_probe(kind))
+        print(f"{kind}: " + ", ".join(f"{o} {ops[o]}" for o in keep))
+
+
+if __name__ == "__main__":
+    main()
