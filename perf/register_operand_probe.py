@@ -18,6 +18,12 @@ thread's elements are whole runs of one key's bytes:
 Each probe loads one 64-key x 64-dim e4m3 chunk (rows ``stride`` bytes apart), converts it to
 fp16 and issues the wgmma. ``count_ops`` returns the SASS opcode counts: with no ``LDS``,
 ``STS`` (beyond the B tile's one) or ``SHFL``, the operand never touched shared memory.
+
+``ring_probe_kernel`` checks, at compile time (``gl.bank_conflicts``), that one ring layout
+serves both products' 16-byte reads without bank conflicts: a 64-key block as ``[8 groups, 64
+keys, 64 bytes]``, 16-byte chunks swizzled by ``(key // 2) % 4``; S reads 16 bytes of one key
+per group, O reads a thread's 16 bytes of each of its keys, with the keys of a warp's lanes
+``k, k + 1, k + 4, k + 5`` (the order P^T is then laid out in). Its compile fails otherwise.
 Results: perf/NOTES.md, session 14.
 """
 from __future__ import annotations
@@ -94,12 +100,53 @@ def pv_probe_kernel(k_ptr, b_ptr, o_ptr, STRIDE: gl.constexpr):
     _mma_and_store(gl.convert_layout(gl.reshape(x, [64, 64]), AL), b_ptr, o_ptr)
 
 
-def compile_probe(kind: str, stride: int = ROW_BYTES, arch: int = 90):
-    """``kind`` "qk" or "pv" compiled for ``sm_<arch>`` (one warpgroup)."""
+@gluon.jit
+def ring_probe_kernel(k_ptr, o_ptr, SWIZZLE: gl.constexpr = True):
+    """Both read layouts on the ring (``SWIZZLE``: the swizzled one, else plain rows);
+    ``static_assert`` of no bank conflicts."""
+    if SWIZZLE:
+        RL: gl.constexpr = gl.SwizzledSharedLayout(16, 2, 4, [2, 1, 0])
+    else:
+        RL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    # S: [group, key, byte]; a thread: 16 bytes of keys r and r + 8 in every group
+    SL: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 8, 0], [1, 0, 0], [2, 0, 0],
+                   [4, 0, 0]],
+        lane_bases=[[0, 0, 16], [0, 0, 32], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+        warp_bases=[[0, 16, 0], [0, 32, 0]], block_bases=[], shape=[8, 64, 64])
+    # O: a thread (warp w, lane bits q): bytes 16 q .. 16 q + 15 of its 16 keys (lanes: keys
+    # +1, +4; registers: +2, +8, +16, +32), i.e. 16 consecutive record dims
+    OL: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 2, 0], [0, 8, 0], [0, 16, 0],
+                   [0, 32, 0]],
+        lane_bases=[[0, 1, 0], [0, 4, 0], [0, 0, 16], [0, 0, 32], [1, 0, 0]],
+        warp_bases=[[2, 0, 0], [4, 0, 0]], block_bases=[], shape=[8, 64, 64])
+    ring = gl.allocate_shared_memory(gl.uint8, [8, 64, 64], RL)
+    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.uint8, [8, 64, 64], SL),
+                                       ring.type) == 0)
+    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.uint8, [8, 64, 64], OL),
+                                       ring.type) == 0)
+    BL: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 8, 4], [1, 4, 1], [2, 1, 0])
+    g = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, BL)))
+    k = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(2, BL)))
+    b = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, BL)))
+    off = g[:, None, None] * 4096 + k[None, :, None] * 64 + b[None, None, :]
+    ring.store(gl.load(k_ptr + off))
+    gl.thread_barrier()
+    x = gl.convert_layout(ring.load(SL), BL) + gl.convert_layout(ring.load(OL), BL)
+    gl.store(o_ptr + off, x)
+
+
+def compile_probe(kind: str, stride: int = ROW_BYTES, arch: int = 90, swizzle: bool = True):
+    """``kind`` "qk", "pv" or "ring" (``swizzle``: its ring layout) compiled for ``sm_<arch>``
+    (one warpgroup)."""
     import os
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from dsv41_triton.attention.gluon import compile_check as cc
 
+    if kind == "ring":
+        return cc._compile(ring_probe_kernel, [("k_ptr", "*u8"), ("o_ptr", "*u8")], (), None,
+                           dict(SWIZZLE=swizzle), 4, arch)
     kern = {"qk": qk_probe_kernel, "pv": pv_probe_kernel}[kind]
     args = [("k_ptr", "*u8"), ("b_ptr", "*fp16"), ("o_ptr", "*fp32")]
     return cc._compile(kern, args, (), None, dict(STRIDE=stride), 4, arch)
@@ -124,6 +171,8 @@ def main() -> None:
     for kind in ("qk", "pv"):
         ops = count_ops(compile_probe(kind))
         print(f"{kind}: " + ", ".join(f"{o} {ops[o]}" for o in keep))
+    compile_probe("ring")
+    print("ring: both reads conflict-free on the swizzled layout (its static_asserts held)")
 
 
 if __name__ == "__main__":
