@@ -317,6 +317,9 @@ def launch(q, cache, idx, lens, sink, scale, out, lse, b_cache=None, b_idx=None,
     optional second key set (b_cache, b_idx, b_lens) in one softmax, as sparse_mla_decode."""
     T, H, _ = q.shape
     page = cache.shape[1]
+    if not 1 <= H <= 8 or page & (page - 1) or (b_cache is not None and b_cache.shape[1] != page):
+        raise ValueError(f"q / caches: expected 1..8 heads and one power-of-two page, got H = {H}, "
+                         f"pages {page} / {None if b_cache is None else b_cache.shape[1]}")
     LOG2E = 1.4426950408889634
     bc = b_cache if b_cache is not None else cache
     bi = b_idx if b_idx is not None else idx
