@@ -120,7 +120,6 @@ def _rec_regs_kernel(
         lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
         warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 8])
     LQ: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [1, 4], [1, 0])
-    LP: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])
 
     t = gl.program_id(0).to(gl.int64)
     nope = gl.allocate_shared_memory(gl.uint8, [2, 8, 64, 64], RL)
@@ -167,7 +166,8 @@ def _rec_regs_kernel(
     qr.store(gl.permute(gl.load(qrow + 448, mask=hm, other=0.0), (1, 0)))
 
     m_i = gl.full([8], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
-    l_i = gl.full([8], 0.0, gl.float32, layout=gl.SliceLayout(0, MMA))
+    # per-thread partial sums, reduced over the keys once after the loop
+    l_part = gl.full([64, 8], 0.0, gl.float32, layout=MMA)
     zero = gl.full([64, 8], 0.0, gl.float32, layout=MMA)
     o0 = zero
     o1 = zero
@@ -224,7 +224,7 @@ def _rec_regs_kernel(
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
         p = gl.exp2(sco - m_safe[None, :])
-        l_i = l_i * alpha + gl.sum(p, axis=0)
+        l_part = l_part * alpha[None, :] + p
         m_i = m_new
         o0 = o0 * alpha[None, :]
         o1 = o1 * alpha[None, :]
@@ -236,9 +236,8 @@ def _rec_regs_kernel(
         o7 = o7 * alpha[None, :]
         orp = orp * alpha[None, :]
         # ---- P^T: bf16 in key order (rope product), fp16 with key bits 0 and 1 swapped
-        pl = gl.convert_layout(p, LP)
-        pbf.store(pl.to(gl.bfloat16))
-        pp = gl.reshape(gl.permute(gl.reshape(pl.to(gl.float16), [16, 2, 2, 8]), (0, 2, 1, 3)),
+        pbf.store(p.to(gl.bfloat16))
+        pp = gl.reshape(gl.permute(gl.reshape(p.to(gl.float16), [16, 2, 2, 8]), (0, 2, 1, 3)),
                         [64, 8])
         p16.store(pp)
         fence_async_shared()
@@ -281,6 +280,7 @@ def _rec_regs_kernel(
     h = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     hmask = h < H
     h64 = h.to(gl.int64)
+    l_i = gl.sum(l_part, axis=0)
     has = l_i != 0.0
     l_safe = gl.where(has, l_i, 1.0)
     den = l_safe
