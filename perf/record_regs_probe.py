@@ -5,6 +5,7 @@ on the CPU by ``record_regs_replay.py``).
 
     python perf/record_regs_probe.py            # GPU: check against sparse_mla_decode, time
     python perf/record_regs_probe.py --compile  # CPU: registers, shared memory, loop SASS
+                                                # (--json: one JSON line per key-set count)
 
 One CTA = one warpgroup = one query token, H <= 8 heads (the wgmma N), one or two key sets (slot
 ids into paged caches, ``lens``; one softmax, as ``sparse_mla_decode``), the sink. Per 64-key
@@ -429,7 +430,14 @@ def check_and_time() -> None:
 
 if __name__ == "__main__":
     import sys as _sys
-    if "--compile" in _sys.argv:
+    if "--json" in _sys.argv:  # one line per key-set count, for tests/perf
+        import json
+        for has_b in (False, True):
+            st = compile_stats(has_b)
+            print(json.dumps(dict(has_b=has_b, regs=st["regs"], stack=st["stack"],
+                                  smem=st["smem"], spills=st["loop"]["spill_ld_st"],
+                                  hgmma=st["loop"]["ops"].get("HGMMA", 0))))
+    elif "--compile" in _sys.argv:
         for has_b in (False, True):
             st = compile_stats(has_b)
             lp = st["loop"]

@@ -176,4 +176,15 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if "--json" in sys.argv:  # for tests/perf: op counts, then whether each ring layout compiles
+        import json
+        rec = {kind: dict(count_ops(compile_probe(kind))) for kind in ("qk", "pv")}
+        for swz in (True, False):
+            try:
+                compile_probe("ring", swizzle=swz)
+                rec[f"ring_swizzle_{swz}"] = "compiled"
+            except Exception as e:  # noqa: BLE001 - the static_assert's compile error
+                rec[f"ring_swizzle_{swz}"] = f"failed: {type(e).__name__}: {str(e)[-300:]}"
+        print(json.dumps(rec))
+    else:
+        main()
