@@ -26,11 +26,21 @@ and numbers: perf/NOTES.md, session 14.
 """
 from __future__ import annotations
 
+import os
+import sys
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
                                                               warpgroup_mma_wait)
+
+try:
+    import dsv41_triton  # noqa: F401
+except ImportError:  # run from a checkout
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dsv41_triton.attention.gluon.common import _finish_rows  # noqa: E402
+from dsv41_triton.attention.gluon.gather import _key_ranges  # noqa: E402
 
 NUM_WARPS = 4
 DATA = gl.constexpr(576)
@@ -131,22 +141,12 @@ def _rec_regs_kernel(
     p16 = gl.allocate_shared_memory(gl.float16, [64, 8], BQ16)
     pbf = gl.allocate_shared_memory(gl.bfloat16, [64, 8], BQBF)
 
-    if HAS_LEN:
-        n = gl.load(len_ptr + t * len_st).to(gl.int32)
-        n = gl.minimum(gl.maximum(n, 0), width)
-    else:
-        n = width + 0
-    nblk_a = gl.cdiv(n, 64)
+    # columns read: [0, n) of the first key set, [0, n_b) of the second (one split)
+    _, n, _, n_b, nblk_a, nblk = _key_ranges(t, 0, 1, len_ptr, len_st, width, b_len_ptr,
+                                             b_len_st, b_width, HAS_B, HAS_LEN, HAS_LEN_B,
+                                             False)
     idx_row = idx_ptr + t * idx_st
     b_row = b_idx_ptr + t * b_idx_st
-    n_b = n * 0
-    if HAS_B:
-        if HAS_LEN_B:
-            n_b = gl.load(b_len_ptr + t * b_len_st).to(gl.int32)
-            n_b = gl.minimum(gl.maximum(n_b, 0), b_width)
-        else:
-            n_b = b_width + 0
-    nblk = nblk_a + gl.cdiv(n_b, 64)
     if nblk_a > 0:
         _issue_block(cache_ptr, idx_row, 0, n, rows, bstride, nope, rope, scl, 0, PAGE,
                      PAGE_LOG2)
@@ -281,18 +281,8 @@ def _rec_regs_kernel(
     h = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     hmask = h < H
     h64 = h.to(gl.int64)
-    l_i = gl.sum(l_part, axis=0)
-    has = l_i != 0.0
-    l_safe = gl.where(has, l_i, 1.0)
-    den = l_safe
-    if HAS_SINK:
-        m_s = gl.where(has, m_i, 0.0)
-        sink = gl.load(sink_ptr + h64 * sink_st, mask=hmask, other=float("-inf"))
-        den = den + gl.exp2(sink * 1.4426950408889634 - m_s)
-        inv = gl.where(has, 1.0 / den, gl.where(sink != sink, float("nan"), 0.0))
-    else:
-        inv = gl.where(has, 1.0 / den, 0.0)
-    lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("inf"))
+    inv, lse = _finish_rows(gl.sum(l_part, axis=0), m_i, h64, hmask, sink_ptr, sink_st,
+                            HAS_SINK)
     gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
     m = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
     # tile row m = 16 w + 8 s + q -> record dim 16 (8 w + q) + 2 tt + s
@@ -354,9 +344,6 @@ ARGS = [("q_ptr", "*bf16"), ("stride_qt", "i64"), ("stride_qh", "i64"),
 
 def compile_stats(has_b: bool = True) -> dict:
     """Registers, stack, shared memory and the main loop's SASS of an sm_90a compile."""
-    import os
-    import sys
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from dsv41_triton.attention.gluon import compile_check as cc
 
     k = cc._compile(_rec_regs_kernel, ARGS, ("stride_qt", "stride_qh", "bstride", "b_bstride"),
@@ -370,13 +357,8 @@ def check_and_time() -> None:
     """On an sm_90 GPU: outputs against sparse_mla_decode (ragged lens, -1 and out-of-range
     ids, 1 / 3 / 8 heads, one and two key sets), then the 8-head paged prefill's attention
     (4096 tokens x (128 window + 512 compressed) slots) timed beside the decode kernel."""
-    import os
-    import sys
-
     import torch
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path.insert(0, os.path.dirname(here))
-    sys.path.insert(0, here)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import bench_prefill as bp
     from dsv41_triton.attention.decode import sparse_mla_decode
     from dsv41_triton.testing import random_k_cache, rel_err
@@ -433,15 +415,14 @@ def check_and_time() -> None:
 
 
 if __name__ == "__main__":
-    import sys as _sys
-    if "--json" in _sys.argv:  # one line per key-set count, for tests/perf
+    if "--json" in sys.argv:  # one line per key-set count, for tests/perf
         import json
         for has_b in (False, True):
             st = compile_stats(has_b)
             print(json.dumps(dict(has_b=has_b, regs=st["regs"], stack=st["stack"],
                                   smem=st["smem"], spills=st["loop"]["spill_ld_st"],
                                   hgmma=st["loop"]["ops"].get("HGMMA", 0))))
-    elif "--compile" in _sys.argv:
+    elif "--compile" in sys.argv:
         for has_b in (False, True):
             st = compile_stats(has_b)
             lp = st["loop"]

@@ -28,6 +28,7 @@ Results: perf/NOTES.md, session 14.
 """
 from __future__ import annotations
 
+import os
 import re
 import sys
 from collections import Counter
@@ -36,6 +37,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
                                                               warpgroup_mma_wait)
+
+try:
+    import dsv41_triton  # noqa: F401
+except ImportError:  # run from a checkout
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dsv41_triton.attention.gluon import compile_check as cc  # noqa: E402
 
 ROW_BYTES = 584
 
@@ -140,10 +147,6 @@ def ring_probe_kernel(k_ptr, o_ptr, SWIZZLE: gl.constexpr = True):
 def compile_probe(kind: str, stride: int = ROW_BYTES, arch: int = 90, swizzle: bool = True):
     """``kind`` "qk", "pv" or "ring" (``swizzle``: its ring layout) compiled for ``sm_<arch>``
     (one warpgroup)."""
-    import os
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from dsv41_triton.attention.gluon import compile_check as cc
-
     if kind == "ring":
         return cc._compile(ring_probe_kernel, [("k_ptr", "*u8"), ("o_ptr", "*u8")], (), None,
                            dict(SWIZZLE=swizzle), 4, arch)
@@ -154,10 +157,6 @@ def compile_probe(kind: str, stride: int = ROW_BYTES, arch: int = 90, swizzle: b
 
 def count_ops(k) -> Counter:
     """SASS opcode counts (the opcode up to its first dot; predicates skipped) of ``k``."""
-    import os
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from dsv41_triton.attention.gluon import compile_check as cc
-
     out = Counter()
     for line in cc.resource_usage(k, "-sass").splitlines():
         m = re.match(r"\s*/\*[0-9a-f]+\*/\s*(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
