@@ -2,28 +2,13 @@
 record bytes without shared memory, and one swizzled ring serves both reads without bank
 conflicts (sm_90 compiles on the CPU, in a subprocess without the interpreter; skipped without
 Triton's Gluon API of 3.6)."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-from dsv41_triton.attention import gluon as gluon_pkg
-
-PROBE = Path(__file__).resolve().parents[2] / "perf" / "register_operand_probe.py"
+from gluon_probe import probe_json
 
 
 @pytest.fixture(scope="module")
 def facts():
-    if not gluon_pkg.AVAILABLE:
-        pytest.skip(f"installed Triton lacks the Gluon API the probe uses: {gluon_pkg.REASON}")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, str(PROBE), "--json"], env=env, capture_output=True,
-                       text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return probe_json("register_operand_probe.py")[-1]
 
 
 @pytest.mark.parametrize("kind", ["qk", "pv"])
