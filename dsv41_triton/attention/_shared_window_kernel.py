@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._sparse_kernel import _load_group, _load_q_group, _store_groups
+from ._sparse_kernel import _eager_update, _load_q_group, _scores_grouped, _store_groups
 
 
 @triton.jit
@@ -77,41 +77,14 @@ def _window_partial_kernel(
             off = tl.where(kvalid, key, 0).to(tl.int64) * kstride
             rv = (kvalid[None, :] & (key[None, :] >= ws_r[:, None])
                   & (key[None, :] < we_r[:, None]))
-            k0 = _load_group(kv_ptr, off, off, off, off, kvalid, 0, 0, BN, DOT_F32)
-            s = tl.dot(q0, tl.trans(k0))
-            k1 = _load_group(kv_ptr, off, off, off, off, kvalid, 1, 0, BN, DOT_F32)
-            s = tl.dot(q1, tl.trans(k1), s)
-            k2 = _load_group(kv_ptr, off, off, off, off, kvalid, 2, 0, BN, DOT_F32)
-            s = tl.dot(q2, tl.trans(k2), s)
-            k3 = _load_group(kv_ptr, off, off, off, off, kvalid, 3, 0, BN, DOT_F32)
-            s = tl.dot(q3, tl.trans(k3), s)
-            k4 = _load_group(kv_ptr, off, off, off, off, kvalid, 4, 0, BN, DOT_F32)
-            s = tl.dot(q4, tl.trans(k4), s)
-            k5 = _load_group(kv_ptr, off, off, off, off, kvalid, 5, 0, BN, DOT_F32)
-            s = tl.dot(q5, tl.trans(k5), s)
-            k6 = _load_group(kv_ptr, off, off, off, off, kvalid, 6, 0, BN, DOT_F32)
-            s = tl.dot(q6, tl.trans(k6), s)
-            k7 = _load_group(kv_ptr, off, off, off, off, kvalid, 7, 0, BN, DOT_F32)
-            s = tl.dot(q7, tl.trans(k7), s)
+            s, k0, k1, k2, k3, k4, k5, k6, k7 = _scores_grouped(
+                q0, q1, q2, q3, q4, q5, q6, q7, kv_ptr, off, off, off, off, kvalid, 0, BN,
+                DOT_F32)
             s = tl.where(rv, s * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if DOT_F32:
-                pk = p
-            else:
-                pk = p.to(tl.bfloat16)
-            a0 = tl.dot(pk, k0, a0 * alpha[:, None])
-            a1 = tl.dot(pk, k1, a1 * alpha[:, None])
-            a2 = tl.dot(pk, k2, a2 * alpha[:, None])
-            a3 = tl.dot(pk, k3, a3 * alpha[:, None])
-            a4 = tl.dot(pk, k4, a4 * alpha[:, None])
-            a5 = tl.dot(pk, k5, a5 * alpha[:, None])
-            a6 = tl.dot(pk, k6, a6 * alpha[:, None])
-            a7 = tl.dot(pk, k7, a7 * alpha[:, None])
-            m_i = m_new
+            a0, a1, a2, a3, a4, a5, a6, a7, m_i, l_i = _eager_update(
+                s, m_new, k0, k1, k2, k3, k4, k5, k6, k7, a0, a1, a2, a3, a4, a5, a6, a7, m_i,
+                l_i, DOT_F32)
         has = l_i != 0.0  # no key <=> l == 0 exactly; NaN propagates
         l_safe = tl.where(has, l_i, 1.0)
         inv = tl.where(has, 1.0 / l_safe, 0.0)

@@ -119,6 +119,55 @@ def _qk_group(s, q, k, FIRST: tl.constexpr):
 
 
 @triton.jit
+def _scores_grouped(q0, q1, q2, q3, q4, q5, q6, q7, k_ptr, data_off, scale_off, sw0, sw1, valid,
+                    SRC: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr):
+    """One key block's raw scores ``s = sum_g q_g k_g^T`` ``[BH, BN]`` fp32 and its 8 loaded
+    groups ``k_g`` ``[BN, 64]`` (each group loaded just before its product)."""
+    k0 = _load_group(k_ptr, data_off, scale_off, sw0, sw1, valid, 0, SRC, BN, DOT_F32)
+    s = _qk_group(None, q0, k0, True)
+    k1 = _load_group(k_ptr, data_off, scale_off, sw0, sw1, valid, 1, SRC, BN, DOT_F32)
+    s = _qk_group(s, q1, k1, False)
+    k2 = _load_group(k_ptr, data_off, scale_off, sw0, sw1, valid, 2, SRC, BN, DOT_F32)
+    s = _qk_group(s, q2, k2, False)
+    k3 = _load_group(k_ptr, data_off, scale_off, sw0, sw1, valid, 3, SRC, BN, DOT_F32)
+    s = _qk_group(s, q3, k3, False)
+    k4 = _load_group(k_ptr, data_off, scale_off, sw0, sw1, valid, 4, SRC, BN, DOT_F32)
+    s = _qk_group(s, q4, k4, False)
+    k5 = _load_group(k_ptr, data_off, scale_off, sw0, sw1, valid, 5, SRC, BN, DOT_F32)
+    s = _qk_group(s, q5, k5, False)
+    k6 = _load_group(k_ptr, data_off, scale_off, sw0, sw1, valid, 6, SRC, BN, DOT_F32)
+    s = _qk_group(s, q6, k6, False)
+    k7 = _load_group(k_ptr, data_off, scale_off, sw0, sw1, valid, 7, SRC, BN, DOT_F32)
+    s = _qk_group(s, q7, k7, False)
+    return s, k0, k1, k2, k3, k4, k5, k6, k7
+
+
+@triton.jit
+def _eager_update(s, m_new, k0, k1, k2, k3, k4, k5, k6, k7, a0, a1, a2, a3, a4, a5, a6, a7,
+                  m_i, l_i, DOT_F32: tl.constexpr):
+    """The online-softmax step with the new max ``m_new`` applied at once: ``s`` ``[BH, BN]``
+    (log2 domain, ``-inf`` where masked), ``k_g`` the block's groups, ``a_g`` ``[BH, 64]``;
+    returns the updated ``a_0 .. a_7, m_i, l_i``."""
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DOT_F32:
+        pk = p
+    else:
+        pk = p.to(tl.bfloat16)
+    a0 = tl.dot(pk, k0, a0 * alpha[:, None])
+    a1 = tl.dot(pk, k1, a1 * alpha[:, None])
+    a2 = tl.dot(pk, k2, a2 * alpha[:, None])
+    a3 = tl.dot(pk, k3, a3 * alpha[:, None])
+    a4 = tl.dot(pk, k4, a4 * alpha[:, None])
+    a5 = tl.dot(pk, k5, a5 * alpha[:, None])
+    a6 = tl.dot(pk, k6, a6 * alpha[:, None])
+    a7 = tl.dot(pk, k7, a7 * alpha[:, None])
+    return a0, a1, a2, a3, a4, a5, a6, a7, m_new, l_i
+
+
+@triton.jit
 def _attend_grouped(a0, a1, a2, a3, a4, a5, a6, a7, m_i, l_i,
                     q0, q1, q2, q3, q4, q5, q6, q7,
                     k_ptr, idx_row_ptr, lo, hi, bstride, page, nrows, qk_scale,
@@ -160,22 +209,9 @@ def _attend_grouped(a0, a1, a2, a3, a4, a5, a6, a7, m_i, l_i,
         else:
             sw0 = scale_off
             sw1 = scale_off
-        k0 = _load_group(k_ptr, data_off, scale_off, sw0, sw1, valid, 0, SRC, BN, DOT_F32)
-        s = _qk_group(None, q0, k0, True)
-        k1 = _load_group(k_ptr, data_off, scale_off, sw0, sw1, valid, 1, SRC, BN, DOT_F32)
-        s = _qk_group(s, q1, k1, False)
-        k2 = _load_group(k_ptr, data_off, scale_off, sw0, sw1, valid, 2, SRC, BN, DOT_F32)
-        s = _qk_group(s, q2, k2, False)
-        k3 = _load_group(k_ptr, data_off, scale_off, sw0, sw1, valid, 3, SRC, BN, DOT_F32)
-        s = _qk_group(s, q3, k3, False)
-        k4 = _load_group(k_ptr, data_off, scale_off, sw0, sw1, valid, 4, SRC, BN, DOT_F32)
-        s = _qk_group(s, q4, k4, False)
-        k5 = _load_group(k_ptr, data_off, scale_off, sw0, sw1, valid, 5, SRC, BN, DOT_F32)
-        s = _qk_group(s, q5, k5, False)
-        k6 = _load_group(k_ptr, data_off, scale_off, sw0, sw1, valid, 6, SRC, BN, DOT_F32)
-        s = _qk_group(s, q6, k6, False)
-        k7 = _load_group(k_ptr, data_off, scale_off, sw0, sw1, valid, 7, SRC, BN, DOT_F32)
-        s = _qk_group(s, q7, k7, False)
+        s, k0, k1, k2, k3, k4, k5, k6, k7 = _scores_grouped(
+            q0, q1, q2, q3, q4, q5, q6, q7, k_ptr, data_off, scale_off, sw0, sw1, valid, SRC,
+            BN, DOT_F32)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         if LAZY:
@@ -212,23 +248,9 @@ def _attend_grouped(a0, a1, a2, a3, a4, a5, a6, a7, m_i, l_i,
             a6 = tl.dot(pk, k6, a6)
             a7 = tl.dot(pk, k7, a7)
         else:
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if DOT_F32:
-                pk = p
-            else:
-                pk = p.to(tl.bfloat16)
-            a0 = tl.dot(pk, k0, a0 * alpha[:, None])
-            a1 = tl.dot(pk, k1, a1 * alpha[:, None])
-            a2 = tl.dot(pk, k2, a2 * alpha[:, None])
-            a3 = tl.dot(pk, k3, a3 * alpha[:, None])
-            a4 = tl.dot(pk, k4, a4 * alpha[:, None])
-            a5 = tl.dot(pk, k5, a5 * alpha[:, None])
-            a6 = tl.dot(pk, k6, a6 * alpha[:, None])
-            a7 = tl.dot(pk, k7, a7 * alpha[:, None])
-            m_i = m_new
+            a0, a1, a2, a3, a4, a5, a6, a7, m_i, l_i = _eager_update(
+                s, m_new, k0, k1, k2, k3, k4, k5, k6, k7, a0, a1, a2, a3, a4, a5, a6, a7, m_i,
+                l_i, DOT_F32)
     return a0, a1, a2, a3, a4, a5, a6, a7, m_i, l_i
 
 
