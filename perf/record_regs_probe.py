@@ -1,7 +1,9 @@
 """A few-heads sparse MLA kernel over 584-byte records whose wgmma A operands are built from the
 raw record bytes in registers (sm_90, Gluon, Triton 3.6). A design probe for the 8-head
-prefill: **not yet run on a GPU** (compiled for sm_90a on the CPU; its index algebra is checked
-on the CPU by ``record_regs_replay.py``).
+prefill. On the H200 it agrees with ``sparse_mla_decode`` (ragged, empty and hostile rows, 1 /
+3 / 8 heads, one and two key sets) and takes 610 µs for the 8-head paged prefill's attention,
+as long as the decode kernel (607): perf/NOTES.md, session 15, says where the time goes.
+``record_regs_replay.py`` checks its index algebra on the CPU.
 
     python perf/record_regs_probe.py            # GPU: check against sparse_mla_decode, time
     python perf/record_regs_probe.py --compile  # CPU: registers, shared memory, loop SASS
@@ -9,20 +11,20 @@ on the CPU by ``record_regs_replay.py``).
 
 One CTA = one warpgroup = one query token, H <= 8 heads (the wgmma N), one or two key sets (slot
 ids into paged caches, ``lens``; one softmax, as ``sparse_mla_decode``), the sink. Per 64-key
-block (a two-stage cp.async ring, one block ahead):
+block (a two-stage cp.async ring, one block ahead; the slot ids two blocks ahead):
 
 * ring: e4m3 part ``[8 groups, 64 keys, 64 bytes]`` swizzled ``(16, 2, 4)`` (group 7
   zero-filled), the RoPE tail ``[64, 64]`` bf16 (NVMMA), the scales ``[64, 8]``;
-* ``S^T [64 keys, 8] = sum_g (K_g * scale) Q_g^T`` (fp16, A from registers, each group's dims
-  permuted: logical ``16 b + 8 u + 2 c + v`` is byte ``16 c + 4 b + 2 u + v``) ``+ K_rope
-  Q_rope^T`` (bf16, both operands in shared memory);
+* ``S^T [64 keys, 8] = sum_g scale_g * (K_g Q_g^T)`` (one fp16 product per group, A from
+  registers, each group's dims permuted: logical ``16 b + 8 u + 2 c + v`` is byte ``16 c + 4 b
+  + 2 u + v``; the UE8M0 scale applied to the fp32 product) ``+ K_rope Q_rope^T`` (bf16, both
+  operands in shared memory);
 * softmax over the keys; ``P^T`` stored as fp16 with key bits 0 and 1 swapped and as bf16;
 * ``O^T_t [64, 8] += V^T_t P^T`` for 8 dim tiles (fp16, A from registers, 4 k16 steps; thread
   ``(warp w, lane quad q)`` owns record dims ``16 (8 w + q) .. + 15``), ``O^T_rope += V_rope^T
   P^T`` (bf16, shared memory). The output dims are un-permuted at the store.
 
-Scales multiply in fp16: ``2**(e - 127)`` must be within fp16's range (V4 keys' are). Design
-and numbers: perf/NOTES.md, session 14.
+O's scales multiply in fp16: ``2**(e - 127)`` must be within fp16's range (V4 keys' are).
 """
 from __future__ import annotations
 
@@ -40,47 +42,69 @@ try:
 except ImportError:  # run from a checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dsv41_triton.attention.gluon.common import _finish_rows  # noqa: E402
-from dsv41_triton.attention.gluon.gather import _key_ranges  # noqa: E402
+from dsv41_triton.attention.gluon.gather import _key_ranges, _pick  # noqa: E402
 
 NUM_WARPS = 4
 DATA = gl.constexpr(576)
 SCALE_W = gl.constexpr(8)
+# the ring copies' layouts (e4m3 groups, RoPE tail, scales), the accumulator's, and their key
+# axes: a block's slot ids are loaded once per layout that uses them
+L3 = gl.constexpr(gl.BlockedLayout([1, 1, 16], [1, 8, 4], [1, 4, 1], [2, 1, 0]))
+LR = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))
+LS = gl.constexpr(gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0]))
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                              instr_shape=[16, 8, 16]))
+K3 = gl.constexpr(gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+KR = gl.constexpr(gl.SliceLayout(1, LR))
+KS = gl.constexpr(gl.SliceLayout(1, LS))
+KM = gl.constexpr(gl.SliceLayout(1, MMA))
 
 
 @gluon.jit
-def _issue_block(cache_ptr, idx_row, c0, n, rows, bstride, nope, rope, scl, s,
-                 PAGE: gl.constexpr, PAGE_LOG2: gl.constexpr):
-    L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 8, 4], [1, 4, 1], [2, 1, 0])
-    LR: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-    LS: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])
-    # nope: [8, 64, 64]
-    k3 = c0 + gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
-    id3 = gl.load(idx_row + k3, mask=k3 < n, other=-1).to(gl.int64)
-    ok3 = (k3 < n) & (id3 >= 0) & (id3 < rows)
-    pg3 = gl.where(ok3, id3 >> PAGE_LOG2, 0)
-    of3 = gl.where(ok3, id3 & (PAGE - 1), 0)
+def _block_ids(idx_row, b_row, n, n_b, j, nblk_a, nblk, LAY: gl.constexpr):
+    """Slot ids of 64-key block j (of the first key set, then the second) in layout LAY, as
+    loaded (-1 past the block's keys). They are checked against the rows where they are used
+    (the next iteration), so that the load stays in flight under this block's products."""
+    k = gl.arange(0, 64, layout=LAY)
+    if j < nblk_a:
+        c = j * 64 + k
+        m = c < n
+        v = gl.load(idx_row + c, mask=m, other=-1)
+    else:
+        c = (j - nblk_a) * 64 + k
+        m = (c < n_b) & (j < nblk)
+        v = gl.load(b_row + c, mask=m, other=-1)
+    return v
+
+
+@gluon.jit
+def _issue_ids(cache_ptr, bstride, rows, id3, idr, ids, nope, rope, scl, s,
+               PAGE: gl.constexpr, PAGE_LOG2: gl.constexpr):
+    """cp.async of one 64-key block into ring stage s from its slot ids (one per copy layout;
+    ids outside [0, rows) zero-filled): e4m3 part [8 groups, 64 keys, 64 bytes] (group 7
+    zero), RoPE tail [64, 64] bf16 at data + 448, scales [64, 8] after the page's data."""
+    ok3 = (id3 >= 0) & (id3 < rows)
+    i3 = id3.to(gl.int64)
+    pg3 = gl.where(ok3, i3 >> PAGE_LOG2, 0)
+    of3 = gl.where(ok3, i3 & (PAGE - 1), 0)
     base3 = gl.multiple_of(pg3 * bstride + of3 * DATA, 16)
     g3 = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
     b3 = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
     p3 = cache_ptr + base3[None, :, None] + (g3 * 64)[:, None, None] + b3[None, None, :]
     m3 = ok3[None, :, None] & (g3 < 7)[:, None, None] & (b3 >= 0)[None, None, :]
     cp.async_copy_global_to_shared(nope.index(s), p3, mask=m3)
-    # rope: [64 keys, 64] bf16 at data + 448
-    kr = c0 + gl.arange(0, 64, layout=gl.SliceLayout(1, LR))
-    idr = gl.load(idx_row + kr, mask=kr < n, other=-1).to(gl.int64)
-    okr = (kr < n) & (idr >= 0) & (idr < rows)
-    pgr = gl.where(okr, idr >> PAGE_LOG2, 0)
-    ofr = gl.where(okr, idr & (PAGE - 1), 0)
+    okr = (idr >= 0) & (idr < rows)
+    ir = idr.to(gl.int64)
+    pgr = gl.where(okr, ir >> PAGE_LOG2, 0)
+    ofr = gl.where(okr, ir & (PAGE - 1), 0)
     baser = gl.multiple_of(pgr * bstride + ofr * DATA + 448, 16)
     dr = gl.arange(0, 64, layout=gl.SliceLayout(0, LR))
     pr = (cache_ptr + baser[:, None]).to(gl.pointer_type(gl.bfloat16)) + dr[None, :]
     cp.async_copy_global_to_shared(rope.index(s), pr, mask=okr[:, None] & (dr >= 0)[None, :])
-    # scales: [64 keys, 8] u8 after the page's data
-    ks = c0 + gl.arange(0, 64, layout=gl.SliceLayout(1, LS))
-    ids = gl.load(idx_row + ks, mask=ks < n, other=-1).to(gl.int64)
-    oks = (ks < n) & (ids >= 0) & (ids < rows)
-    pgs = gl.where(oks, ids >> PAGE_LOG2, 0)
-    ofs = gl.where(oks, ids & (PAGE - 1), 0)
+    oks = (ids >= 0) & (ids < rows)
+    is_ = ids.to(gl.int64)
+    pgs = gl.where(oks, is_ >> PAGE_LOG2, 0)
+    ofs = gl.where(oks, is_ & (PAGE - 1), 0)
     bases = gl.multiple_of(pgs * bstride + PAGE * DATA + ofs * SCALE_W, 8)
     ds = gl.arange(0, 8, layout=gl.SliceLayout(0, LS))
     cp.async_copy_global_to_shared(scl.index(s), cache_ptr + bases[:, None] + ds[None, :],
@@ -108,8 +132,6 @@ def _rec_regs_kernel(
     PAGE: gl.constexpr, PAGE_LOG2: gl.constexpr, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr,
     HAS_B: gl.constexpr = False, HAS_LEN_B: gl.constexpr = False,
 ):
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, 8, 16])
     AL16: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     RL: gl.constexpr = gl.SwizzledSharedLayout(16, 2, 4, [2, 1, 0])
     RPL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
@@ -147,12 +169,20 @@ def _rec_regs_kernel(
                                              False)
     idx_row = idx_ptr + t * idx_st
     b_row = b_idx_ptr + t * b_idx_st
+    id3 = _block_ids(idx_row, b_row, n, n_b, 0, nblk_a, nblk, K3)
+    idr = _block_ids(idx_row, b_row, n, n_b, 0, nblk_a, nblk, KR)
+    ids = _block_ids(idx_row, b_row, n, n_b, 0, nblk_a, nblk, KS)
+    ci_cur = _block_ids(idx_row, b_row, n, n_b, 0, nblk_a, nblk, KM)
     if nblk_a > 0:
-        _issue_block(cache_ptr, idx_row, 0, n, rows, bstride, nope, rope, scl, 0, PAGE,
-                     PAGE_LOG2)
+        _issue_ids(cache_ptr, bstride, rows, id3, idr, ids, nope, rope, scl, 0, PAGE,
+                   PAGE_LOG2)
     else:
-        _issue_block(b_cache_ptr, b_row, 0, n_b, b_rows, b_bstride, nope, rope, scl, 0, PAGE,
-                     PAGE_LOG2)
+        _issue_ids(b_cache_ptr, b_bstride, b_rows, id3, idr, ids, nope, rope, scl, 0, PAGE,
+                   PAGE_LOG2)
+    id3 = _block_ids(idx_row, b_row, n, n_b, 1, nblk_a, nblk, K3)
+    idr = _block_ids(idx_row, b_row, n, n_b, 1, nblk_a, nblk, KR)
+    ids = _block_ids(idx_row, b_row, n, n_b, 1, nblk_a, nblk, KS)
+    ci_nxt = _block_ids(idx_row, b_row, n, n_b, 1, nblk_a, nblk, KM)
 
     # Q^T tiles: per group, dims in the S operand's logical order (k = 16b + 8u + 2c + v is
     # byte 16c + 4b + 2u + v); heads past H are zero
@@ -179,7 +209,6 @@ def _rec_regs_kernel(
     o6 = zero
     o7 = zero
     orp = zero
-    keys = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
 
     for j in range(nblk):
         s = j % 2
@@ -187,39 +216,53 @@ def _rec_regs_kernel(
         fence_async_shared()
         gl.thread_barrier()
         if j + 1 < nblk_a:
-            _issue_block(cache_ptr, idx_row, (j + 1) * 64, n, rows, bstride, nope, rope, scl,
-                         1 - s, PAGE, PAGE_LOG2)
+            _issue_ids(cache_ptr, bstride, rows, id3, idr, ids, nope, rope, scl, 1 - s, PAGE,
+                       PAGE_LOG2)
         elif j + 1 < nblk:
-            _issue_block(b_cache_ptr, b_row, (j + 1 - nblk_a) * 64, n_b, b_rows, b_bstride, nope,
-                         rope, scl, 1 - s, PAGE, PAGE_LOG2)
+            _issue_ids(b_cache_ptr, b_bstride, b_rows, id3, idr, ids, nope, rope, scl, 1 - s,
+                       PAGE, PAGE_LOG2)
+        if j < nblk_a:
+            ok = (ci_cur >= 0) & (ci_cur < rows)
+        else:
+            ok = (ci_cur >= 0) & (ci_cur < b_rows)
+        ci_cur = ci_nxt
+        id3 = _block_ids(idx_row, b_row, n, n_b, j + 2, nblk_a, nblk, K3)
+        idr = _block_ids(idx_row, b_row, n, n_b, j + 2, nblk_a, nblk, KR)
+        ids = _block_ids(idx_row, b_row, n, n_b, j + 2, nblk_a, nblk, KS)
+        ci_nxt = _block_ids(idx_row, b_row, n, n_b, j + 2, nblk_a, nblk, KM)
         ns = nope.index(s)
         sc_t = scl.index(s)
         # ---- S^T = K Q^T
-        acc = warpgroup_mma(rope.index(s), qr, zero, use_acc=False, is_async=True)
-        # a thread's two keys' 8 scale bytes, held once for the 7 groups
+        acc_r = warpgroup_mma(rope.index(s), qr, zero, use_acc=False, is_async=True)
+        # the scales of a thread's two keys, per group, as fp32 powers of two (bits e << 23)
         e8 = sc_t.load(SC8).to(gl.int32)
-        gcol = gl.arange(0, 8, layout=gl.SliceLayout(0, SC8))
+        f8 = (e8 << 23).to(gl.float32, bitcast=True)
+        f8 = gl.reshape(f8, [64, 2, 2, 2])
+        fa, fb = gl.split(f8)
+        faa, fab = gl.split(fa)
+        fba, fbb = gl.split(fb)
+        s0, s4 = gl.split(faa)
+        s2, s6 = gl.split(fab)
+        s1, s5 = gl.split(fba)
+        s3, s7 = gl.split(fbb)
+        sco = zero
+        prev = acc_r
         for g in gl.static_range(7):
             raw = gl.reshape(ns.slice(g, 1, dim=0).load(SL3), [64, 64])
-            e = gl.sum(gl.where(gcol[None, :] == g, e8, 0), axis=1)
-            e = gl.convert_layout(_ue8m0_f16(e), gl.SliceLayout(1, raw.type.layout))
             x = raw.to(gl.float8e4nv, bitcast=True).to(gl.float16)
-            x = x * e[:, None]
             x = gl.reshape(gl.permute(gl.reshape(x, [64, 4, 4, 2, 2]), (0, 2, 3, 1, 4)), [64, 64])
-            acc = warpgroup_mma(gl.convert_layout(x, AL16), qn.index(g), acc, is_async=True)
-            # at most one product in flight: the earlier groups' A registers are free again
-            acc = warpgroup_mma_wait(1, deps=[acc])
-        sco = warpgroup_mma_wait(0, deps=[acc])
-        if j < nblk_a:
-            c = j * 64 + keys
-            cm = c < n
-            ci = gl.load(idx_row + c, mask=cm, other=-1)
-            ok = cm & (ci >= 0) & (ci < rows)
-        else:
-            c = (j - nblk_a) * 64 + keys
-            cm = c < n_b
-            ci = gl.load(b_row + c, mask=cm, other=-1)
-            ok = cm & (ci >= 0) & (ci < b_rows)
+            acc_g = warpgroup_mma(gl.convert_layout(x, AL16), qn.index(g), zero, use_acc=False,
+                                  is_async=True)
+            # the previous product is done (at most this one in flight): fold it in
+            prev = warpgroup_mma_wait(1, deps=[prev])
+            if g == 0:
+                sco = prev
+            else:
+                sg = gl.convert_layout(_pick(g - 1, s0, s1, s2, s3, s4, s5, s6, s7), KM)
+                sco = sco + prev * sg[:, None]
+            prev = acc_g
+        prev = warpgroup_mma_wait(0, deps=[prev])
+        sco = sco + prev * gl.convert_layout(s6, KM)[:, None]
         sco = gl.where(ok[:, None], sco * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(sco, axis=0))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -248,7 +291,8 @@ def _rec_regs_kernel(
         for b in gl.static_range(4):
             raw = ns.slice(16 * b, 16, dim=1).load(OLK)
             e = sc_t.slice(16 * b, 16, dim=0).permute((1, 0)).load(gl.SliceLayout(2, OLK))
-            x = raw.to(gl.float8e4nv, bitcast=True).to(gl.float16) * _ue8m0_f16(e.to(gl.int32))[:, :, None]
+            x = raw.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+            x = x * _ue8m0_f16(e.to(gl.int32))[:, :, None]
             x = gl.reshape(x, [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
             # g = w1 w0 q2 | key = u c1 v c0 | byte = q1 q0 t2 t1 t0 s
             x = gl.permute(x, (0, 1, 12, 2, 7, 8, 3, 4, 6, 5, 9, 10, 11))

@@ -30,8 +30,13 @@ def _ue8m0(b: torch.Tensor) -> torch.Tensor:
     return _f16(torch.exp2(b.to(torch.float32) - 127))
 
 
+def _scale_f32(b: torch.Tensor) -> torch.Tensor:
+    """``(e8 << 23).to(float32, bitcast=True)``: ``2**(e - 127)`` exactly, 0 for ``e = 0``."""
+    return torch.where(b == 0, 0.0, torch.exp2(b.to(torch.float32) - 127))
+
+
 def _block(cache: torch.Tensor, ids: torch.Tensor, ok: torch.Tensor):
-    """``_issue_block``: the ring stage of 64 keys (zeros where ``ok`` is False)."""
+    """``_issue_ids``: the ring stage of 64 keys (zeros where ``ok`` is False)."""
     nb, page, _ = cache.shape
     flat = cache.reshape(nb, -1)
     nope = torch.zeros(8, 64, 64, dtype=torch.uint8)
@@ -80,9 +85,9 @@ def replay(q: torch.Tensor, sets: Sequence[Tuple[torch.Tensor, torch.Tensor,
                 nope, rope, scl = _block(cache, ids, ok)
                 acc = rope @ qr                                  # the RoPE S product
                 for g in range(7):                               # the e4m3 S products
-                    x = _f16(_e4m3(nope[g]) * _ue8m0(scl[:, g])[:, None])
+                    x = _f16(_e4m3(nope[g]))
                     x = x.reshape(64, 4, 4, 2, 2).permute(0, 2, 3, 1, 4).reshape(64, 64)
-                    acc = acc + x @ qn[g]
+                    acc = acc + (x @ qn[g]) * _scale_f32(scl[:, g])[:, None]
                 sco = torch.where(ok[:, None], acc * scale * LOG2E, float("-inf"))
                 m_new = torch.maximum(m_i, sco.max(0).values)
                 m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)
