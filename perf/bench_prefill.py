@@ -26,9 +26,10 @@ TFLOP/s of ``4 * H * 640 * 512`` per token.
 
 Layer chunk: ``DeepseekV41Attention.forward_mqa`` of one prefill chunk (2048 new tokens of a
 request at 8K / 128K / 1M context; V4-flash ratio-4 layer, TP 8 = 8 local heads, top-k 512),
-``prefill_path="paged"`` vs ``"workspace"`` (gather + bf16 workspace): peak memory allocated
-during the call (above what was allocated before it) and eager time (median of 5, L2 flushed
-before each).
+``prefill_path="paged"`` vs ``"workspace"`` (gather + bf16 workspace, window rows shared by
+consecutive tokens) vs ``workspace-general`` (the same with ``share_window_keys = False``):
+peak memory allocated during the call (above what was allocated before it) and eager time
+(median of 9, L2 flushed before each).
 
 ``--quick`` times only ``workspace``, the Gluon variants and FlashMLA.
 ``--warm N`` compiles every kernel first in N processes (on the same shapes), then times;
@@ -317,8 +318,9 @@ def build_layer_case(ctx: int, device="cuda", seed=0):
     nb = -(-ctx // PAGE)
     ncb = -(-(ctx // r) // PAGE)
     layers = {p: DeepseekV41Attention(cfg, layer_id, tp_size=8, backend="triton", device=device,
-                                      max_model_len=ctx + 64, prefill_path=p)
-              for p in ("paged", "workspace")}
+                                      max_model_len=ctx + 64, prefill_path=p.split("-")[0])
+              for p in ("paged", "workspace", "workspace-general")}
+    layers["workspace-general"].share_window_keys = False
     swa = random_k_cache(nb, PAGE, 584, device)
     comp = random_k_cache(ncb, PAGE, 584, device)
     for lay in layers.values():
@@ -354,20 +356,21 @@ def run_layer(lines: List[str], contexts=CONTEXTS):
                 fn()
                 torch.cuda.synchronize()
                 peak = torch.cuda.max_memory_allocated() - base
-                us = time_eager_flushed(fn)
+                us = time_eager_flushed(fn, reps=9)
             except Exception as e:
-                lines.append(f"layer ctx={ctx:<8d} {path:9s} FAILED {type(e).__name__}: "
+                lines.append(f"layer ctx={ctx:<8d} {path:17s} FAILED {type(e).__name__}: "
                              f"{str(e)[:200]}")
                 print(lines[-1], flush=True)
                 continue
             outs[path] = out.clone()
-            lines.append(f"layer ctx={ctx:<8d} {path:9s} {us:9.1f} us  peak +{peak / 2**20:8.1f} "
+            lines.append(f"layer ctx={ctx:<8d} {path:17s} {us:9.1f} us  peak +{peak / 2**20:8.1f} "
                          f"MiB  (chunk {CHUNK} tokens, {q.shape[1]} heads)")
             print(lines[-1], flush=True)
-        if len(outs) == 2:
-            lines.append(f"layer ctx={ctx:<8d} paged vs workspace out rel "
-                         f"{rel_err(outs['paged'], outs['workspace']):.1e}")
-            print(lines[-1], flush=True)
+        for other in ("paged", "workspace-general"):
+            if other in outs and "workspace" in outs:
+                lines.append(f"layer ctx={ctx:<8d} {other} vs workspace out rel "
+                             f"{rel_err(outs[other], outs['workspace']):.1e}")
+                print(lines[-1], flush=True)
         del layers, md, q, tk, outs
         torch.cuda.empty_cache()
 

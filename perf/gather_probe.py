@@ -2,6 +2,7 @@
 
     python perf/gather_probe.py [--tokens 128,1024] [--stages 2,3,4] [--modes ...]
                                 [--split 1,2] [--ctas-per-sm 1] [--pages 16384]
+                                [--keys 640] [--workspace]
 
 The warp-specialized few-heads decode kernel runs one CTA per SM and gathers 64-key blocks of
 584-byte records (576 data bytes per key in its page, the scales after the page's data). This
@@ -22,7 +23,10 @@ records and random slot ids (640 keys per token = 10 blocks; every 97th id is -1
   partitions (``gl.warp_specialize``), the default partition consuming.
 
 ``--split S`` gives each token's keys to S CTAs (10 / S blocks each); the grid is persistent,
-at most ``--ctas-per-sm`` CTAs per SM. Each block's first 16 bytes per key go into a checksum,
+at most ``--ctas-per-sm`` CTAs per SM. ``--keys`` sets the keys per token (a multiple of 64).
+``--workspace`` gathers the prefill workspace's pattern instead (cp.async modes only): whole
+1024-byte bf16 rows of a flat ``[pages * 64, 512]`` workspace (``--pages 512``: 32768 rows,
+32 MB). Each block's first 16 bytes per key go into a checksum,
 which must agree across the modes. Median of ``triton.testing.do_bench`` (L2 cleared between
 runs); GB/s of the bytes gathered. Results and what they mean: perf/NOTES.md, session 8.
 """
@@ -104,8 +108,8 @@ def _tma_keys(desc, ids_ptr, off, dst, bar, R0: gl.constexpr, RP: gl.constexpr):
 
 
 @gluon.jit
-def _issue_cp(cache_ptr, ids_ptr, ring, ids_smem, ids_rows, k, total, pid, G, bstride,
-              MODE: gl.constexpr, NS: gl.constexpr, NB: gl.constexpr):
+def _issue_cp(cache_ptr, ids_ptr, ring, ids_smem, ids_rows, k, total, pid, G, bstride, kstride,
+              MODE: gl.constexpr, NS: gl.constexpr, NB: gl.constexpr, RB: gl.constexpr):
     # MODE 0 / 2: [64, 64] tiles (4 threads per key); 1 / 3: [64, 512] (32 threads per key);
     # 2 / 3: a token's 640 ids loaded at once into shared memory at its first block
     if MODE % 2 == 0:
@@ -130,40 +134,40 @@ def _issue_cp(cache_ptr, ids_ptr, ring, ids_smem, ids_rows, k, total, pid, G, bs
         valid = idx >= 0
         slot = gl.where(valid, idx, 0)
         page = slot // 64
-        base = page.to(gl.int64) * bstride + (slot - page * 64).to(gl.int64) * 576
+        base = page.to(gl.int64) * bstride + (slot - page * 64).to(gl.int64) * kstride
         base = gl.multiple_of(base, 16)
         st = ring.index(k % NS)
         if MODE % 2 == 0:
             c = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
-            for g in gl.static_range(8):
+            for g in gl.static_range(RB // 64):
                 p = cache_ptr + (base + g * 64)[:, None] + c[None, :]
                 cp.async_copy_global_to_shared(st.slice(g * 64, 64, dim=1), p,
                                                mask=valid[:, None])
         else:
-            c = gl.arange(0, 512, layout=gl.SliceLayout(0, L))
+            c = gl.arange(0, RB, layout=gl.SliceLayout(0, L))
             p = cache_ptr + base[:, None] + c[None, :]
             cp.async_copy_global_to_shared(st, p, mask=valid[:, None])
     cp.commit_group()
 
 
 @gluon.jit
-def _probe_cp_kernel(cache_ptr, ids_ptr, out_ptr, n_tok, bstride,
-                     MODE: gl.constexpr, NS: gl.constexpr, NB: gl.constexpr):
+def _probe_cp_kernel(cache_ptr, ids_ptr, out_ptr, n_tok, bstride, kstride,
+                     MODE: gl.constexpr, NS: gl.constexpr, NB: gl.constexpr, RB: gl.constexpr):
     pid = gl.program_id(0)
     G = gl.num_programs(0)
     total = _blocks_of(n_tok, pid, G, NB)
-    ring = gl.allocate_shared_memory(gl.uint8, [NS, 64, 512],
+    ring = gl.allocate_shared_memory(gl.uint8, [NS, 64, RB],
                                      gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     ids_smem = gl.allocate_shared_memory(gl.int32, [16, 64],
                                          gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     ids_rows = ids_smem._reinterpret(gl.int32, [16, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     for k in gl.static_range(NS - 1):
         _issue_cp(cache_ptr, ids_ptr, ring, ids_smem, ids_rows, k, total, pid, G, bstride,
-                  MODE, NS, NB)
+                  kstride, MODE, NS, NB, RB)
     acc = gl.zeros([64, 16], gl.int32, _LR)
     for j in range(total):
         _issue_cp(cache_ptr, ids_ptr, ring, ids_smem, ids_rows, j + NS - 1, total, pid, G,
-                  bstride, MODE, NS, NB)
+                  bstride, kstride, MODE, NS, NB, RB)
         cp.wait_group(NS - 1)
         gl.thread_barrier()
         acc = _touch(acc, ring.index(j % NS))
@@ -263,17 +267,17 @@ def _probe_tma_ws_kernel(desc, ids_ptr, out_ptr, n_tok, NS: gl.constexpr, NB: gl
         ], [1], [48])
 
 
-def _inputs(tokens, pages, seed=0):
+def _inputs(tokens, pages, keys=KEYS, bstride=BSTRIDE, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    cache = torch.randint(0, 256, (pages, BSTRIDE), dtype=torch.uint8, device="cuda",
+    cache = torch.randint(0, 256, (pages, bstride), dtype=torch.uint8, device="cuda",
                           generator=g)
-    ids = torch.randint(0, pages * PAGE, (tokens, KEYS), dtype=torch.int32, device="cuda",
+    ids = torch.randint(0, pages * PAGE, (tokens, keys), dtype=torch.int32, device="cuda",
                         generator=g)
     ids[:, ::97] = -1
     return cache, ids
 
 
-def run(mode, cache, ids, ns, grid, nb=NB):
+def run(mode, cache, ids, ns, grid, nb=NB, workspace=False):
     out = torch.zeros(grid, dtype=torch.int32, device="cuda")
     if mode.startswith("tma"):
         view = torch.as_strided(cache, (cache.shape[0], PAGE, 2, 256), (BSTRIDE, DATA, 256, 1))
@@ -295,8 +299,12 @@ def run(mode, cache, ids, ns, grid, nb=NB):
         m = {"tile64": 0, "row": 1, "tile64_pre": 2, "row_pre": 3}[mode]
 
         def fn():
-            _probe_cp_kernel[(grid,)](cache, ids, out, ids.shape[0], BSTRIDE, MODE=m, NS=ns,
-                                      NB=nb, num_warps=NW)
+            if workspace:
+                _probe_cp_kernel[(grid,)](cache, ids, out, ids.shape[0], PAGE * 1024, 1024,
+                                          MODE=m, NS=ns, NB=nb, RB=1024, num_warps=NW)
+            else:
+                _probe_cp_kernel[(grid,)](cache, ids, out, ids.shape[0], BSTRIDE, DATA,
+                                          MODE=m, NS=ns, NB=nb, RB=ROW, num_warps=NW)
     fn()
     torch.cuda.synchronize()
     return fn, out.sum().item()
@@ -312,21 +320,29 @@ def main(argv=None):
                     help="CTAs per token (1, 2, 5: each gathers 10 / split blocks)")
     ap.add_argument("--ctas-per-sm", type=int, default=1,
                     help="persistent grid of at most this many CTAs per SM")
+    ap.add_argument("--keys", type=int, default=KEYS, help="keys per token (multiple of 64)")
+    ap.add_argument("--workspace", action="store_true",
+                    help="1024-byte rows of a flat bf16 workspace (cp.async modes)")
     args = ap.parse_args(argv)
+    keys = args.keys
+    if keys % 64 or not 64 <= keys <= 1024:
+        ap.error("--keys: a multiple of 64 in [64, 1024]")
+    row = 1024 if args.workspace else ROW
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print("| tokens | split | grid | mode | stages | µs | GB/s | checksum |")
     print("|---|---|---|---|---|---|---|---|")
     for t in (int(x) for x in args.tokens.split(",")):
-        cache, ids = _inputs(t, args.pages)
-        nbytes = t * KEYS * ROW
+        cache, ids = _inputs(t, args.pages, keys, PAGE * 1024 if args.workspace else BSTRIDE)
+        nbytes = t * keys * row
         for split in (int(x) for x in args.split.split(",")):
             # a token's keys over `split` CTAs: rows of 640 / split ids, 10 / split blocks
-            sids = ids.reshape(t * split, KEYS // split)
+            sids = ids.reshape(t * split, keys // split)
             grid = min(t * split, sms * args.ctas_per_sm)
             for ns in (int(x) for x in args.stages.split(",")):
                 for mode in args.modes.split(","):
                     try:
-                        fn, chk = run(mode, cache, sids, ns, grid, NB // split)
+                        fn, chk = run(mode, cache, sids, ns, grid, keys // 64 // split,
+                                      args.workspace)
                         ms = triton.testing.do_bench(fn, warmup=5, rep=40)
                         print(f"| {t} | {split} | {grid} | {mode} | {ns} | {ms * 1e3:.1f} | "
                               f"{nbytes / ms / 1e6:.0f} | {chk} |", flush=True)

@@ -10,9 +10,9 @@ then the general kernel over each token's top-k rows, which merges that partial 
 ``PRIOR``) and applies the sink. ``sparse_mla_prefill`` stays the general entry point (any
 head count, any key rows). Reference: ``prefill_shared_ref.py``.
 
-``workspace_window_rows`` derives the window ranges and top-k lengths of the layer's gathered
-workspace (the layout of ``ops.indices.combine_topk_swa_indices``) so that the combined index
-rows can be passed as the top-k rows with ``topk_lens``.
+For the layer's gathered workspace, ``ops.indices.combine_topk_swa_indices(...,
+window_rows=)`` writes the window ranges and top-k lengths beside the combined index rows, so
+that those rows can be passed as the top-k rows with ``topk_lens``.
 """
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ from .._utils import (
     next_power_of_2,
     use_reference,
 )
-from ..ops.indices_ref import token_requests_ref
 from ._configs import MIN_BLOCK_N_GPU
 from ._kernels import check_common, check_indices, check_lens, new_outputs
 from ._launch import LAST_LAUNCH, KeySet, launch
@@ -82,37 +81,6 @@ def shared_window_tiles_ref(query_start_loc: torch.Tensor, T: int, block_t: int
     cnt = torch.minimum(bounds[b + 1] - start, torch.full_like(start, block_t)).clamp_min(0)
     cnt = torch.where(i < cum[-1], cnt, 0)
     return torch.stack([torch.where(cnt > 0, start, 0), cnt], 1).to(torch.int32)
-
-
-def workspace_window_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                          gather_lens: Optional[torch.Tensor], window_size: int,
-                          compress_ratio: int, topk: int, M: int, N: int, T: int
-                          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For the workspace of ``combine_topk_swa_indices`` (same arguments): ``(win_start [T],
-    win_len [T], topk_lens [T])`` int32: token ``t``'s window rows are ``win_start ..
-    win_start + win_len - 1`` (its combined columns ``topk_lens .. lens - 1``) and its top-k
-    part the first ``topk_lens`` combined columns."""
-    dev = seq_lens.device
-    req, owned = token_requests_ref(query_start_loc.to(dev), T)
-    qsl = query_start_loc.to(dev).long() - query_start_loc[0].to(dev).long()
-    if qsl.numel() > 1:
-        sl = seq_lens.long()[req]
-        gl = sl if gather_lens is None else gather_lens.to(dev).long()[req]
-        qs, qe = qsl[req], qsl[req + 1]
-    else:
-        sl = gl = qs = qe = torch.zeros(T, dtype=torch.int64, device=dev)
-    pos = sl - (qe - qs) + torch.arange(T, device=dev) - qs
-    if compress_ratio > 0:
-        tlen = torch.div((pos + 1).clamp_min(0), compress_ratio,
-                         rounding_mode="floor").clamp(max=topk)
-    else:
-        tlen = torch.zeros_like(pos)
-    gs = sl - gl
-    start = torch.maximum(torch.maximum(pos - window_size + 1, torch.zeros_like(pos)), gs)
-    wlen = torch.where(owned, (pos - start + 1).clamp_min(0), 0)
-    ws = M * req + N + start - gs
-    return (torch.where(owned, ws, 0).to(torch.int32), wlen.to(torch.int32),
-            torch.where(owned, tlen, 0).to(torch.int32))
 
 
 def sparse_mla_prefill_shared_window(
@@ -240,5 +208,4 @@ def _shared_window_fake(q, kv, win_start, win_len, topk_indices, topk_lens, quer
     return None
 
 
-__all__ = ["sparse_mla_prefill_shared_window", "shared_window_tiles", "shared_window_tiles_ref",
-           "workspace_window_rows"]
+__all__ = ["sparse_mla_prefill_shared_window", "shared_window_tiles", "shared_window_tiles_ref"]

@@ -83,6 +83,20 @@ class AttentionBackend:
                            out=None) -> Tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError(f"{self.name}: prefill")
 
+    def sparse_mla_prefill_shared_window(self, q, kv, indices, lens, window_rows,
+                                         query_start_loc, attn_sink=None, softmax_scale=None,
+                                         out=None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``sparse_mla_prefill(q, kv, indices, lens, ...)`` with a key-sharing hint.
+
+        ``window_rows [3, T]`` int32 (``combine_topk_swa_indices(..., window_rows=)``) says
+        that columns ``window_rows[2] .. lens - 1`` of row ``t`` of ``indices`` are the
+        consecutive rows ``window_rows[0, t] ..`` of ``kv`` (``window_rows[1, t]`` of them), and
+        ``query_start_loc [B + 1]`` which tokens form one request. A backend may load such keys
+        once for several queries; the result is ``sparse_mla_prefill``'s either way. This
+        default ignores the hint."""
+        return self.sparse_mla_prefill(q, kv, indices, lens, attn_sink=attn_sink,
+                                       softmax_scale=softmax_scale, out=out)
+
     def sparse_mla_decode_fused(self, q, positions, cos_sin_cache, swa_cache, swa_indices,
                                 swa_lens, extra_cache=None, extra_indices=None, extra_lens=None,
                                 attn_sink=None, softmax_scale=None, q_norm_eps=None,

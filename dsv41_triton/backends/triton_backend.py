@@ -11,6 +11,7 @@ from typing import Tuple
 
 import torch
 
+from .._contract import check_shape, check_tensor
 from .base import (
     Availability,
     AttentionBackend,
@@ -21,6 +22,9 @@ from .base import (
 )
 
 _WINDOW_RECORDS = (584, 528)
+#: most heads for which ``sparse_mla_prefill_shared_window`` takes the shared-window kernel
+#: (H200, perf/NOTES.md "Session 16": faster than the general kernel up to here)
+SHARED_WINDOW_MAX_HEADS = 16
 _EXTRA_RECORDS = (584, 528, 288)
 
 
@@ -78,6 +82,23 @@ class TritonBackend(AttentionBackend):
 
         return sparse_mla_prefill(q, kv, indices, lens, attn_sink=attn_sink,
                                   softmax_scale=softmax_scale, out=out)
+
+    def sparse_mla_prefill_shared_window(self, q, kv, indices, lens, window_rows,
+                                         query_start_loc, attn_sink=None, softmax_scale=None,
+                                         out=None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Up to ``SHARED_WINDOW_MAX_HEADS`` heads: the window rows once per tile of
+        consecutive tokens (``attention.prefill_shared``), the top-k columns per token; more
+        heads: ``sparse_mla_prefill``."""
+        if q.dim() != 3 or q.shape[1] > SHARED_WINDOW_MAX_HEADS or kv.dim() != 2:
+            return self.sparse_mla_prefill(q, kv, indices, lens, attn_sink=attn_sink,
+                                           softmax_scale=softmax_scale, out=out)
+        from ..attention.prefill_shared import sparse_mla_prefill_shared_window
+
+        check_tensor("window_rows", window_rows, dtypes=(torch.int32,), ndims=2)
+        check_shape("window_rows", window_rows, [3, q.shape[0]])
+        return sparse_mla_prefill_shared_window(
+            q, kv, window_rows[0], window_rows[1], indices, window_rows[2], query_start_loc,
+            attn_sink=attn_sink, softmax_scale=softmax_scale, out=out)
 
     # ---------------------------------------------------------------------------------------
     @staticmethod

@@ -16,7 +16,10 @@ Attention goes through the selected backend (``dsv41_triton.backends``): decode 
 ``num_decode_tokens``) read the paged caches directly; so do prefill tokens with
 ``prefill_path="paged"`` (memory independent of the context); with ``"workspace"`` (the
 default, faster on the H200) prefill requests are processed in chunks of at most 4 requests
-whose compressed and window keys are gathered into a bf16 workspace (SPEC §5). With the fused
+whose compressed and window keys are gathered into a bf16 workspace (SPEC §5); on the bf16
+path the backend also gets each token's window as a row range of it
+(``sparse_mla_prefill_shared_window``: the Triton backend loads a window key once for a tile of
+consecutive tokens when there are at most 16 local heads). With the fused
 contract (``fused=True``, or ``"auto"`` picking FlashMLA's mega kernel) the backend RoPEs Q
 itself and returns the MXFP8 pair after the inverse RoPE; the layer then declares
 ``accepts_unnormed_unroped_query`` and ``_o_proj`` consumes the pair. Mixed prefill + decode
@@ -256,6 +259,10 @@ class DeepseekV41Attention(nn.Module):
             raise ValueError(f"prefill_path: expected one of {PREFILL_PATHS + ('auto',)}, got "
                              f"{prefill_path!r}")
         self.prefill_path = AUTO_PREFILL_PATH if prefill_path == "auto" else prefill_path
+        #: workspace prefill (bf16 path): pass the backend each token's window as a row range
+        #: (``sparse_mla_prefill_shared_window``), so that it may load a window key once for
+        #: consecutive tokens; False: the plain ``sparse_mla_prefill`` call
+        self.share_window_keys = True
         dev = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
 
@@ -722,8 +729,10 @@ class DeepseekV41Attention(nn.Module):
                 softmax_scale=self.scale, out=output[a:b], **kw)
 
     def _attend_workspace(self, q, positions, kv, idx, lens, output: AttnOut, a: int,
-                          b: int) -> None:
-        """Tokens ``a:b`` (``q`` already sliced) over a bf16 workspace, as ``_attend_paged``."""
+                          b: int, window=None) -> None:
+        """Tokens ``a:b`` (``q`` already sliced) over a bf16 workspace, as ``_attend_paged``;
+        ``window``: ``(window_rows [3, b - a], query_start_loc)``, the key-sharing hint of the
+        bf16 path (the fused contract has none)."""
         q_norm_eps = self.eps if self.config.q_head_norm else None
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         if self.fused and self._backend_op is not None:
@@ -737,6 +746,14 @@ class DeepseekV41Attention(nn.Module):
                 softmax_scale=self.scale, q_norm_eps=q_norm_eps, layout=self.layout,
                 data=output.data[a:b], scale=output.scale[a:b])
             self._write(output, a, b, res)
+        elif window is not None and self._backend_op is not None:
+            call_op(_custom_ops.backend_sparse_mla_prefill_shared_window,
+                self._backend_op, q, kv, idx, lens, window[0], window[1], self._sink(),
+                self.scale, output[a:b], lse)
+        elif window is not None:
+            self.backend.sparse_mla_prefill_shared_window(
+                q, kv, idx, lens, window[0], window[1], attn_sink=self._sink(),
+                softmax_scale=self.scale, out=output[a:b])
         elif self._backend_op is not None:
             call_op(_custom_ops.backend_sparse_mla_prefill,
                 self._backend_op, q, kv, idx, lens, self._sink(), self.scale, output[a:b], lse)
@@ -789,9 +806,14 @@ class DeepseekV41Attention(nn.Module):
                              md.swa_block_table[ch.req_start:ch.req_end], md.swa_page_size, ch.N)
             qsl = md.query_start_loc[ch.req_start:ch.req_end + 1]
             qsl = qsl - qsl[0]
-            idx, lens = self._ops.combine(tk, qsl, seq, glen, self.window_size, r, topk, ch.M, ch.N)
+            win = None
+            if self.share_window_keys and not self.fused:
+                win = torch.empty((3, b - a), dtype=torch.int32, device=dev)
+            idx, lens = self._ops.combine(tk, qsl, seq, glen, self.window_size, r, topk, ch.M,
+                                          ch.N, None, win)
             kv = ws.view(-1, self.head_dim)
-            self._attend_workspace(q[a:b], positions[a:b], kv, idx, lens, output, a, b)
+            self._attend_workspace(q[a:b], positions[a:b], kv, idx, lens, output, a, b,
+                                   None if win is None else (win, qsl))
 
     # ---- output projection ------------------------------------------------------------------
     def _group_proj(self, x: torch.Tensor) -> torch.Tensor:

@@ -50,10 +50,11 @@ COMBINE_MAX_TOPK_COLS = 1024
 # the masks `cols < width` / `cols < topk` keep 16-byte vector stores and loads
 @triton.jit(do_not_specialize=["T", "B", "n_search", "window", "ratio", "M", "N"])
 def _combine_topk_swa_kernel(
-    topk_ptr, qsl_ptr, seq_ptr, gather_ptr, out_ptr, lens_ptr,
+    topk_ptr, qsl_ptr, seq_ptr, gather_ptr, out_ptr, lens_ptr, win_ptr,
     T, B, n_search, width, topk, window, ratio, M, N,
-    st_t, st_k, so_t, s_lens,
+    st_t, st_k, so_t, s_lens, s_win,
     HAS_GATHER: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
     NCK: tl.constexpr,
@@ -62,7 +63,9 @@ def _combine_topk_swa_kernel(
     NCK = 0 when there is none) come from one ``[BLOCK_T, NCK, BLOCK_C]`` tile whose top-k
     entries are loaded first, before the request lookup and before any store, so no load waits
     behind another; the rest of the row goes in ``BLOCK_C``-column steps. Values are formed in
-    int32 (wrapping, so bit-equal to int64 then truncated; the host checks workspace rows fit)."""
+    int32 (wrapping, so bit-equal to int64 then truncated; the host checks workspace rows fit).
+    ``HAS_WINDOW``: also rows 0 / 1 / 2 of ``win_ptr`` (stride ``s_win``): the window's first
+    workspace row, its length and the top-k length."""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tvalid = tok < T
     t64 = tok.to(tl.int64)
@@ -130,6 +133,10 @@ def _combine_topk_swa_kernel(
         val = tl.where(in_topk, val, tl.where(cols < nused3, swa3 + cols, -1))
         tl.store(row_out + cols, val, mask=tv3)
     tl.store(lens_ptr + t64 * s_lens, nused, mask=tvalid)
+    if HAS_WINDOW:
+        tl.store(win_ptr + t64, tl.where(owned, swa_base + tlen, 0), mask=tvalid)
+        tl.store(win_ptr + s_win + t64, swa_len.to(tl.int32), mask=tvalid)
+        tl.store(win_ptr + 2 * s_win + t64, tlen, mask=tvalid)
 
 
 def _check_index_vector(name, t, length=None, min_length=None):
@@ -152,6 +159,7 @@ def combine_topk_swa_indices(
     M: int,
     N: int,
     out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    window_rows: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Prefill indices into the flat workspace (SPEC §5).
 
@@ -168,6 +176,11 @@ def combine_topk_swa_indices(
         topk: top-k entries per query; ``M``: workspace rows per request; ``N``: compressed
             rows per request (a top-k entry ``e`` is valid when ``0 <= e < N``).
         out: optional ``(indices [T, width] int32, lens [T] int32)`` to fill.
+        window_rows: optional ``[3, T]`` int32 to fill with each token's window as a row range
+            of the workspace and its top-k length: ``window_rows[0] .. [0] + [1] - 1`` are the
+            rows of columns ``[2] .. lens - 1`` (0 / 0 / 0 for tokens past the last request).
+            This is the hint :func:`~dsv41_triton.attention.prefill_shared.
+            sparse_mla_prefill_shared_window` takes.
 
     Returns ``(indices [T, round_up(topk + W, 128)] int32, lens [T] int32)``; the whole row is
     written (``-1`` past ``lens``; invalid top-k entries are ``-1`` but counted).
@@ -205,21 +218,25 @@ def combine_topk_swa_indices(
         check_tensor("out[1] (lens)", lens, dtypes=(torch.int32,), ndims=1, contiguous_last=False)
         check_shape("out[1] (lens)", lens, [T])
         check_same_device(topk_indices=topk_indices, out_indices=indices, out_lens=lens)
-    call_op(_combine_op, topk_indices, query_start_loc, seq_lens,
-                                             gather_lens, window_size, compress_ratio, topk, M,
-                                             N, indices, lens)
+    if window_rows is not None:
+        check_tensor("window_rows", window_rows, dtypes=(torch.int32,), ndims=2)
+        check_shape("window_rows", window_rows, [3, T])
+        check_same_device(topk_indices=topk_indices, window_rows=window_rows)
+    call_op(_combine_op, topk_indices, query_start_loc, seq_lens, gather_lens, window_size,
+            compress_ratio, topk, M, N, indices, lens, window_rows)
     return indices, lens
 
 
-@torch.library.custom_op("dsv41::combine_topk_swa_indices", mutates_args=("indices", "lens"))
+@torch.library.custom_op("dsv41::combine_topk_swa_indices",
+                         mutates_args=("indices", "lens", "window_rows"))
 def _combine_op(topk_indices: torch.Tensor, query_start_loc: torch.Tensor,
                 seq_lens: torch.Tensor, gather_lens: Optional[torch.Tensor], window_size: int,
                 compress_ratio: int, topk: int, M: int, N: int, indices: torch.Tensor,
-                lens: torch.Tensor) -> None:
+                lens: torch.Tensor, window_rows: Optional[torch.Tensor]) -> None:
     if use_reference(topk_indices.device, _combine_topk_swa_kernel):
         combine_topk_swa_indices_ref(topk_indices, query_start_loc, seq_lens, gather_lens,
                                      window_size, compress_ratio, topk, M, N,
-                                     out=(indices, lens))
+                                     out=(indices, lens), window_rows=window_rows)
         return
     T = topk_indices.shape[0]
     B = query_start_loc.shape[0] - 1
@@ -236,11 +253,13 @@ def _combine_op(topk_indices: torch.Tensor, query_start_loc: torch.Tensor,
     _combine_topk_swa_kernel[grid](
         topk_indices, query_start_loc, seq_lens,
         gather_lens if gather_lens is not None else seq_lens,
-        indices, lens,
+        indices, lens, window_rows if window_rows is not None else lens,
         T, B, max(B - 1, 0).bit_length(), width,
         tk, window_size, max(compress_ratio, 1), M, N,
         topk_indices.stride(0), topk_indices.stride(1), indices.stride(0), lens.stride(0),
+        window_rows.stride(0) if window_rows is not None else 0,
         HAS_GATHER=gather_lens is not None,
+        HAS_WINDOW=window_rows is not None,
         BLOCK_T=block_t,
         BLOCK_C=COMBINE_ALIGN_C,
         NCK=nck,
@@ -250,7 +269,7 @@ def _combine_op(topk_indices: torch.Tensor, query_start_loc: torch.Tensor,
 
 @_combine_op.register_fake
 def _combine_fake(topk_indices, query_start_loc, seq_lens, gather_lens, window_size,
-                  compress_ratio, topk, M, N, indices, lens) -> None:
+                  compress_ratio, topk, M, N, indices, lens, window_rows) -> None:
     return None
 
 

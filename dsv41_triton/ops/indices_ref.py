@@ -46,31 +46,45 @@ def combine_topk_swa_indices_ref(
     M: int,
     N: int,
     out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    window_rows: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Reference of :func:`dsv41_triton.ops.indices.combine_topk_swa_indices` (``out``, when
-    given, is filled and returned, as there).
+    """Reference of :func:`dsv41_triton.ops.indices.combine_topk_swa_indices` (``out`` and
+    ``window_rows [3, T]``, when given, are filled as there).
 
     For token ``t`` of request ``b`` at position ``pos = seq_len - query_len + i``:
     ``topk_len = min((pos+1) // r, topk)`` (0 if ``r == 0``); columns ``< topk_len`` hold
     ``M*b + e`` for top-k entry ``e`` when ``0 <= e < N`` else ``-1`` (still counted); then
     window positions ``p = max(pos-W+1, 0, seq_len-gather_len) .. pos`` as rows
     ``M*b + N + p - (seq_len - gather_len)``; ``-1`` elsewhere. Tokens past the last request
-    get a ``-1`` row and length 0. Returns ``(indices [T, width] int32, lens [T] int32)``.
+    get a ``-1`` row and length 0. Returns ``(indices [T, width] int32, lens [T] int32)``;
+    ``window_rows`` gets ``M*b + N + p_first - (seq_len - gather_len)``, the window's length
+    and ``topk_len`` (0 / 0 / 0 past the last request).
     """
-    if out is not None:
-        idx, lens = combine_topk_swa_indices_ref(
-            topk_indices, query_start_loc, seq_lens, gather_lens, window_size, compress_ratio,
-            topk, M, N)
+    if out is not None or window_rows is not None:
+        idx, lens, win = _combine_ref(topk_indices, query_start_loc, seq_lens, gather_lens,
+                                      window_size, compress_ratio, topk, M, N)
+        if window_rows is not None:
+            window_rows.copy_(win)
+        if out is None:
+            return idx, lens
         out[0].copy_(idx)
         out[1].copy_(lens)
         return out[0], out[1]
+    return _combine_ref(topk_indices, query_start_loc, seq_lens, gather_lens, window_size,
+                        compress_ratio, topk, M, N)[:2]
+
+
+def _combine_ref(topk_indices, query_start_loc, seq_lens, gather_lens, window_size,
+                 compress_ratio, topk, M, N):
+    """``(indices, lens, window_rows [3, T])`` of :func:`combine_topk_swa_indices_ref`."""
     T = topk_indices.shape[0]
     dev = topk_indices.device
     width = combined_width(topk, window_size)
     req, owned = token_requests_ref(query_start_loc.to(dev), T)
     if T == 0:
         return (torch.empty(0, width, dtype=torch.int32, device=dev),
-                torch.empty(0, dtype=torch.int32, device=dev))
+                torch.empty(0, dtype=torch.int32, device=dev),
+                torch.empty(3, 0, dtype=torch.int32, device=dev))
     qsl = query_start_loc.to(dev).long() - query_start_loc[0].to(dev).long()
     if qsl.numel() > 1:
         sl = seq_lens.to(dev).long()[req]
@@ -101,7 +115,9 @@ def combine_topk_swa_indices_ref(
     in_topk = cols < topk_len[:, None]
     in_swa = cols < (topk_len + swa_len)[:, None]
     val = torch.where(in_topk, topk_val, torch.where(in_swa, swa_val, -1))
-    return val.to(torch.int32), (topk_len + swa_len).to(torch.int32)
+    win_start = torch.where(owned, M * req + N + swa_start - gs, 0)
+    win = torch.stack([win_start, swa_len, topk_len]).to(torch.int32)
+    return val.to(torch.int32), (topk_len + swa_len).to(torch.int32), win
 
 
 def compute_global_topk_indices_and_lens_ref(

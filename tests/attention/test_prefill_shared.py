@@ -9,7 +9,6 @@ from dsv41_triton.attention.prefill_shared import (
     shared_window_tiles,
     shared_window_tiles_ref,
     sparse_mla_prefill_shared_window,
-    workspace_window_rows,
 )
 from dsv41_triton.attention.prefill_shared_ref import sparse_mla_prefill_shared_window_ref
 from dsv41_triton.ops.indices import combine_topk_swa_indices
@@ -193,9 +192,10 @@ def test_shared_window_equals_general_prefill_on_the_layer_workspace(device):
         qsl = md.query_start_loc[ch.req_start:ch.req_end + 1]
         qsl = qsl - qsl[0]
         tk = s["tk"][a:b]
-        idx, lens = combine_topk_swa_indices(tk, qsl, seq, glen, W, r, tk.shape[1], ch.M, ch.N)
-        wst, wln, tln = workspace_window_rows(qsl, seq, glen, W, r, tk.shape[1], ch.M, ch.N,
-                                              b - a)
+        win = torch.full((3, b - a), -7, dtype=torch.int32, device=device)
+        idx, lens = combine_topk_swa_indices(tk, qsl, seq, glen, W, r, tk.shape[1], ch.M, ch.N,
+                                             window_rows=win)
+        wst, wln, tln = win.unbind(0)
         kv = ws.view(-1, 512)
         q = s["q"][a:b]
         o1, l1 = sparse_mla_prefill(q, kv, idx, lens, attn_sink=s["sink"])

@@ -368,13 +368,27 @@ def _triton_ok():
 
 
 @pytest.mark.skipif(not _triton_ok(), reason="the triton backend is not available here")
-@pytest.mark.parametrize("prefill_path", ["paged", "workspace"])
-def test_multistep_triton_backend_equals_oracle(device, prefill_path):
-    """One small configuration through the Triton kernels (the interpreter on CPU)."""
+@pytest.mark.parametrize("prefill_path,share", [("paged", False), ("workspace", False),
+                                                ("workspace", True)])
+def test_multistep_triton_backend_equals_oracle(device, prefill_path, share, monkeypatch):
+    """One small configuration through the Triton kernels (the interpreter on CPU); the
+    workspace path with and without the window hint (which must reach the shared-window
+    kernel)."""
     if device != "cpu":
         pytest.skip("covered by the GPU variant")
+    import dsv41_triton.attention.prefill_shared as shared
+
+    calls = []
+    real = shared.sparse_mla_prefill_shared_window
+
+    def spy(*args, **kw):
+        calls.append(args[0].shape[0])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(shared, "sparse_mla_prefill_shared_window", spy)
     sd = random_attention_state_dict(CFG, seed=21)
     layer = make_layer(CFG, 2, "triton", sd, prefill_path=prefill_path)
+    layer.share_window_keys = share
     steps = [([("C", 1), ("A", 6), ("B", 3)], 0), ([("A", 1), ("C", 1), ("B", 4)], 0)]
     sc, results = run_scenario([layer], CFG, 2, steps=steps)
     orc = sc.oracle(sd)
@@ -382,6 +396,7 @@ def test_multistep_triton_backend_equals_oracle(device, prefill_path):
         o_ref, y_ref = _gather_oracle(orc, owners)
         assert rel_err(a[: len(owners)], o_ref) <= 1e-2
         assert rel_err(y[: len(owners)], y_ref) <= 1e-2
+    assert bool(calls) == (prefill_path == "workspace" and share), calls
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ def combine_loop(topk_indices, qsl, seq_lens, gather_lens, W, r, topk, M, N):
     width = round_up(topk + W, 128)
     out = [[-1] * width for _ in range(T)]
     lens = [0] * T
+    win = [[0] * T for _ in range(3)]  # window_rows: first row, length, top-k length
     q = [int(v) - int(qsl[0]) for v in qsl]
     for b in range(len(q) - 1):
         sl = int(seq_lens[b])
@@ -35,11 +36,14 @@ def combine_loop(topk_indices, qsl, seq_lens, gather_lens, W, r, topk, M, N):
             for c in range(tl_):
                 e = int(topk_indices[t, c])
                 row.append(M * b + e if 0 <= e < N else -1)
-            for p in range(max(pos - W + 1, 0, sl - gl), pos + 1):
+            first = max(pos - W + 1, 0, sl - gl)
+            for p in range(first, pos + 1):
                 row.append(M * b + N + (p - (sl - gl)))
             out[t][: len(row)] = row
             lens[t] = len(row)
-    return torch.tensor(out, dtype=torch.int32).view(T, width), torch.tensor(lens, dtype=torch.int32)
+            win[0][t], win[1][t], win[2][t] = M * b + N + first - (sl - gl), len(row) - tl_, tl_
+    return (torch.tensor(out, dtype=torch.int32).view(T, width),
+            torch.tensor(lens, dtype=torch.int32), torch.tensor(win, dtype=torch.int32).view(3, T))
 
 
 def global_loop(topk_indices, tok2req, block_table, bs, valid):
@@ -67,17 +71,29 @@ def _check_combine(device, ti, qsl, seq, gl, W, r, topk, M, N, loop=True):
     width = round_up(topk + W, 128)
     out = (poison_(torch.empty(T, width, dtype=torch.int32, device=device)),
            poison_(torch.empty(T, dtype=torch.int32, device=device)))
+    win = poison_(torch.empty(3, T, dtype=torch.int32, device=device))
     dev = lambda x: None if x is None else x.to(device)  # noqa: E731
-    idx, lens = combine_topk_swa_indices(dev(ti), dev(qsl), dev(seq), dev(gl), W, r, topk, M, N, out=out)
+    idx, lens = combine_topk_swa_indices(dev(ti), dev(qsl), dev(seq), dev(gl), W, r, topk, M, N,
+                                         out=out, window_rows=win)
     assert idx is out[0] and lens is out[1]
     ref_out = (torch.empty(T, width, dtype=torch.int32), torch.empty(T, dtype=torch.int32))
-    ref_idx, ref_lens = combine_topk_swa_indices_ref(ti, qsl, seq, gl, W, r, topk, M, N, out=ref_out)
+    ref_win = torch.empty(3, T, dtype=torch.int32)
+    ref_idx, ref_lens = combine_topk_swa_indices_ref(ti, qsl, seq, gl, W, r, topk, M, N,
+                                                     out=ref_out, window_rows=ref_win)
     assert ref_idx is ref_out[0]
     assert torch.equal(idx.cpu(), ref_idx)
     assert torch.equal(lens.cpu(), ref_lens)
+    assert torch.equal(win.cpu(), ref_win)
+    # the window part of every row is the range the hint names
+    start, wlen, tlen = ref_win.long()
+    assert torch.equal(tlen + wlen, ref_lens.long())
+    cols = torch.arange(width)[None, :]
+    in_win = (cols >= tlen[:, None]) & (cols < ref_lens[:, None])
+    assert torch.equal(ref_idx.long()[in_win], (start[:, None] + cols - tlen[:, None])[in_win])
     if loop:
-        loop_idx, loop_lens = combine_loop(ti, qsl, seq, gl, W, r, topk, M, N)
+        loop_idx, loop_lens, loop_win = combine_loop(ti, qsl, seq, gl, W, r, topk, M, N)
         assert torch.equal(ref_idx, loop_idx) and torch.equal(ref_lens, loop_lens)
+        assert torch.equal(ref_win, loop_win)
     return ref_idx, ref_lens
 
 
@@ -218,6 +234,10 @@ def test_combine_bad_inputs():
                                  out=(torch.empty(3, 128, dtype=torch.int32), torch.empty(3, dtype=torch.int64)))
     with pytest.raises(TypeError, match="out"):
         combine_topk_swa_indices(ti, qsl, seq, None, **ok, out=torch.empty(3, 128, dtype=torch.int32))
+    with pytest.raises(ValueError, match="window_rows"):
+        combine_topk_swa_indices(ti, qsl, seq, None, **ok, window_rows=torch.empty(3, 4, dtype=torch.int32))
+    with pytest.raises(TypeError, match="window_rows"):
+        combine_topk_swa_indices(ti, qsl, seq, None, **ok, window_rows=torch.empty(3, 3))
 
 
 @pytest.mark.gpu
@@ -233,10 +253,14 @@ def test_combine_large_gpu(r):
     N = 32768
     ti = torch.randint(-1, N + 10, (T, 512), dtype=torch.int32)
     args = (qsl, seq.to(torch.int32), gl.to(torch.int32), 128, r, 512, N + 8192, N)
-    idx, lens = combine_topk_swa_indices(ti.cuda(), *[a.cuda() if torch.is_tensor(a) else a for a in args])
-    ref = combine_topk_swa_indices_ref(ti, *args)
+    win = poison_(torch.empty(3, T, dtype=torch.int32, device="cuda"))
+    idx, lens = combine_topk_swa_indices(ti.cuda(), *[a.cuda() if torch.is_tensor(a) else a for a in args],
+                                         window_rows=win)
+    ref_win = torch.empty(3, T, dtype=torch.int32)
+    ref = combine_topk_swa_indices_ref(ti, *args, window_rows=ref_win)
     assert idx.shape == (8192, 640)
     assert torch.equal(idx.cpu(), ref[0]) and torch.equal(lens.cpu(), ref[1])
+    assert torch.equal(win.cpu(), ref_win)
 
 
 # --------------------------------------------------------------------------------------------
