@@ -338,3 +338,44 @@ def test_gpu_layer_compile_and_cuda_graph(backend):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.isfinite(y).all()
+
+
+def test_eager_calls_skip_the_dispatcher_also_with_parameters(monkeypatch):
+    """``call_op`` runs an op's Python body directly on plain tensors and on a module's
+    parameters (the layer's ``attn_sink``); a dispatch mode (as a tracer uses) takes the
+    registered op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dsv41_triton._utils import call_op
+
+    seen = []
+
+    @torch.library.custom_op("dsv41_test::scale_into", mutates_args=("out",))
+    def scale_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+        seen.append("body")
+        out.copy_(x * w)
+
+    @scale_into.register_fake
+    def _(x, w, out) -> None:
+        return None
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    class Namespace:  # torch.ops.dsv41 as call_op sees it: records a dispatcher call
+        def __getattr__(self, name):
+            seen.append("dispatcher")
+            return getattr(torch.ops.dsv41_test, name)
+
+    monkeypatch.setattr(torch.ops, "dsv41", Namespace(), raising=False)
+    x = torch.randn(4)
+    w = torch.nn.Parameter(torch.randn(4), requires_grad=False)
+    out = torch.empty(4)
+    call_op(scale_into, x, w, out)
+    assert seen == ["body"] and torch.equal(out, x * w)
+    seen.clear()
+    with Record():
+        call_op(scale_into, x, w, out)
+    assert seen[0] == "dispatcher" and any("dsv41_test.scale_into" in s for s in seen), seen
