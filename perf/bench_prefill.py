@@ -27,9 +27,11 @@ TFLOP/s of ``4 * H * 640 * 512`` per token.
 Layer chunk: ``DeepseekV41Attention.forward_mqa`` of one prefill chunk (2048 new tokens of a
 request at 8K / 128K / 1M context; V4-flash ratio-4 layer, TP 8 = 8 local heads, top-k 512),
 ``prefill_path="paged"`` vs ``"workspace"`` (gather + bf16 workspace, window rows shared by
-consecutive tokens) vs ``workspace-general`` (the same with ``share_window_keys = False``):
-peak memory allocated during the call (above what was allocated before it) and eager time
-(median of 9, L2 flushed before each).
+consecutive tokens) vs ``workspace-general`` (the same with ``share_window_keys = False``) vs
+``auto`` (the layer's default: one of the first two per chunk):
+peak memory allocated during the call (above what was allocated before it), eager time
+(median of 9, L2 flushed before each; the host's launch work is part of it) and the GPU time
+of the call captured as a CUDA graph (as the kernels).
 
 ``--quick`` times only ``workspace``, the Gluon variants and FlashMLA.
 ``--warm N`` compiles every kernel first in N processes (on the same shapes), then times;
@@ -319,7 +321,7 @@ def build_layer_case(ctx: int, device="cuda", seed=0):
     ncb = -(-(ctx // r) // PAGE)
     layers = {p: DeepseekV41Attention(cfg, layer_id, tp_size=8, backend="triton", device=device,
                                       max_model_len=ctx + 64, prefill_path=p.split("-")[0])
-              for p in ("paged", "workspace", "workspace-general")}
+              for p in ("paged", "workspace", "workspace-general", "auto")}
     layers["workspace-general"].share_window_keys = False
     swa = random_k_cache(nb, PAGE, 584, device)
     comp = random_k_cache(ncb, PAGE, 584, device)
@@ -357,16 +359,17 @@ def run_layer(lines: List[str], contexts=CONTEXTS):
                 torch.cuda.synchronize()
                 peak = torch.cuda.max_memory_allocated() - base
                 us = time_eager_flushed(fn, reps=9)
+                gus = time_graph_flushed(fn)
             except Exception as e:
                 lines.append(f"layer ctx={ctx:<8d} {path:17s} FAILED {type(e).__name__}: "
                              f"{str(e)[:200]}")
                 print(lines[-1], flush=True)
                 continue
             outs[path] = out.clone()
-            lines.append(f"layer ctx={ctx:<8d} {path:17s} {us:9.1f} us  peak +{peak / 2**20:8.1f} "
-                         f"MiB  (chunk {CHUNK} tokens, {q.shape[1]} heads)")
+            lines.append(f"layer ctx={ctx:<8d} {path:17s} eager {us:7.1f} us  graph {gus:7.1f} us  "
+                         f"peak +{peak / 2**20:8.1f} MiB  (chunk {CHUNK} tokens, {q.shape[1]} heads)")
             print(lines[-1], flush=True)
-        for other in ("paged", "workspace-general"):
+        for other in ("paged", "workspace-general", "auto"):
             if other in outs and "workspace" in outs:
                 lines.append(f"layer ctx={ctx:<8d} {other} vs workspace out rel "
                              f"{rel_err(outs[other], outs['workspace']):.1e}")

@@ -22,9 +22,10 @@ from .base import (
 )
 
 _WINDOW_RECORDS = (584, 528)
-#: most heads for which ``sparse_mla_prefill_shared_window`` takes the shared-window kernel
-#: (H200, perf/NOTES.md "Session 16": faster than the general kernel up to here)
-SHARED_WINDOW_MAX_HEADS = 16
+#: most heads for which ``sparse_mla_prefill_shared_window`` takes the shared-window kernel.
+#: H200, 4096 tokens x (128 + 512) keys (perf/NOTES.md "Session 16"): 1 / 3 / 8 heads 475 /
+#: 488 / 534 us against the general kernel's 537 / 541 / 548; 16 heads 612 against 557
+SHARED_WINDOW_MAX_HEADS = 8
 _EXTRA_RECORDS = (584, 528, 288)
 
 

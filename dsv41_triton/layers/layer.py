@@ -14,12 +14,13 @@ tensor-parallel shard of the layer's weights (checkpoint names) and runs one ste
 
 Attention goes through the selected backend (``dsv41_triton.backends``): decode tokens (first
 ``num_decode_tokens``) read the paged caches directly; so do prefill tokens with
-``prefill_path="paged"`` (memory independent of the context); with ``"workspace"`` (the
-default, faster on the H200) prefill requests are processed in chunks of at most 4 requests
-whose compressed and window keys are gathered into a bf16 workspace (SPEC §5); on the bf16
-path the backend also gets each token's window as a row range of it
-(``sparse_mla_prefill_shared_window``: the Triton backend loads a window key once for a tile of
-consecutive tokens when there are at most 16 local heads). With the fused
+``prefill_path="paged"`` (memory independent of the context); with ``"workspace"`` prefill
+requests are processed in chunks of at most 4 requests whose compressed and window keys are
+gathered into a bf16 workspace (SPEC §5); ``"auto"`` (the default) picks one of the two per
+chunk, by the workspace's size. On the bf16 workspace path the backend also gets each token's
+window as a row range of it (``sparse_mla_prefill_shared_window``: the Triton backend loads a
+window key once for a tile of consecutive tokens when there are at most 8 local heads). With
+the fused
 contract (``fused=True``, or ``"auto"`` picking FlashMLA's mega kernel) the backend RoPEs Q
 itself and returns the MXFP8 pair after the inverse RoPE; the layer then declares
 ``accepts_unnormed_unroped_query`` and ``_o_proj`` consumes the pair. Mixed prefill + decode
@@ -68,11 +69,13 @@ PREFILL_CHUNK_SIZE = 4
 #: prefill paths: "paged" (slot ids into the paged caches, records dequantized in the
 #: attention kernel, no workspace), "workspace" (gather + bf16 workspace, chunks of requests)
 PREFILL_PATHS = ("paged", "workspace")
-#: what prefill_path="auto" picks. H200 (perf/NOTES.md "Prefill from the paged caches",
-#: "Session 6"): the paged attention kernel is 1.2x (8 heads) to 1.7x (64/128 heads, not
-#: re-timed since the faster decode dequant) the workspace kernel's GPU time, more than the gather it saves up to 1M context; the paged
-#: path's gain is memory (5 MiB instead of 264 MiB per 2048-token chunk at 1M context)
-AUTO_PREFILL_PATH = "workspace"
+#: prefill_path="auto", per chunk of requests: the paged path when the chunk's workspace would
+#: hold more than this many rows per chunk token and local head, else the workspace. H200 GPU
+#: time (perf/NOTES.md "Session 16"): the workspace costs ~0.6 ns per gathered row more, its
+#: attention ~(3.5 x heads) rows' worth per token less than the paged kernel; at 8 heads and
+#: 2048 tokens the workspace wins at 8K / 128K context, the paged path at 1M (and uses 5 MiB
+#: instead of 263).
+AUTO_PAGED_ROWS_PER_TOKEN_HEAD = 4
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,8 +206,9 @@ class DeepseekV41Attention(nn.Module):
             (neither: the caller sums the ranks' outputs).
         prefill_path: ``"paged"`` (prefill tokens read the paged caches like decode tokens:
             no workspace, memory independent of the context), ``"workspace"`` (gather +
-            bf16 workspace in chunks of ``prefill_chunk_size`` requests) or ``"auto"``
-            (:data:`AUTO_PREFILL_PATH`).
+            bf16 workspace in chunks of ``prefill_chunk_size`` requests) or ``"auto"`` (per
+            chunk: paged when its workspace would be large for its tokens,
+            :data:`AUTO_PAGED_ROWS_PER_TOKEN_HEAD`).
     """
 
     def __init__(
@@ -258,7 +262,7 @@ class DeepseekV41Attention(nn.Module):
         if prefill_path not in PREFILL_PATHS + ("auto",):
             raise ValueError(f"prefill_path: expected one of {PREFILL_PATHS + ('auto',)}, got "
                              f"{prefill_path!r}")
-        self.prefill_path = AUTO_PREFILL_PATH if prefill_path == "auto" else prefill_path
+        self.prefill_path = prefill_path
         #: workspace prefill (bf16 path): pass the backend each token's window as a row range
         #: (``sparse_mla_prefill_shared_window``), so that it may load a window key once for
         #: consecutive tokens; False: the plain ``sparse_mla_prefill`` call
@@ -762,11 +766,10 @@ class DeepseekV41Attention(nn.Module):
                                             softmax_scale=self.scale, out=output[a:b])
 
     def _forward_prefill_paged(self, q, positions, output: AttnOut, md: StepMetadata,
-                               topk_indices):
-        """All prefill tokens at once, as decode tokens over the paged caches: their window
+                               topk_indices, a: int, b: int):
+        """Prefill tokens ``a:b`` at once, as decode tokens over the paged caches: their window
         and top-k entries as slot ids (the workspace path's keys), no workspace."""
         r = self.compress_ratio
-        a, b = md.num_decode_tokens, md.num_tokens
         if b == a:
             return
         cm = md.compressed[r] if r > 0 else None
@@ -779,7 +782,8 @@ class DeepseekV41Attention(nn.Module):
 
     def _forward_prefill(self, q, positions, output: AttnOut, md: StepMetadata, topk_indices):
         if self.prefill_path == "paged":
-            return self._forward_prefill_paged(q, positions, output, md, topk_indices)
+            return self._forward_prefill_paged(q, positions, output, md, topk_indices,
+                                               md.num_decode_tokens, md.num_tokens)
         r = self.compress_ratio
         nd = md.num_decodes
         dev = q.device
@@ -787,6 +791,9 @@ class DeepseekV41Attention(nn.Module):
             nreq = ch.req_end - ch.req_start
             a, b = ch.tok_start, ch.tok_end
             if b == a:
+                continue
+            if self.prefill_path == "auto" and self.prefers_paged(nreq * ch.M, b - a):
+                self._forward_prefill_paged(q, positions, output, md, topk_indices, a, b)
                 continue
             pr = slice(ch.req_start - nd, ch.req_end - nd)
             seq = md.prefill_seq_lens[pr]
@@ -814,6 +821,11 @@ class DeepseekV41Attention(nn.Module):
             kv = ws.view(-1, self.head_dim)
             self._attend_workspace(q[a:b], positions[a:b], kv, idx, lens, output, a, b,
                                    None if win is None else (win, qsl))
+
+    def prefers_paged(self, workspace_rows: int, tokens: int) -> bool:
+        """What ``prefill_path="auto"`` picks for a chunk of ``tokens`` query tokens whose
+        workspace would hold ``workspace_rows`` rows: True for the paged path."""
+        return workspace_rows > AUTO_PAGED_ROWS_PER_TOKEN_HEAD * self.n_local_heads * tokens
 
     # ---- output projection ------------------------------------------------------------------
     def _group_proj(self, x: torch.Tensor) -> torch.Tensor:

@@ -399,6 +399,41 @@ def test_multistep_triton_backend_equals_oracle(device, prefill_path, share, mon
     assert bool(calls) == (prefill_path == "workspace" and share), calls
 
 
+@pytest.mark.skipif(not _triton_ok(), reason="the triton backend is not available here")
+def test_auto_prefill_path_picks_per_chunk(device, monkeypatch):
+    """``prefill_path="auto"``: chunks whose workspace is large for their tokens go paged, the
+    others through the workspace, in one step; the outputs match the oracle either way."""
+    if device != "cpu":
+        pytest.skip("covered by the GPU variant")
+    sd = random_attention_state_dict(CFG, seed=22)
+    layer = make_layer(CFG, 1, "triton", sd)  # ratio 1: a prefix of 30 is 30 workspace rows
+    assert layer.prefill_path == "auto"
+    picks = []
+    real = layer.prefers_paged
+
+    def spy(rows, tokens):
+        picks.append(real(rows, tokens))
+        return picks[-1]
+
+    monkeypatch.setattr(layer, "prefers_paged", spy)
+    import dsv41_triton.layers.layer as layer_mod
+
+    H = layer.n_local_heads
+    k = layer_mod.AUTO_PAGED_ROWS_PER_TOKEN_HEAD
+    assert not real(k * H * 5, 5) and real(k * H * 5 + 1, 5)
+    monkeypatch.setattr(layer_mod, "AUTO_PAGED_ROWS_PER_TOKEN_HEAD", 1)
+    # request A: 2 new tokens after a prefix of 20 (31 workspace rows > 1 * 8 * 2: paged);
+    # B: 12 new tokens of a 14-token sequence (28 rows: workspace)
+    steps = [([("A", 20), ("B", 2)], 0), ([("A", 2), ("B", 12)], 0)]
+    sc, results = run_scenario([layer], CFG, 1, steps=steps, chunk_size=1)
+    orc = sc.oracle(sd)
+    for md, owners, [(a, y)] in results:
+        o_ref, y_ref = _gather_oracle(orc, owners)
+        assert rel_err(a[: len(owners)], o_ref) <= 1e-2
+        assert rel_err(y[: len(owners)], y_ref) <= 1e-2
+    assert True in picks and False in picks, picks
+
+
 # --------------------------------------------------------------------------------------------
 # GPU: the same scenario at larger shapes through the GPU backends
 # --------------------------------------------------------------------------------------------
