@@ -355,3 +355,35 @@ def test_flashmla_mega_plumbing(fake_flashmla, layout, H):
     d2, s2, _ = ref.sparse_mla_prefill_fused(q_in, pos, cs, kv, idx, lens, attn_sink=sink,
                                              layout=layout)
     assert torch.equal(d1.view(torch.uint8), d2.view(torch.uint8)) and torch.equal(s1, s2)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("H", [3, 8, 12])
+def test_prefill_shared_window_hint_conformance(name, H, device):
+    """``sparse_mla_prefill_shared_window`` (the layer's call on its workspace, with the window
+    hint from ``combine_topk_swa_indices``) gives ``sparse_mla_prefill``'s result on every
+    backend: the triton one takes the shared-window kernel up to 8 heads, the others ignore
+    the hint."""
+    from dsv41_triton.ops.indices import combine_topk_swa_indices
+
+    backend = _probe_or_skip(name, Problem("prefill", H, torch.device(device)))
+    g = torch.Generator().manual_seed(H)
+    qlens, seq = [5, 0, 9], [40, 3, 30]  # an empty request in the middle
+    W, r, topk = 6, 2, 7
+    N = max(s // r for s in seq)
+    M = N + max(seq)
+    qsl = torch.tensor([0] + qlens, device=device).cumsum(0).to(torch.int32)
+    T = sum(qlens) + 1  # one token past the last request
+    tk = torch.randint(-1, N + 2, (T, topk), generator=g, dtype=torch.int32).to(device)
+    win = poison_(torch.empty(3, T, dtype=torch.int32, device=device))
+    idx, lens = combine_topk_swa_indices(tk, qsl, torch.tensor(seq, device=device), None, W, r,
+                                         topk, M, N, window_rows=win)
+    kv = torch.randn(3 * M, 512, generator=g).bfloat16().to(device)
+    q = torch.randn(T, H, 512, generator=g).bfloat16().to(device)
+    sink = torch.randn(H, generator=g).float().to(device)
+    out = poison_(torch.empty_like(q))
+    o, lse = backend.sparse_mla_prefill_shared_window(q, kv, idx, lens, win, qsl,
+                                                      attn_sink=sink, out=out)
+    ro, rl = sparse_mla_prefill_ref(q, kv, idx, lens, attn_sink=sink)
+    assert o is out
+    assert rel_err(o, ro) <= 1e-2 and max_abs_err(lse, rl) <= 1e-3
