@@ -12,6 +12,7 @@ per SM; the Gluon many-heads kernels pad them to a 64-row ``wgmma`` M (8x the pr
 the keys as M (S^T = K Q^T, O^T = K^T P^T, N = 8 heads) the products cost 1/8 of that, and the
 block's 1 KB rows are the A operand of both. Gathering the top-k rows alone takes 256 µs
 (``gather_probe.py --workspace``); this schedule keeps the gather going in its own warps.
+``s_split`` runs S^T as two independent chains of 4 groups (half its dependent latency).
 
 Grid: min(SMs, T) CTAs; CTA ``pid`` takes tokens ``pid, pid + grid, ...``.
 
@@ -112,7 +113,7 @@ def _producer(pid, grid, T, width, len_ptr, len_st, q_ptr, stride_qt, stride_qh,
 def _consumer(pid, grid, T, width, len_ptr, len_st, rows, idx_ptr, idx_st, H, qk_scale,
               sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
               q_smem, ring, p_smem, q_ready, q_free, ready, free, HAS_LEN: gl.constexpr,
-              HAS_SINK: gl.constexpr, NS: gl.constexpr):
+              HAS_SINK: gl.constexpr, NS: gl.constexpr, S_SPLIT: gl.constexpr):
     zero = gl.full([64, 8], 0.0, gl.float32, layout=MMA)
     kr = gl.arange(0, 64, layout=KM)
     h = gl.arange(0, 8, layout=HM)
@@ -145,12 +146,25 @@ def _consumer(pid, grid, T, width, len_ptr, len_st, rows, idx_ptr, idx_st, H, qk
             base = s * 8 + (b >> 30)  # opaque 0: the descriptors stay in the loop
             mbarrier.wait(ready.index(s), (g // NS) & 1)
             fence_async_shared()
-            acc = warpgroup_mma(ring.index(base), q_smem.index(0), zero, use_acc=False,
-                                is_async=True)
-            for grp in gl.static_range(1, 8):
-                acc = warpgroup_mma(ring.index(base + grp), q_smem.index(grp), acc,
+            if S_SPLIT:  # two independent chains of 4 groups: half the dependent latency
+                acc = warpgroup_mma(ring.index(base), q_smem.index(0), zero, use_acc=False,
                                     is_async=True)
-            acc = warpgroup_mma_wait(0, deps=[acc])
+                acc2 = warpgroup_mma(ring.index(base + 4), q_smem.index(4), zero,
+                                     use_acc=False, is_async=True)
+                for grp in gl.static_range(1, 4):
+                    acc = warpgroup_mma(ring.index(base + grp), q_smem.index(grp), acc,
+                                        is_async=True)
+                    acc2 = warpgroup_mma(ring.index(base + 4 + grp), q_smem.index(4 + grp),
+                                         acc2, is_async=True)
+                acc, acc2 = warpgroup_mma_wait(0, deps=[acc, acc2])
+                acc = acc + acc2
+            else:
+                acc = warpgroup_mma(ring.index(base), q_smem.index(0), zero, use_acc=False,
+                                    is_async=True)
+                for grp in gl.static_range(1, 8):
+                    acc = warpgroup_mma(ring.index(base + grp), q_smem.index(grp), acc,
+                                        is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
             gl.thread_barrier()
             mbarrier.arrive(q_free, pred=b == nblk - 1)  # the token's last S: Q free
             sc = gl.where(ok[:, None], acc * qk_scale, float("-inf"))
@@ -198,7 +212,7 @@ def _few_ws_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, kv_stride, rows,
                    idx_ptr, idx_st, width, len_ptr, len_st, sink_ptr, sink_st,
                    out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
                    T, H, qk_scale, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr,
-                   NS: gl.constexpr):
+                   NS: gl.constexpr, S_SPLIT: gl.constexpr):
     KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     BL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 8], gl.bfloat16)
     pid = gl.program_id(0)
@@ -222,7 +236,7 @@ def _few_ws_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, kv_stride, rows,
         (_consumer, (pid, grid, T, width, len_ptr, len_st, rows, idx_ptr, idx_st, H, qk_scale,
                      sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
                      stride_lh, q_smem, ring, p_smem, q_ready, q_free, ready, free, HAS_LEN,
-                     HAS_SINK, NS)),
+                     HAS_SINK, NS, S_SPLIT)),
     ], [4], [CONSUMER_REGS])
 
 
@@ -234,10 +248,11 @@ ARGS = [("q_ptr", "*bf16"), ("stride_qt", "i64"), ("stride_qh", "i64"), ("kv_ptr
         ("H", "i32"), ("qk_scale", "fp32")]
 
 
-def launch(q, kv, idx, lens, sink, scale, out, lse, ns=2):
+def launch(q, kv, idx, lens, sink, scale, out, lse, ns=2, s_split=False):
     """q [T, H <= 8, 512] bf16; kv [S, 512] bf16 rows; idx [T, K] int32 rows (``< 0`` or
     ``>= S`` skipped); lens [T] int32 or None; sink [H] fp32 or None; out / lse as
-    ``sparse_mla_prefill``'s; ``ns`` ring stages (2: 140 KB, 3: 206 KB of shared memory)."""
+    ``sparse_mla_prefill``'s; ``ns`` ring stages (2: 140 KB, 3: 206 KB of shared memory);
+    ``s_split``: S^T as two independent product chains."""
     import torch
     T, H, _ = q.shape
     if not 1 <= H <= 8:
@@ -251,16 +266,17 @@ def launch(q, kv, idx, lens, sink, scale, out, lse, ns=2):
         sink if sink is not None else lse, sink.stride(0) if sink is not None else 0,
         out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1), T, H,
         scale * 1.4426950408889634, HAS_LEN=lens is not None, HAS_SINK=sink is not None, NS=ns,
-        num_warps=NUM_WARPS)
+        S_SPLIT=s_split, num_warps=NUM_WARPS)
 
 
-def compile_stats(ns=2):
+def compile_stats(ns=2, s_split=False):
     """Registers, stack, shared memory and SASS opcode counts of an sm_90a compile."""
     import re
 
     from dsv41_triton.attention.gluon import compile_check as cc
     k = cc._compile(_few_ws_kernel, ARGS, ("stride_qt", "stride_qh", "kv_stride", "idx_st"),
-                    None, dict(HAS_LEN=True, HAS_SINK=True, NS=ns), NUM_WARPS, 90)
+                    None, dict(HAS_LEN=True, HAS_SINK=True, NS=ns, S_SPLIT=s_split), NUM_WARPS,
+                    90)
     regs, stack = cc._regs_stack(k)
     ops = {}
     for line in cc.resource_usage(k, "-sass").splitlines():
@@ -268,7 +284,7 @@ def compile_stats(ns=2):
         if m:
             op = m.group(2) + ("" if m.group(2) != "HGMMA" else m.group(3).split(".")[1])
             ops[op] = ops.get(op, 0) + 1
-    return dict(ns=ns, regs=regs, stack=stack, smem=k.metadata.shared, ops=ops)
+    return dict(ns=ns, s_split=s_split, regs=regs, stack=stack, smem=k.metadata.shared, ops=ops)
 
 
 def check_and_time():
@@ -292,16 +308,20 @@ def check_and_time():
         ref, rl = sparse_mla_prefill(q, kv, idx, lens, sink)
         out = torch.full_like(ref, float("nan"))
         lse = torch.full_like(rl, float("nan"))
-        try:
-            launch(q, kv, idx, lens, sink, 512 ** -0.5, out, lse)
-            torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001
-            print(f"T={T} H={H}: FAILED {type(e).__name__}: {str(e)[-500:]}", flush=True)
-            continue
-        fin = torch.isfinite(rl)
-        print(f"T={T} H={H} K={K}: out rel {rel_err(out, ref):.2e} lse max "
-              f"{(lse - rl)[fin].abs().max().item() if fin.any() else 0:.2e} empty rows agree "
-              f"{torch.equal(torch.isinf(lse), torch.isinf(rl))}", flush=True)
+        for sp in (False, True):
+            out.fill_(float("nan"))
+            lse.fill_(float("nan"))
+            try:
+                launch(q, kv, idx, lens, sink, 512 ** -0.5, out, lse, s_split=sp)
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001
+                print(f"T={T} H={H} split={sp}: FAILED {type(e).__name__}: {str(e)[-500:]}",
+                      flush=True)
+                continue
+            fin = torch.isfinite(rl)
+            print(f"T={T} H={H} K={K} split={sp}: out rel {rel_err(out, ref):.2e} lse max "
+                  f"{(lse - rl)[fin].abs().max().item() if fin.any() else 0:.2e} empty rows "
+                  f"agree {torch.equal(torch.isinf(lse), torch.isinf(rl))}", flush=True)
     inp = bp.build_kernel_inputs(8)
     q, kv, sink = inp["q"], inp["kv"], inp["sink"]
     out = torch.empty_like(q)
@@ -310,22 +330,23 @@ def check_and_time():
         ref = sparse_mla_prefill(q, kv, idx, None, sink)[0]
         t_ref = bp.time_graph_flushed(lambda: sparse_mla_prefill(q, kv, idx, None, sink, None, out,
                                                                  _kernel="tl"))
-        for ns in (2, 3):
-            k = launch(q, kv, idx, None, sink, 512 ** -0.5, out, lse, ns)
+        for ns, sp in ((2, False), (3, False), (2, True), (3, True)):
+            k = launch(q, kv, idx, None, sink, 512 ** -0.5, out, lse, ns, sp)
             err = rel_err(out, ref)
             t_new = bp.time_graph_flushed(lambda: launch(q, kv, idx, None, sink, 512 ** -0.5, out,
-                                                         lse, ns))
-            print(f"8 heads, {lab} keys: tl {t_ref:.1f} us, few_ws NS={ns} {t_new:.1f} us "
-                  f"(rel {err:.1e}, regs {k.n_regs}, spills {k.n_spills})", flush=True)
+                                                         lse, ns, sp))
+            print(f"8 heads, {lab} keys: tl {t_ref:.1f} us, few_ws NS={ns} split={sp} "
+                  f"{t_new:.1f} us (rel {err:.1e}, regs {k.n_regs}, spills {k.n_spills})",
+                  flush=True)
 
 
 if __name__ == "__main__":
-    if "--json" in sys.argv:  # one line per ring depth, for tests/perf
+    if "--json" in sys.argv:  # one line per (ring depth, S chains), for tests/perf
         import json
-        for ns in (2, 3):
-            print(json.dumps(compile_stats(ns)))
+        for ns, sp in ((2, False), (3, False), (2, True)):
+            print(json.dumps(compile_stats(ns, sp)))
     elif "--compile" in sys.argv:
-        for ns in (2, 3):
-            print(compile_stats(ns))
+        for ns, sp in ((2, False), (3, False), (2, True)):
+            print(compile_stats(ns, sp))
     else:
         check_and_time()

@@ -7,7 +7,7 @@ from gluon_probe import probe_json
 
 def test_few_heads_ws_probe_compiles_as_designed():
     rows = probe_json("few_heads_ws_probe.py")
-    assert [r["ns"] for r in rows] == [2, 3], rows
+    assert [(r["ns"], r["s_split"]) for r in rows] == [(2, False), (3, False), (2, True)], rows
     for r in rows:
         ops = r["ops"]
         assert r["stack"] == 0 and "LDL" not in ops and "STL" not in ops, r
