@@ -74,9 +74,10 @@ def call_op(op, *args):
 
     Eager calls on plain tensors and parameters run its Python implementation directly: the
     dispatcher round trip of a Python custom op costs 40-65 us of host time per call (measured
-    on CPU), as much as a whole decode kernel. Traced calls (``torch.compile``, export, a dispatch mode, tensor
-    subclasses such as fake or functional tensors) go through ``torch.ops.dsv41.<name>``, so the
-    tracer records the op (with its fake implementation) instead of looking inside it."""
+    on CPU), as much as a whole decode kernel. Traced calls (``torch.compile``, export, a
+    dispatch mode, tensor subclasses such as fake or functional tensors) go through
+    ``torch.ops.dsv41.<name>``, so the tracer records the op (with its fake implementation)
+    instead of looking inside it."""
     if (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
             and all(type(a) in _PLAIN_TENSORS for a in args if isinstance(a, torch.Tensor))):
         return op._init_fn(*args)

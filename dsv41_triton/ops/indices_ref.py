@@ -60,18 +60,15 @@ def combine_topk_swa_indices_ref(
     ``window_rows`` gets ``M*b + N + p_first - (seq_len - gather_len)``, the window's length
     and ``topk_len`` (0 / 0 / 0 past the last request).
     """
-    if out is not None or window_rows is not None:
-        idx, lens, win = _combine_ref(topk_indices, query_start_loc, seq_lens, gather_lens,
-                                      window_size, compress_ratio, topk, M, N)
-        if window_rows is not None:
-            window_rows.copy_(win)
-        if out is None:
-            return idx, lens
-        out[0].copy_(idx)
-        out[1].copy_(lens)
-        return out[0], out[1]
-    return _combine_ref(topk_indices, query_start_loc, seq_lens, gather_lens, window_size,
-                        compress_ratio, topk, M, N)[:2]
+    idx, lens, win = _combine_ref(topk_indices, query_start_loc, seq_lens, gather_lens,
+                                  window_size, compress_ratio, topk, M, N)
+    if window_rows is not None:
+        window_rows.copy_(win)
+    if out is None:
+        return idx, lens
+    out[0].copy_(idx)
+    out[1].copy_(lens)
+    return out[0], out[1]
 
 
 def _combine_ref(topk_indices, query_start_loc, seq_lens, gather_lens, window_size,
