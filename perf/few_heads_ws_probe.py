@@ -1,37 +1,40 @@
 """A persistent warp-specialized few-heads (H <= 8) prefill over the bf16 workspace with the keys
 as the wgmma M (sm_90, Gluon, Triton 3.6). A design probe for the 8-head prefill (issue 11's
-<= 300 µs); it compiles for sm_90a (``tests/perf/test_few_heads_ws_probe.py``) and has not been
-checked on a GPU yet (perf/NOTES.md, "Session 16").
+<= 300 µs); it compiles for sm_90a (``tests/perf/test_few_heads_ws_probe.py``) and matches
+``sparse_mla_prefill`` on the H200 (ragged / empty / -1 / out-of-range rows, 1-8 heads, more
+tokens than SMs). Measured there: 490.7 µs at 4096 tokens x 640 keys, 401.0 at 512 (the general
+kernel 553.1 / 458.1); the row copies alone 341 / 278, the products alone 413 / 336 (perf/NOTES.md,
+"Session 17").
 
     python perf/few_heads_ws_probe.py            # GPU: check against sparse_mla_prefill, time
     python perf/few_heads_ws_probe.py --compile  # CPU: registers, stack, shared memory, SASS
-                                                 # (--json: one JSON line per ring depth)
+                                                 # (--json: one JSON line per configuration)
 
 Why: the general kernel pads 8 heads to a 16-row ``mma.sync`` M and runs latency-bound at 2 CTAs
 per SM; the Gluon many-heads kernels pad them to a 64-row ``wgmma`` M (8x the products). With
 the keys as M (S^T = K Q^T, O^T = K^T P^T, N = 8 heads) the products cost 1/8 of that, and the
-block's 1 KB rows are the A operand of both. Gathering the top-k rows alone takes 256 µs
-(``gather_probe.py --workspace``); this schedule keeps the gather going in its own warps.
-``s_split`` runs S^T as two independent chains of 4 groups (half its dependent latency).
+block's 1 KB rows are the A operand of both. ``launch(..., mode=1)`` runs the copies alone (the
+consumer frees each stage unread), ``mode=2`` the products alone (no row copies).
 
-Grid: min(SMs, T) CTAs; CTA ``pid`` takes tokens ``pid, pid + grid, ...``.
+Grid: min(SMs, T) CTAs; CTA ``pid`` takes tokens ``pid, pid + grid, ...`` (its ``k``-th token).
 
-* producer (default partition, 4 warps): per token, Q^T into ``q_smem`` (8 groups of
-  ``[64 dims, 8 heads]``) once the consumer freed it, then each 64-key block's rows by cp.async
-  into ring stage ``g % NS`` (8 ``[64 keys, 64 dims]`` NVMMA tiles); ``ready[s]`` completes when
-  all 128 threads' copies landed (noinc arrive).
-* consumer (worker, 4 warps): per block, ``S^T [64 keys, 8] = sum_g K_g Q_g^T`` (8 chained
-  products from shared memory), the online softmax down the keys, ``P^T`` to shared memory,
-  ``O^T_g [64 dims, 8] += K_g^T P^T`` for the 8 dim tiles (A = the ring tile transposed); then
-  it frees the stage. The epilogue is the package's (``_finish_rows``: sink, empty rows 0 /
-  +inf).
+* producer (default partition, 4 warps): token ``k + 2``'s index row by cp.async into slot
+  ``(k + 2) % 3`` (so neither side waits on a global load of indices per block), token ``k``'s
+  Q as 8 ``[8 heads, 64 dims]`` tiles by cp.async into Q slot ``k % 2``, then each 64-key block's
+  rows by cp.async into ring stage ``g % NS`` (8 ``[64 keys, 64 dims]`` NVMMA tiles), the row
+  addresses read from the index slot in shared memory.
+* consumer (worker, 4 warps): per block, ``S^T [64 keys, 8] = sum_g K_g Q_g^T`` (8 products from
+  shared memory, B = the Q tile transposed), the online softmax down the keys (the block's
+  validity from the index slot), ``P^T`` to shared memory, ``O^T_g [64 dims, 8] += K_g^T P^T``
+  for the 8 dim tiles (A = the ring tile transposed); then it frees the stage. The epilogue is
+  the package's (``_finish_rows``: sink, empty rows 0 / +inf).
 
 Barriers (``wait(bar, p)`` returns once the phase of parity ``p`` completed; a fresh barrier
-passes ``p = 1``): ``ready[s]`` (count 128, once per block ``g``; the consumer waits ``(g //
-NS) & 1``), ``free[s]`` (count 1; the producer waits ``((g // NS) & 1) ^ 1``), ``q_ready``
-(count 1, once per token ``k``; the consumer waits ``k & 1``), ``q_free`` (count 1; the producer
-waits ``(k & 1) ^ 1``; the consumer arrives after the token's last S, or at once when the token
-has no keys).
+passes ``p = 1``; the ``*_ready`` ones complete when all 128 producer threads' copies landed,
+by cp.async's noinc arrive): ``ready[s]`` / ``free[s]`` per block ``g`` (use ``g // NS``),
+``q_ready[k % 2]`` / ``q_free[k % 2]`` per token (use ``k // 2``; the consumer frees Q after the
+token's last S, or at once when the token has no keys), ``i_ready[k % 3]`` / ``i_free[k % 3]``
+per token (use ``k // 3``; the producer and the consumer both wait ``i_ready``).
 """
 from __future__ import annotations
 
@@ -56,75 +59,106 @@ MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1
                                               instr_shape=[16, 8, 16]))
 KM = gl.constexpr(gl.SliceLayout(1, MMA))  # keys (S^T rows) / dims (O^T rows)
 HM = gl.constexpr(gl.SliceLayout(0, MMA))  # heads
-LR = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))  # [64, 64] bf16 copies
-LQ = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))  # Q rows [8, 64]
+LR = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))  # [64, 64] bf16 row copies
+LQ = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # [8, 64] bf16 Q copies
+LI = gl.constexpr(gl.BlockedLayout([1, 2], [1, 32], [4, 1], [1, 0]))  # [WB, 64] int32 copies
+IDX_SLOTS = gl.constexpr(3)  # a token's index row is copied two tokens ahead
 
 
 @gluon.jit
-def _token(item, len_ptr, len_st, width, HAS_LEN: gl.constexpr):
-    t = item.to(gl.int64)
+def _token_len(item, T, len_ptr, len_st, width, HAS_LEN: gl.constexpr):
+    """Columns token ``item`` reads (0 past ``T``)."""
     if HAS_LEN:
-        n = gl.load(len_ptr + t * len_st).to(gl.int32)
+        n = gl.load(len_ptr + item.to(gl.int64) * len_st, mask=item < T, other=0).to(gl.int32)
         n = gl.minimum(gl.maximum(n, 0), width)
     else:
         n = width + 0
-    return t, n
+    return gl.where(item < T, n, 0)
+
+
+@gluon.jit
+def _copy_index_row(k, item, T, idx_ptr, idx_st, width, idx_smem, i_ready, i_free,
+                    WB: gl.constexpr):
+    """The CTA's ``k``-th token's index row (``item``) into slot ``k % IDX_SLOTS``."""
+    if item < T:
+        s = k % IDX_SLOTS
+        mbarrier.wait(i_free.index(s), ((k // IDX_SLOTS) & 1) ^ 1)
+        rb = gl.arange(0, WB, layout=gl.SliceLayout(1, LI))
+        cb = gl.arange(0, 64, layout=gl.SliceLayout(0, LI))
+        col = rb[:, None] * 64 + cb[None, :]
+        cp.async_copy_global_to_shared(idx_smem.index(s),
+                                       idx_ptr + item.to(gl.int64) * idx_st + col,
+                                       mask=col < width)
+        cp.mbarrier_arrive(i_ready.index(s), increment_count=False)
 
 
 @gluon.jit
 def _producer(pid, grid, T, width, len_ptr, len_st, q_ptr, stride_qt, stride_qh, kv_ptr,
-              kv_stride, rows, idx_ptr, idx_st, H, q_smem, ring, q_ready, q_free, ready, free,
-              HAS_LEN: gl.constexpr, NS: gl.constexpr):
+              kv_stride, rows, idx_ptr, idx_st, H, q_smem, ring, idx_smem, idx_rows, q_ready,
+              q_free, i_ready, i_free, ready, free, HAS_LEN: gl.constexpr, NS: gl.constexpr,
+              WB: gl.constexpr, MODE: gl.constexpr):
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, LR))
     c = gl.arange(0, 64, layout=gl.SliceLayout(0, LR))
     hq = gl.arange(0, 8, layout=gl.SliceLayout(1, LQ))
     dq = gl.arange(0, 64, layout=gl.SliceLayout(0, LQ))
+    qmask = (hq < H)[:, None] & (dq < 64)[None, :]
+    _copy_index_row(0, pid, T, idx_ptr, idx_st, width, idx_smem, i_ready, i_free, WB)
+    _copy_index_row(1, pid + grid, T, idx_ptr, idx_st, width, idx_smem, i_ready, i_free, WB)
+    n_next = _token_len(pid, T, len_ptr, len_st, width, HAS_LEN)
     g = 0
     k = 0
     for item in range(pid, T, grid):
-        t, n = _token(item, len_ptr, len_st, width, HAS_LEN)
-        mbarrier.wait(q_free, (k & 1) ^ 1)
-        qrow = q_ptr + t * stride_qt + hq.to(gl.int64)[:, None] * stride_qh
+        n = n_next
+        n_next = _token_len(item + grid, T, len_ptr, len_st, width, HAS_LEN)
+        _copy_index_row(k + 2, item + 2 * grid, T, idx_ptr, idx_st, width, idx_smem, i_ready,
+                        i_free, WB)
+        qs = k % 2
+        mbarrier.wait(q_free.index(qs), ((k // 2) & 1) ^ 1)
+        qrow = q_ptr + item.to(gl.int64) * stride_qt + hq.to(gl.int64)[:, None] * stride_qh
         for grp in gl.static_range(8):
-            qx = gl.load(qrow + (grp * 64 + dq)[None, :], mask=(hq < H)[:, None], other=0.0)
-            q_smem.index(grp).store(gl.permute(qx, (1, 0)))
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(q_ready)
-        idx_row = idx_ptr + t * idx_st
-        nblk = gl.cdiv(n, 64)
-        for b in range(nblk):
+            cp.async_copy_global_to_shared(q_smem.index(qs * 8 + grp),
+                                           qrow + (grp * 64 + dq)[None, :], mask=qmask)
+        cp.mbarrier_arrive(q_ready.index(qs), increment_count=False)
+        si = k % IDX_SLOTS
+        mbarrier.wait(i_ready.index(si), (k // IDX_SLOTS) & 1)
+        for b in range(gl.cdiv(n, 64)):
             s = g % NS
             col = b * 64 + r
-            ix = gl.load(idx_row + col, mask=col < n, other=-1).to(gl.int64)
-            ok = (ix >= 0) & (ix < rows)
-            off = gl.multiple_of(gl.where(ok, ix * kv_stride, 0), 8)
+            ix = idx_rows.index(si * WB + b).load(gl.SliceLayout(1, LR))
+            ok = (col < n) & (ix >= 0) & (ix < rows)
+            off = gl.multiple_of(gl.where(ok, ix.to(gl.int64) * kv_stride, 0), 8)
             mbarrier.wait(free.index(s), ((g // NS) & 1) ^ 1)
-            for grp in gl.static_range(8):
-                cp.async_copy_global_to_shared(
-                    ring.index(s * 8 + grp), kv_ptr + off[:, None] + (grp * 64 + c)[None, :],
-                    mask=ok[:, None], eviction_policy="evict_last")
+            if MODE != 2:
+                for grp in gl.static_range(8):
+                    cp.async_copy_global_to_shared(
+                        ring.index(s * 8 + grp), kv_ptr + off[:, None] + (grp * 64 + c)[None, :],
+                        mask=ok[:, None], eviction_policy="evict_last")
             cp.mbarrier_arrive(ready.index(s), increment_count=False)
             g += 1
         k += 1
 
 
 @gluon.jit
-def _consumer(pid, grid, T, width, len_ptr, len_st, rows, idx_ptr, idx_st, H, qk_scale,
-              sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
-              q_smem, ring, p_smem, q_ready, q_free, ready, free, HAS_LEN: gl.constexpr,
-              HAS_SINK: gl.constexpr, NS: gl.constexpr, S_SPLIT: gl.constexpr):
+def _consumer(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink_ptr, sink_st,
+              out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, q_smem, ring,
+              idx_rows, p_smem, q_ready, q_free, i_ready, i_free, ready, free,
+              HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, NS: gl.constexpr,
+              WB: gl.constexpr, MODE: gl.constexpr):
     zero = gl.full([64, 8], 0.0, gl.float32, layout=MMA)
     kr = gl.arange(0, 64, layout=KM)
     h = gl.arange(0, 8, layout=HM)
     hmask = h < H
     h64 = h.to(gl.int64)
+    n_next = _token_len(pid, T, len_ptr, len_st, width, HAS_LEN)
     g = 0
     k = 0
     for item in range(pid, T, grid):
-        t, n = _token(item, len_ptr, len_st, width, HAS_LEN)
-        idx_row = idx_ptr + t * idx_st
+        t = item.to(gl.int64)
+        n = n_next
+        n_next = _token_len(item + grid, T, len_ptr, len_st, width, HAS_LEN)
         nblk = gl.cdiv(n, 64)
+        qs = k % 2
+        si = k % IDX_SLOTS
         m_i = gl.full([8], float("-inf"), gl.float32, layout=HM)
         l_i = gl.full([8], 0.0, gl.float32, layout=HM)
         o0 = zero
@@ -135,61 +169,67 @@ def _consumer(pid, grid, T, width, len_ptr, len_st, rows, idx_ptr, idx_st, H, qk
         o5 = zero
         o6 = zero
         o7 = zero
-        mbarrier.wait(q_ready, k & 1)
+        mbarrier.wait(q_ready.index(qs), (k // 2) & 1)
+        mbarrier.wait(i_ready.index(si), (k // IDX_SLOTS) & 1)
         gl.thread_barrier()
-        mbarrier.arrive(q_free, pred=nblk == 0)
+        mbarrier.arrive(q_free.index(qs), pred=nblk == 0)
+        mbarrier.arrive(i_free.index(si), pred=nblk == 0)
         for b in range(nblk):
             s = g % NS
             col = b * 64 + kr
-            ix = gl.load(idx_row + col, mask=col < n, other=-1)
+            ix = idx_rows.index(si * WB + b).load(KM)
             ok = (col < n) & (ix >= 0) & (ix < rows)
             base = s * 8 + (b >> 30)  # opaque 0: the descriptors stay in the loop
+            qb = qs * 8 + (b >> 30)
             mbarrier.wait(ready.index(s), (g // NS) & 1)
-            fence_async_shared()
-            if S_SPLIT:  # two independent chains of 4 groups: half the dependent latency
-                acc = warpgroup_mma(ring.index(base), q_smem.index(0), zero, use_acc=False,
-                                    is_async=True)
-                acc2 = warpgroup_mma(ring.index(base + 4), q_smem.index(4), zero,
-                                     use_acc=False, is_async=True)
-                for grp in gl.static_range(1, 4):
-                    acc = warpgroup_mma(ring.index(base + grp), q_smem.index(grp), acc,
-                                        is_async=True)
-                    acc2 = warpgroup_mma(ring.index(base + 4 + grp), q_smem.index(4 + grp),
-                                         acc2, is_async=True)
-                acc, acc2 = warpgroup_mma_wait(0, deps=[acc, acc2])
-                acc = acc + acc2
+            if MODE == 1:
+                gl.thread_barrier()
+                mbarrier.arrive(free.index(s))
+                mbarrier.arrive(q_free.index(qs), pred=b == nblk - 1)
+                mbarrier.arrive(i_free.index(si), pred=b == nblk - 1)
             else:
-                acc = warpgroup_mma(ring.index(base), q_smem.index(0), zero, use_acc=False,
-                                    is_async=True)
+                fence_async_shared()
+                acc = warpgroup_mma(ring.index(base), q_smem.index(qb).permute((1, 0)), zero,
+                                    use_acc=False, is_async=True)
                 for grp in gl.static_range(1, 8):
-                    acc = warpgroup_mma(ring.index(base + grp), q_smem.index(grp), acc,
+                    acc = warpgroup_mma(ring.index(base + grp),
+                                        q_smem.index(qb + grp).permute((1, 0)), acc,
                                         is_async=True)
                 acc = warpgroup_mma_wait(0, deps=[acc])
-            gl.thread_barrier()
-            mbarrier.arrive(q_free, pred=b == nblk - 1)  # the token's last S: Q free
-            sc = gl.where(ok[:, None], acc * qk_scale, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(sc, axis=0))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(sc - m_safe[None, :])
-            l_i = l_i * alpha + gl.sum(p, axis=0)
-            p_smem.store(p.to(gl.bfloat16))
-            fence_async_shared()
-            gl.thread_barrier()
-            a2 = alpha[None, :]
-            o0 = warpgroup_mma(ring.index(base + 0).permute((1, 0)), p_smem, o0 * a2, is_async=True)
-            o1 = warpgroup_mma(ring.index(base + 1).permute((1, 0)), p_smem, o1 * a2, is_async=True)
-            o2 = warpgroup_mma(ring.index(base + 2).permute((1, 0)), p_smem, o2 * a2, is_async=True)
-            o3 = warpgroup_mma(ring.index(base + 3).permute((1, 0)), p_smem, o3 * a2, is_async=True)
-            o4 = warpgroup_mma(ring.index(base + 4).permute((1, 0)), p_smem, o4 * a2, is_async=True)
-            o5 = warpgroup_mma(ring.index(base + 5).permute((1, 0)), p_smem, o5 * a2, is_async=True)
-            o6 = warpgroup_mma(ring.index(base + 6).permute((1, 0)), p_smem, o6 * a2, is_async=True)
-            o7 = warpgroup_mma(ring.index(base + 7).permute((1, 0)), p_smem, o7 * a2, is_async=True)
-            o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(
-                0, deps=[o0, o1, o2, o3, o4, o5, o6, o7])
-            gl.thread_barrier()
-            mbarrier.arrive(free.index(s))
-            m_i = m_new
+                gl.thread_barrier()
+                mbarrier.arrive(q_free.index(qs), pred=b == nblk - 1)
+                mbarrier.arrive(i_free.index(si), pred=b == nblk - 1)
+                sc = gl.where(ok[:, None], acc * qk_scale, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(sc, axis=0))
+                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = gl.exp2(m_i - m_safe)
+                p = gl.exp2(sc - m_safe[None, :])
+                l_i = l_i * alpha + gl.sum(p, axis=0)
+                p_smem.store(p.to(gl.bfloat16))
+                fence_async_shared()
+                gl.thread_barrier()
+                a2 = alpha[None, :]
+                o0 = warpgroup_mma(ring.index(base + 0).permute((1, 0)), p_smem, o0 * a2,
+                                   is_async=True)
+                o1 = warpgroup_mma(ring.index(base + 1).permute((1, 0)), p_smem, o1 * a2,
+                                   is_async=True)
+                o2 = warpgroup_mma(ring.index(base + 2).permute((1, 0)), p_smem, o2 * a2,
+                                   is_async=True)
+                o3 = warpgroup_mma(ring.index(base + 3).permute((1, 0)), p_smem, o3 * a2,
+                                   is_async=True)
+                o4 = warpgroup_mma(ring.index(base + 4).permute((1, 0)), p_smem, o4 * a2,
+                                   is_async=True)
+                o5 = warpgroup_mma(ring.index(base + 5).permute((1, 0)), p_smem, o5 * a2,
+                                   is_async=True)
+                o6 = warpgroup_mma(ring.index(base + 6).permute((1, 0)), p_smem, o6 * a2,
+                                   is_async=True)
+                o7 = warpgroup_mma(ring.index(base + 7).permute((1, 0)), p_smem, o7 * a2,
+                                   is_async=True)
+                o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(
+                    0, deps=[o0, o1, o2, o3, o4, o5, o6, o7])
+                gl.thread_barrier()
+                mbarrier.arrive(free.index(s))
+                m_i = m_new
             g += 1
         inv, lse = _finish_rows(l_i, m_i, h64, hmask, sink_ptr, sink_st, HAS_SINK)
         gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
@@ -212,31 +252,43 @@ def _few_ws_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, kv_stride, rows,
                    idx_ptr, idx_st, width, len_ptr, len_st, sink_ptr, sink_st,
                    out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
                    T, H, qk_scale, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr,
-                   NS: gl.constexpr, S_SPLIT: gl.constexpr):
+                   NS: gl.constexpr, WB: gl.constexpr, MODE: gl.constexpr):
     KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
-    BL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 8], gl.bfloat16)
+    QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, 64], gl.bfloat16)
+    PL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 8], gl.bfloat16)
+    IL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     pid = gl.program_id(0)
     grid = gl.num_programs(0)
     ring = gl.allocate_shared_memory(gl.bfloat16, [NS * 8, 64, 64], KL)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [8, 64, 8], BL)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 8], BL)
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * 8, 8, 64], QL)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 8], PL)
+    idx_smem = gl.allocate_shared_memory(gl.int32, [IDX_SLOTS, WB, 64], IL)
+    # the same bytes as one 64-index row per block (plain row-major, no swizzle)
+    idx_rows = idx_smem._reinterpret(gl.int32, [IDX_SLOTS * WB, 64],
+                                     gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    i_ready = gl.allocate_shared_memory(gl.int64, [IDX_SLOTS, 1], mbarrier.MBarrierLayout())
+    i_free = gl.allocate_shared_memory(gl.int64, [IDX_SLOTS, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_ready, count=1)
-    mbarrier.init(q_free, count=1)
+    for s in gl.static_range(2):
+        mbarrier.init(q_ready.index(s), count=128)
+        mbarrier.init(q_free.index(s), count=1)
+    for s in gl.static_range(IDX_SLOTS):
+        mbarrier.init(i_ready.index(s), count=128)
+        mbarrier.init(i_free.index(s), count=1)
     for s in gl.static_range(NS):
         mbarrier.init(ready.index(s), count=128)
         mbarrier.init(free.index(s), count=1)
     gl.warp_specialize([
         (_producer, (pid, grid, T, width, len_ptr, len_st, q_ptr, stride_qt, stride_qh, kv_ptr,
-                     kv_stride, rows, idx_ptr, idx_st, H, q_smem, ring, q_ready, q_free, ready,
-                     free, HAS_LEN, NS)),
-        (_consumer, (pid, grid, T, width, len_ptr, len_st, rows, idx_ptr, idx_st, H, qk_scale,
-                     sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
-                     stride_lh, q_smem, ring, p_smem, q_ready, q_free, ready, free, HAS_LEN,
-                     HAS_SINK, NS, S_SPLIT)),
+                     kv_stride, rows, idx_ptr, idx_st, H, q_smem, ring, idx_smem, idx_rows,
+                     q_ready, q_free, i_ready, i_free, ready, free, HAS_LEN, NS, WB, MODE)),
+        (_consumer, (pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink_ptr,
+                     sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
+                     q_smem, ring, idx_rows, p_smem, q_ready, q_free, i_ready, i_free, ready,
+                     free, HAS_LEN, HAS_SINK, NS, WB, MODE)),
     ], [4], [CONSUMER_REGS])
 
 
@@ -248,34 +300,36 @@ ARGS = [("q_ptr", "*bf16"), ("stride_qt", "i64"), ("stride_qh", "i64"), ("kv_ptr
         ("H", "i32"), ("qk_scale", "fp32")]
 
 
-def launch(q, kv, idx, lens, sink, scale, out, lse, ns=2, s_split=False):
+def launch(q, kv, idx, lens, sink, scale, out, lse, ns=2, mode=0):
     """q [T, H <= 8, 512] bf16; kv [S, 512] bf16 rows; idx [T, K] int32 rows (``< 0`` or
     ``>= S`` skipped); lens [T] int32 or None; sink [H] fp32 or None; out / lse as
-    ``sparse_mla_prefill``'s; ``ns`` ring stages (2: 140 KB, 3: 206 KB of shared memory);
-    ``s_split``: S^T as two independent product chains."""
+    ``sparse_mla_prefill``'s; ``ns`` ring stages (64 KB each); ``mode`` 1: the copies alone (the
+    consumer frees each stage unread), 2: the products alone (no row copies), 0: both."""
     import torch
     T, H, _ = q.shape
     if not 1 <= H <= 8:
         raise ValueError(f"q: expected 1..8 heads, got {H}")
     if T == 0:
         return None
+    K = idx.shape[1]
+    wb = max(4, 1 << max(0, (-(-K // 64)) - 1).bit_length())
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     return _few_ws_kernel[(min(sms, T),)](
         q, q.stride(0), q.stride(1), kv, kv.stride(0), kv.shape[0], idx, idx.stride(0),
-        idx.shape[1], lens if lens is not None else idx, lens.stride(0) if lens is not None else 0,
+        K, lens if lens is not None else idx, lens.stride(0) if lens is not None else 0,
         sink if sink is not None else lse, sink.stride(0) if sink is not None else 0,
         out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1), T, H,
         scale * 1.4426950408889634, HAS_LEN=lens is not None, HAS_SINK=sink is not None, NS=ns,
-        S_SPLIT=s_split, num_warps=NUM_WARPS)
+        WB=wb, MODE=mode, num_warps=NUM_WARPS)
 
 
-def compile_stats(ns=2, s_split=False):
-    """Registers, stack, shared memory and SASS opcode counts of an sm_90a compile."""
+def compile_stats(ns=2, mode=0):
+    """Registers, stack, shared memory and SASS opcode counts of an sm_90a compile (640 keys)."""
     import re
 
     from dsv41_triton.attention.gluon import compile_check as cc
     k = cc._compile(_few_ws_kernel, ARGS, ("stride_qt", "stride_qh", "kv_stride", "idx_st"),
-                    None, dict(HAS_LEN=True, HAS_SINK=True, NS=ns, S_SPLIT=s_split), NUM_WARPS,
+                    None, dict(HAS_LEN=True, HAS_SINK=True, NS=ns, WB=16, MODE=mode), NUM_WARPS,
                     90)
     regs, stack = cc._regs_stack(k)
     ops = {}
@@ -284,13 +338,14 @@ def compile_stats(ns=2, s_split=False):
         if m:
             op = m.group(2) + ("" if m.group(2) != "HGMMA" else m.group(3).split(".")[1])
             ops[op] = ops.get(op, 0) + 1
-    return dict(ns=ns, s_split=s_split, regs=regs, stack=stack, smem=k.metadata.shared, ops=ops)
+    return dict(ns=ns, mode=mode, regs=regs, stack=stack, smem=k.metadata.shared, ops=ops)
 
 
 def check_and_time():
     """On an sm_90 GPU: outputs against sparse_mla_prefill (ragged lens, an empty row, -1 and
     out-of-range rows, 1 / 3 / 8 heads, more tokens than SMs), then the issue's 8-head shape
-    (4096 tokens x 640 / the 512 top-k keys) timed beside the general kernel."""
+    (4096 tokens x 640 / the 512 top-k keys) timed beside the general kernel, with the copies
+    alone and the products alone."""
     import torch
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import bench_prefill as bp
@@ -298,30 +353,28 @@ def check_and_time():
     from dsv41_triton.testing import rel_err
     torch.manual_seed(0)
     dev = "cuda"
-    for T, H, K, S in [(5, 8, 640, 3000), (3, 3, 70, 100), (1, 1, 1, 10), (300, 8, 200, 5000)]:
+    for T, H, K, S in [(5, 8, 640, 3000), (3, 3, 70, 100), (1, 1, 1, 10), (300, 8, 200, 5000),
+                       (700, 2, 1100, 9000)]:
         q = torch.randn(T, H, 512, device=dev).to(torch.bfloat16)
         kv = torch.randn(S, 512, device=dev).to(torch.bfloat16)
         idx = torch.randint(-2, S + 3, (T, K), device=dev, dtype=torch.int32)
         lens = torch.randint(0, K + 1, (T,), device=dev, dtype=torch.int32)
         lens[0] = 0
         sink = torch.randn(H, device=dev)
-        ref, rl = sparse_mla_prefill(q, kv, idx, lens, sink)
-        out = torch.full_like(ref, float("nan"))
-        lse = torch.full_like(rl, float("nan"))
-        for sp in (False, True):
-            out.fill_(float("nan"))
-            lse.fill_(float("nan"))
+        for ln in (lens, None):
+            ref, rl = sparse_mla_prefill(q, kv, idx, ln, sink)
+            out = torch.full_like(ref, float("nan"))
+            lse = torch.full_like(rl, float("nan"))
             try:
-                launch(q, kv, idx, lens, sink, 512 ** -0.5, out, lse, s_split=sp)
+                launch(q, kv, idx, ln, sink, 512 ** -0.5, out, lse)
                 torch.cuda.synchronize()
             except Exception as e:  # noqa: BLE001
-                print(f"T={T} H={H} split={sp}: FAILED {type(e).__name__}: {str(e)[-500:]}",
-                      flush=True)
+                print(f"T={T} H={H}: FAILED {type(e).__name__}: {str(e)[-800:]}", flush=True)
                 continue
             fin = torch.isfinite(rl)
-            print(f"T={T} H={H} K={K} split={sp}: out rel {rel_err(out, ref):.2e} lse max "
-                  f"{(lse - rl)[fin].abs().max().item() if fin.any() else 0:.2e} empty rows "
-                  f"agree {torch.equal(torch.isinf(lse), torch.isinf(rl))}", flush=True)
+            print(f"T={T} H={H} K={K} lens={ln is not None}: out rel {rel_err(out, ref):.2e} "
+                  f"lse max {(lse - rl)[fin].abs().max().item() if fin.any() else 0:.2e} empty "
+                  f"rows agree {torch.equal(torch.isinf(lse), torch.isinf(rl))}", flush=True)
     inp = bp.build_kernel_inputs(8)
     q, kv, sink = inp["q"], inp["kv"], inp["sink"]
     out = torch.empty_like(q)
@@ -330,12 +383,12 @@ def check_and_time():
         ref = sparse_mla_prefill(q, kv, idx, None, sink)[0]
         t_ref = bp.time_graph_flushed(lambda: sparse_mla_prefill(q, kv, idx, None, sink, None, out,
                                                                  _kernel="tl"))
-        for ns, sp in ((2, False), (3, False), (2, True), (3, True)):
-            k = launch(q, kv, idx, None, sink, 512 ** -0.5, out, lse, ns, sp)
-            err = rel_err(out, ref)
+        for ns, mode in ((2, 0), (3, 0), (3, 1), (3, 2)):
+            k = launch(q, kv, idx, None, sink, 512 ** -0.5, out, lse, ns, mode)
+            err = rel_err(out, ref) if mode == 0 else float("nan")
             t_new = bp.time_graph_flushed(lambda: launch(q, kv, idx, None, sink, 512 ** -0.5, out,
-                                                         lse, ns, sp))
-            print(f"8 heads, {lab} keys: tl {t_ref:.1f} us, few_ws NS={ns} split={sp} "
+                                                         lse, ns, mode))
+            print(f"8 heads, {lab} keys: tl {t_ref:.1f} us, few_ws NS={ns} mode={mode} "
                   f"{t_new:.1f} us (rel {err:.1e}, regs {k.n_regs}, spills {k.n_spills})",
                   flush=True)
 
@@ -343,10 +396,10 @@ def check_and_time():
 if __name__ == "__main__":
     if "--json" in sys.argv:  # one line per (ring depth, S chains), for tests/perf
         import json
-        for ns, sp in ((2, False), (3, False), (2, True)):
-            print(json.dumps(compile_stats(ns, sp)))
+        for ns, mode in ((2, 0), (3, 0), (2, 1)):
+            print(json.dumps(compile_stats(ns, mode)))
     elif "--compile" in sys.argv:
-        for ns, sp in ((2, False), (3, False), (2, True)):
-            print(compile_stats(ns, sp))
+        for ns, mode in ((2, 0), (3, 0), (2, 1)):
+            print(compile_stats(ns, mode))
     else:
         check_and_time()
