@@ -15,6 +15,10 @@ per SM; the Gluon many-heads kernels pad them to a 64-row ``wgmma`` M (8x the pr
 the keys as M (S^T = K Q^T, O^T = K^T P^T, N = 8 heads) the products cost 1/8 of that, and the
 block's 1 KB rows are the A operand of both. ``launch(..., mode=1)`` runs the copies alone (the
 consumer frees each stage unread), ``mode=2`` the products alone (no row copies).
+``a_regs=True`` loads each product's A (a ring tile, transposed for O^T) into registers with
+``ldmatrix`` and waits until one product is in flight before the next tile's load (compiled
+for sm_90a without local memory; not yet run on a GPU): the products alone are bound at ~39
+cycles per m64n8k16 with A read from shared memory.
 
 Grid: min(SMs, T) CTAs; CTA ``pid`` takes tokens ``pid, pid + grid, ...`` (its ``k``-th token).
 
@@ -57,12 +61,38 @@ NUM_WARPS = 4
 CONSUMER_REGS = gl.constexpr(232)
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                               instr_shape=[16, 8, 16]))
+A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))  # A in registers
 KM = gl.constexpr(gl.SliceLayout(1, MMA))  # keys (S^T rows) / dims (O^T rows)
 HM = gl.constexpr(gl.SliceLayout(0, MMA))  # heads
 LR = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))  # [64, 64] bf16 row copies
 LQ = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # [8, 64] bf16 Q copies
 LI = gl.constexpr(gl.BlockedLayout([1, 2], [1, 32], [4, 1], [1, 0]))  # [WB, 64] int32 copies
 IDX_SLOTS = gl.constexpr(3)  # a token's index row is copied two tokens ahead
+
+
+@gluon.jit
+def _o_product(ring, i, p_smem, o, prev):
+    """``O^T_i += K_i^T P^T`` with A loaded into registers; waits until at most this product is
+    in flight (retiring ``prev``)."""
+    a = ring.index(i).permute((1, 0)).load(A_OP)
+    o = warpgroup_mma(a, p_smem, o, is_async=True)
+    o, a, prev = warpgroup_mma_wait(1, deps=[o, a, prev])
+    return o, prev
+
+
+@gluon.jit
+def _o_products_regs(ring, base, p_smem, o0, o1, o2, o3, o4, o5, o6, o7):
+    """The 8 ``O^T`` products of a block with A in registers, at most two in flight."""
+    a = ring.index(base).permute((1, 0)).load(A_OP)
+    o0 = warpgroup_mma(a, p_smem, o0, is_async=True)
+    o1, o0 = _o_product(ring, base + 1, p_smem, o1, o0)
+    o2, o1 = _o_product(ring, base + 2, p_smem, o2, o1)
+    o3, o2 = _o_product(ring, base + 3, p_smem, o3, o2)
+    o4, o3 = _o_product(ring, base + 4, p_smem, o4, o3)
+    o5, o4 = _o_product(ring, base + 5, p_smem, o5, o4)
+    o6, o5 = _o_product(ring, base + 6, p_smem, o6, o5)
+    o7, o6 = _o_product(ring, base + 7, p_smem, o7, o6)
+    return o0, o1, o2, o3, o4, o5, o6, o7
 
 
 @gluon.jit
@@ -143,7 +173,7 @@ def _consumer(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink_ptr,
               out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, q_smem, ring,
               idx_rows, p_smem, q_ready, q_free, i_ready, i_free, ready, free,
               HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, NS: gl.constexpr,
-              WB: gl.constexpr, MODE: gl.constexpr):
+              WB: gl.constexpr, MODE: gl.constexpr, A_REGS: gl.constexpr):
     zero = gl.full([64, 8], 0.0, gl.float32, layout=MMA)
     kr = gl.arange(0, 64, layout=KM)
     h = gl.arange(0, 8, layout=HM)
@@ -189,12 +219,22 @@ def _consumer(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink_ptr,
                 mbarrier.arrive(i_free.index(si), pred=b == nblk - 1)
             else:
                 fence_async_shared()
-                acc = warpgroup_mma(ring.index(base), q_smem.index(qb).permute((1, 0)), zero,
-                                    use_acc=False, is_async=True)
-                for grp in gl.static_range(1, 8):
-                    acc = warpgroup_mma(ring.index(base + grp),
-                                        q_smem.index(qb + grp).permute((1, 0)), acc,
-                                        is_async=True)
+                if A_REGS:  # one tile's registers in flight behind the current product
+                    a = ring.index(base).load(A_OP)
+                    acc = warpgroup_mma(a, q_smem.index(qb).permute((1, 0)), zero,
+                                        use_acc=False, is_async=True)
+                    for grp in gl.static_range(1, 8):
+                        a = ring.index(base + grp).load(A_OP)
+                        acc = warpgroup_mma(a, q_smem.index(qb + grp).permute((1, 0)), acc,
+                                            is_async=True)
+                        acc, a = warpgroup_mma_wait(1, deps=[acc, a])
+                else:
+                    acc = warpgroup_mma(ring.index(base), q_smem.index(qb).permute((1, 0)),
+                                        zero, use_acc=False, is_async=True)
+                    for grp in gl.static_range(1, 8):
+                        acc = warpgroup_mma(ring.index(base + grp),
+                                            q_smem.index(qb + grp).permute((1, 0)), acc,
+                                            is_async=True)
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 gl.thread_barrier()
                 mbarrier.arrive(q_free.index(qs), pred=b == nblk - 1)
@@ -209,24 +249,29 @@ def _consumer(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink_ptr,
                 fence_async_shared()
                 gl.thread_barrier()
                 a2 = alpha[None, :]
-                o0 = warpgroup_mma(ring.index(base + 0).permute((1, 0)), p_smem, o0 * a2,
-                                   is_async=True)
-                o1 = warpgroup_mma(ring.index(base + 1).permute((1, 0)), p_smem, o1 * a2,
-                                   is_async=True)
-                o2 = warpgroup_mma(ring.index(base + 2).permute((1, 0)), p_smem, o2 * a2,
-                                   is_async=True)
-                o3 = warpgroup_mma(ring.index(base + 3).permute((1, 0)), p_smem, o3 * a2,
-                                   is_async=True)
-                o4 = warpgroup_mma(ring.index(base + 4).permute((1, 0)), p_smem, o4 * a2,
-                                   is_async=True)
-                o5 = warpgroup_mma(ring.index(base + 5).permute((1, 0)), p_smem, o5 * a2,
-                                   is_async=True)
-                o6 = warpgroup_mma(ring.index(base + 6).permute((1, 0)), p_smem, o6 * a2,
-                                   is_async=True)
-                o7 = warpgroup_mma(ring.index(base + 7).permute((1, 0)), p_smem, o7 * a2,
-                                   is_async=True)
-                o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(
-                    0, deps=[o0, o1, o2, o3, o4, o5, o6, o7])
+                if A_REGS:
+                    o0, o1, o2, o3, o4, o5, o6, o7 = _o_products_regs(
+                        ring, base, p_smem, o0 * a2, o1 * a2, o2 * a2, o3 * a2, o4 * a2, o5 * a2,
+                        o6 * a2, o7 * a2)
+                else:
+                    o0 = warpgroup_mma(ring.index(base + 0).permute((1, 0)), p_smem, o0 * a2,
+                                       is_async=True)
+                    o1 = warpgroup_mma(ring.index(base + 1).permute((1, 0)), p_smem, o1 * a2,
+                                       is_async=True)
+                    o2 = warpgroup_mma(ring.index(base + 2).permute((1, 0)), p_smem, o2 * a2,
+                                       is_async=True)
+                    o3 = warpgroup_mma(ring.index(base + 3).permute((1, 0)), p_smem, o3 * a2,
+                                       is_async=True)
+                    o4 = warpgroup_mma(ring.index(base + 4).permute((1, 0)), p_smem, o4 * a2,
+                                       is_async=True)
+                    o5 = warpgroup_mma(ring.index(base + 5).permute((1, 0)), p_smem, o5 * a2,
+                                       is_async=True)
+                    o6 = warpgroup_mma(ring.index(base + 6).permute((1, 0)), p_smem, o6 * a2,
+                                       is_async=True)
+                    o7 = warpgroup_mma(ring.index(base + 7).permute((1, 0)), p_smem, o7 * a2,
+                                       is_async=True)
+                    o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(
+                        0, deps=[o0, o1, o2, o3, o4, o5, o6, o7])
                 gl.thread_barrier()
                 mbarrier.arrive(free.index(s))
                 m_i = m_new
@@ -252,7 +297,8 @@ def _few_ws_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, kv_stride, rows,
                    idx_ptr, idx_st, width, len_ptr, len_st, sink_ptr, sink_st,
                    out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
                    T, H, qk_scale, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr,
-                   NS: gl.constexpr, WB: gl.constexpr, MODE: gl.constexpr):
+                   NS: gl.constexpr, WB: gl.constexpr, MODE: gl.constexpr,
+                   A_REGS: gl.constexpr):
     KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, 64], gl.bfloat16)
     PL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 8], gl.bfloat16)
@@ -288,7 +334,7 @@ def _few_ws_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, kv_stride, rows,
         (_consumer, (pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink_ptr,
                      sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
                      q_smem, ring, idx_rows, p_smem, q_ready, q_free, i_ready, i_free, ready,
-                     free, HAS_LEN, HAS_SINK, NS, WB, MODE)),
+                     free, HAS_LEN, HAS_SINK, NS, WB, MODE, A_REGS)),
     ], [4], [CONSUMER_REGS])
 
 
@@ -300,11 +346,12 @@ ARGS = [("q_ptr", "*bf16"), ("stride_qt", "i64"), ("stride_qh", "i64"), ("kv_ptr
         ("H", "i32"), ("qk_scale", "fp32")]
 
 
-def launch(q, kv, idx, lens, sink, scale, out, lse, ns=2, mode=0):
+def launch(q, kv, idx, lens, sink, scale, out, lse, ns=2, mode=0, a_regs=False):
     """q [T, H <= 8, 512] bf16; kv [S, 512] bf16 rows; idx [T, K] int32 rows (``< 0`` or
     ``>= S`` skipped); lens [T] int32 or None; sink [H] fp32 or None; out / lse as
     ``sparse_mla_prefill``'s; ``ns`` ring stages (64 KB each); ``mode`` 1: the copies alone (the
-    consumer frees each stage unread), 2: the products alone (no row copies), 0: both."""
+    consumer frees each stage unread), 2: the products alone (no row copies), 0: both;
+    ``a_regs``: the products' A (the ring tiles) loaded into registers (``ldmatrix``) first."""
     import torch
     T, H, _ = q.shape
     if not 1 <= H <= 8:
@@ -320,16 +367,17 @@ def launch(q, kv, idx, lens, sink, scale, out, lse, ns=2, mode=0):
         sink if sink is not None else lse, sink.stride(0) if sink is not None else 0,
         out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1), T, H,
         scale * 1.4426950408889634, HAS_LEN=lens is not None, HAS_SINK=sink is not None, NS=ns,
-        WB=wb, MODE=mode, num_warps=NUM_WARPS)
+        WB=wb, MODE=mode, A_REGS=a_regs, num_warps=NUM_WARPS)
 
 
-def compile_stats(ns=2, mode=0):
+def compile_stats(ns=2, mode=0, a_regs=False):
     """Registers, stack, shared memory and SASS opcode counts of an sm_90a compile (640 keys)."""
     import re
 
     from dsv41_triton.attention.gluon import compile_check as cc
     k = cc._compile(_few_ws_kernel, ARGS, ("stride_qt", "stride_qh", "kv_stride", "idx_st"),
-                    None, dict(HAS_LEN=True, HAS_SINK=True, NS=ns, WB=16, MODE=mode), NUM_WARPS,
+                    None, dict(HAS_LEN=True, HAS_SINK=True, NS=ns, WB=16, MODE=mode, A_REGS=a_regs),
+                    NUM_WARPS,
                     90)
     regs, stack = cc._regs_stack(k)
     ops = {}
@@ -338,7 +386,7 @@ def compile_stats(ns=2, mode=0):
         if m:
             op = m.group(2) + ("" if m.group(2) != "HGMMA" else m.group(3).split(".")[1])
             ops[op] = ops.get(op, 0) + 1
-    return dict(ns=ns, mode=mode, regs=regs, stack=stack, smem=k.metadata.shared, ops=ops)
+    return dict(ns=ns, mode=mode, a_regs=a_regs, regs=regs, stack=stack, smem=k.metadata.shared, ops=ops)
 
 
 def check_and_time():
@@ -361,18 +409,18 @@ def check_and_time():
         lens = torch.randint(0, K + 1, (T,), device=dev, dtype=torch.int32)
         lens[0] = 0
         sink = torch.randn(H, device=dev)
-        for ln in (lens, None):
+        for ln, ar in ((lens, False), (None, False), (lens, True), (None, True)):
             ref, rl = sparse_mla_prefill(q, kv, idx, ln, sink)
             out = torch.full_like(ref, float("nan"))
             lse = torch.full_like(rl, float("nan"))
             try:
-                launch(q, kv, idx, ln, sink, 512 ** -0.5, out, lse)
+                launch(q, kv, idx, ln, sink, 512 ** -0.5, out, lse, a_regs=ar)
                 torch.cuda.synchronize()
             except Exception as e:  # noqa: BLE001
                 print(f"T={T} H={H}: FAILED {type(e).__name__}: {str(e)[-800:]}", flush=True)
                 continue
             fin = torch.isfinite(rl)
-            print(f"T={T} H={H} K={K} lens={ln is not None}: out rel {rel_err(out, ref):.2e} "
+            print(f"T={T} H={H} K={K} lens={ln is not None} a_regs={ar}: out rel {rel_err(out, ref):.2e} "
                   f"lse max {(lse - rl)[fin].abs().max().item() if fin.any() else 0:.2e} empty "
                   f"rows agree {torch.equal(torch.isinf(lse), torch.isinf(rl))}", flush=True)
     inp = bp.build_kernel_inputs(8)
@@ -383,23 +431,27 @@ def check_and_time():
         ref = sparse_mla_prefill(q, kv, idx, None, sink)[0]
         t_ref = bp.time_graph_flushed(lambda: sparse_mla_prefill(q, kv, idx, None, sink, None, out,
                                                                  _kernel="tl"))
-        for ns, mode in ((2, 0), (3, 0), (3, 1), (3, 2)):
-            k = launch(q, kv, idx, None, sink, 512 ** -0.5, out, lse, ns, mode)
+        for ns, mode, ar in ((2, 0, False), (3, 1, False), (3, 2, False), (2, 0, True),
+                             (3, 0, True), (3, 2, True)):
+            k = launch(q, kv, idx, None, sink, 512 ** -0.5, out, lse, ns, mode, ar)
             err = rel_err(out, ref) if mode == 0 else float("nan")
             t_new = bp.time_graph_flushed(lambda: launch(q, kv, idx, None, sink, 512 ** -0.5, out,
-                                                         lse, ns, mode))
-            print(f"8 heads, {lab} keys: tl {t_ref:.1f} us, few_ws NS={ns} mode={mode} "
+                                                         lse, ns, mode, ar))
+            print(f"8 heads, {lab} keys: tl {t_ref:.1f} us, few_ws NS={ns} mode={mode} a_regs={ar} "
                   f"{t_new:.1f} us (rel {err:.1e}, regs {k.n_regs}, spills {k.n_spills})",
                   flush=True)
 
 
+#: (ring stages, mode, A in registers) compiled by --compile / --json
+CONFIGS = ((2, 0, False), (3, 0, False), (2, 1, False), (2, 0, True))
+
 if __name__ == "__main__":
     if "--json" in sys.argv:  # one line per (ring depth, S chains), for tests/perf
         import json
-        for ns, mode in ((2, 0), (3, 0), (2, 1)):
-            print(json.dumps(compile_stats(ns, mode)))
+        for ns, mode, ar in CONFIGS:
+            print(json.dumps(compile_stats(ns, mode, ar)))
     elif "--compile" in sys.argv:
-        for ns, mode in ((2, 0), (3, 0), (2, 1)):
-            print(compile_stats(ns, mode))
+        for ns, mode, ar in CONFIGS:
+            print(compile_stats(ns, mode, ar))
     else:
         check_and_time()
