@@ -82,7 +82,8 @@ def _o_product(ring, i, p_smem, o, prev):
 
 @gluon.jit
 def _o_products_regs(ring, base, p_smem, o0, o1, o2, o3, o4, o5, o6, o7):
-    """The 8 ``O^T`` products of a block with A in registers, at most two in flight."""
+    """The 8 ``O^T`` products of a block with A in registers, at most two in flight; all retired
+    on return."""
     a = ring.index(base).permute((1, 0)).load(A_OP)
     o0 = warpgroup_mma(a, p_smem, o0, is_async=True)
     o1, o0 = _o_product(ring, base + 1, p_smem, o1, o0)
@@ -92,6 +93,7 @@ def _o_products_regs(ring, base, p_smem, o0, o1, o2, o3, o4, o5, o6, o7):
     o5, o4 = _o_product(ring, base + 5, p_smem, o5, o4)
     o6, o5 = _o_product(ring, base + 6, p_smem, o6, o5)
     o7, o6 = _o_product(ring, base + 7, p_smem, o7, o6)
+    o7 = warpgroup_mma_wait(0, deps=[o7])  # the stage is freed after this
     return o0, o1, o2, o3, o4, o5, o6, o7
 
 
