@@ -71,30 +71,24 @@ IDX_SLOTS = gl.constexpr(3)  # a token's index row is copied two tokens ahead
 
 
 @gluon.jit
-def _o_product(ring, i, p_smem, o, prev):
-    """``O^T_i += K_i^T P^T`` with A loaded into registers; waits until at most this product is
-    in flight (retiring ``prev``)."""
-    a = ring.index(i).permute((1, 0)).load(A_OP)
-    o = warpgroup_mma(a, p_smem, o, is_async=True)
-    o, a, prev = warpgroup_mma_wait(1, deps=[o, a, prev])
-    return o, prev
+def _k_operand(tile, A_REGS: gl.constexpr):
+    """A product's A: a ring tile (or its transpose) from shared memory, or loaded into registers
+    (``ldmatrix``) with ``A_REGS``."""
+    if A_REGS:
+        return tile.load(A_OP)
+    else:
+        return tile
 
 
 @gluon.jit
-def _o_products_regs(ring, base, p_smem, o0, o1, o2, o3, o4, o5, o6, o7):
-    """The 8 ``O^T`` products of a block with A in registers, at most two in flight; all retired
-    on return."""
-    a = ring.index(base).permute((1, 0)).load(A_OP)
-    o0 = warpgroup_mma(a, p_smem, o0, is_async=True)
-    o1, o0 = _o_product(ring, base + 1, p_smem, o1, o0)
-    o2, o1 = _o_product(ring, base + 2, p_smem, o2, o1)
-    o3, o2 = _o_product(ring, base + 3, p_smem, o3, o2)
-    o4, o3 = _o_product(ring, base + 4, p_smem, o4, o3)
-    o5, o4 = _o_product(ring, base + 5, p_smem, o5, o4)
-    o6, o5 = _o_product(ring, base + 6, p_smem, o6, o5)
-    o7, o6 = _o_product(ring, base + 7, p_smem, o7, o6)
-    o7 = warpgroup_mma_wait(0, deps=[o7])  # the stage is freed after this
-    return o0, o1, o2, o3, o4, o5, o6, o7
+def _o_step(tile, p_smem, o, prev, A_REGS: gl.constexpr):
+    """Issues ``O^T_i += K_i^T P^T`` (``tile`` = K_i); with ``A_REGS`` it then waits until at
+    most this product is in flight (retiring ``prev``, so one tile's registers are live)."""
+    a = _k_operand(tile.permute((1, 0)), A_REGS)
+    o = warpgroup_mma(a, p_smem, o, is_async=True)
+    if A_REGS:
+        o, a, prev = warpgroup_mma_wait(1, deps=[o, a, prev])
+    return o, prev
 
 
 @gluon.jit
@@ -221,22 +215,15 @@ def _consumer(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink_ptr,
                 mbarrier.arrive(i_free.index(si), pred=b == nblk - 1)
             else:
                 fence_async_shared()
-                if A_REGS:  # one tile's registers in flight behind the current product
-                    a = ring.index(base).load(A_OP)
-                    acc = warpgroup_mma(a, q_smem.index(qb).permute((1, 0)), zero,
-                                        use_acc=False, is_async=True)
-                    for grp in gl.static_range(1, 8):
-                        a = ring.index(base + grp).load(A_OP)
-                        acc = warpgroup_mma(a, q_smem.index(qb + grp).permute((1, 0)), acc,
-                                            is_async=True)
+                acc = warpgroup_mma(_k_operand(ring.index(base), A_REGS),
+                                    q_smem.index(qb).permute((1, 0)), zero, use_acc=False,
+                                    is_async=True)
+                for grp in gl.static_range(1, 8):
+                    a = _k_operand(ring.index(base + grp), A_REGS)
+                    acc = warpgroup_mma(a, q_smem.index(qb + grp).permute((1, 0)), acc,
+                                        is_async=True)
+                    if A_REGS:  # one tile's registers in flight behind the current product
                         acc, a = warpgroup_mma_wait(1, deps=[acc, a])
-                else:
-                    acc = warpgroup_mma(ring.index(base), q_smem.index(qb).permute((1, 0)),
-                                        zero, use_acc=False, is_async=True)
-                    for grp in gl.static_range(1, 8):
-                        acc = warpgroup_mma(ring.index(base + grp),
-                                            q_smem.index(qb + grp).permute((1, 0)), acc,
-                                            is_async=True)
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 gl.thread_barrier()
                 mbarrier.arrive(q_free.index(qs), pred=b == nblk - 1)
@@ -251,29 +238,17 @@ def _consumer(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink_ptr,
                 fence_async_shared()
                 gl.thread_barrier()
                 a2 = alpha[None, :]
-                if A_REGS:
-                    o0, o1, o2, o3, o4, o5, o6, o7 = _o_products_regs(
-                        ring, base, p_smem, o0 * a2, o1 * a2, o2 * a2, o3 * a2, o4 * a2, o5 * a2,
-                        o6 * a2, o7 * a2)
-                else:
-                    o0 = warpgroup_mma(ring.index(base + 0).permute((1, 0)), p_smem, o0 * a2,
-                                       is_async=True)
-                    o1 = warpgroup_mma(ring.index(base + 1).permute((1, 0)), p_smem, o1 * a2,
-                                       is_async=True)
-                    o2 = warpgroup_mma(ring.index(base + 2).permute((1, 0)), p_smem, o2 * a2,
-                                       is_async=True)
-                    o3 = warpgroup_mma(ring.index(base + 3).permute((1, 0)), p_smem, o3 * a2,
-                                       is_async=True)
-                    o4 = warpgroup_mma(ring.index(base + 4).permute((1, 0)), p_smem, o4 * a2,
-                                       is_async=True)
-                    o5 = warpgroup_mma(ring.index(base + 5).permute((1, 0)), p_smem, o5 * a2,
-                                       is_async=True)
-                    o6 = warpgroup_mma(ring.index(base + 6).permute((1, 0)), p_smem, o6 * a2,
-                                       is_async=True)
-                    o7 = warpgroup_mma(ring.index(base + 7).permute((1, 0)), p_smem, o7 * a2,
-                                       is_async=True)
-                    o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(
-                        0, deps=[o0, o1, o2, o3, o4, o5, o6, o7])
+                o0 = warpgroup_mma(_k_operand(ring.index(base).permute((1, 0)), A_REGS), p_smem,
+                                   o0 * a2, is_async=True)
+                o1, o0 = _o_step(ring.index(base + 1), p_smem, o1 * a2, o0, A_REGS)
+                o2, o1 = _o_step(ring.index(base + 2), p_smem, o2 * a2, o1, A_REGS)
+                o3, o2 = _o_step(ring.index(base + 3), p_smem, o3 * a2, o2, A_REGS)
+                o4, o3 = _o_step(ring.index(base + 4), p_smem, o4 * a2, o3, A_REGS)
+                o5, o4 = _o_step(ring.index(base + 5), p_smem, o5 * a2, o4, A_REGS)
+                o6, o5 = _o_step(ring.index(base + 6), p_smem, o6 * a2, o5, A_REGS)
+                o7, o6 = _o_step(ring.index(base + 7), p_smem, o7 * a2, o6, A_REGS)
+                o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(
+                    0, deps=[o0, o1, o2, o3, o4, o5, o6, o7])
                 gl.thread_barrier()
                 mbarrier.arrive(free.index(s))
                 m_i = m_new
