@@ -78,7 +78,7 @@ def _prefill_impl(q, kv, indices, lens, attn_sink, scale, out, lse, config=None,
         if kernel == "gluon" and not ok:
             raise ValueError("_kernel: 'gluon' needs an sm_90 GPU, a Triton with Gluon and "
                              "16-byte aligned q / workspace rows")
-        if ok and (kernel == "gluon" or gluon_launch.pick(q.shape[0], q.shape[1], q.device)):
+        if ok and (kernel == "gluon" or gluon_launch.pick(q.shape[0], q.shape[1], q.device, idx2)):
             gluon_launch.launch(q, kv2, idx2, lens, attn_sink, scale, out, lse)
             return
     S = kv2.shape[0]

@@ -6,8 +6,9 @@ compressed entries; consecutive tokens of one request share ``W - 1`` of their w
 workspace, ``[win_start, win_start + win_len)``) and the top-k part as index rows, in two
 launches: ``_shared_window_kernel.py`` (tiles of ``BT`` consecutive tokens of one request load
 each window key once for the whole tile and leave a normalized partial in ``out``/``lse``),
-then the general kernel over each token's top-k rows, which merges that partial in (its
-``PRIOR``) and applies the sink. ``sparse_mla_prefill`` stays the general entry point (any
+then the general kernel over each token's top-k rows (on sm_90 with at most 8 heads the Gluon
+few-heads kernel, ``gluon/prefill_few.py``), which merges that partial in (its ``PRIOR``) and
+applies the sink. ``sparse_mla_prefill`` stays the general entry point (any
 head count, any key rows). Reference: ``prefill_shared_ref.py``.
 
 For the layer's gathered workspace, ``ops.indices.combine_topk_swa_indices(...,
@@ -197,6 +198,13 @@ def _shared_window_op(q: torch.Tensor, kv: torch.Tensor, win_start: torch.Tensor
         num_stages=1 if interp else num_stages,
     )
     LAST_LAUNCH["shared"] = (k, (bt, block_n))
+    from .gluon import prefill_launch as gluon_launch
+    if (gluon_launch.usable(q, kv, topk_indices)
+            and gluon_launch.table_variant(H, q.device, topk_indices) == gluon_launch.FEW
+            and gluon_launch.pick(T, H, q.device, topk_indices)):
+        gluon_launch.launch(q, kv, topk_indices, topk_lens, attn_sink, scale, out, lse,
+                            gluon_launch.FEW, prior=True)
+        return
     topk = KeySet(src=SRC_BF16, k=kv, indices=topk_indices, lens=topk_lens, bstride=row_stride,
                   page=1, rows=S)
     launch(q, topk, None, attn_sink, scale, out, lse, prior=True)

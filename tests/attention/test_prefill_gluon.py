@@ -20,11 +20,12 @@ from test_decode_gluon import _compile_facts, _need_gluon_gpu
 
 OUT_TOL = 1e-2
 LSE_TOL = 1e-3
-VARIANTS = ("eager", "lazy", "ws", "wsp")
+VARIANTS = ("eager", "lazy", "ws", "wsp", "few")
 #: the kernel the contract tests pin: "table" (the pick table's variant), "ws" (the
 #: warp-specialized kernel, gluon/prefill_ws.py), "wsp" (its persistent form,
-#: gluon/prefill_wsp.py)
-PINS = ("table", "ws", "wsp")
+#: gluon/prefill_wsp.py), "few" (the few-heads kernel, gluon/prefill_few.py; "eager" where it
+#: cannot run: more than 8 heads, int64 indices)
+PINS = ("table", "ws", "wsp", "few")
 
 
 @pytest.fixture(params=PINS)
@@ -168,11 +169,11 @@ def _check(args, variant="lazy", out=None, scale=None, monkeypatch=None):
         monkeypatch.setenv(pl.VARIANT_ENV, variant)
     o, lse = sparse_mla_prefill(**args, softmax_scale=scale, out=out, _kernel="gluon")
     torch.cuda.synchronize()
-    if monkeypatch is not None:
-        assert pl.LAST_LAUNCH["fwd"][1] == variant
-    pinned = os.environ.get(pl.VARIANT_ENV)
+    pinned = variant if monkeypatch is not None else os.environ.get(pl.VARIANT_ENV)
     if pinned:
-        assert pl.LAST_LAUNCH["fwd"][1] == pinned
+        ran = pl.LAST_LAUNCH["fwd"][1]
+        few_ok = pl.few_usable(H, args["indices"])
+        assert ran == (pinned if pinned != pl.FEW or few_ok else "eager"), (ran, pinned)
     assert o.data_ptr() == out.data_ptr() and lse.shape == (T, H)
     ro, rl = sparse_mla_prefill_ref(**args, softmax_scale=scale)
     assert not torch.isnan(o).any() and not torch.isnan(lse).any()
@@ -335,7 +336,7 @@ def test_gluon_prefill_cuda_graph_gpu(device, T, H, pin):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,H", [(1000, 64), (700, 128), (300, 100)])
+@pytest.mark.parametrize("T,H", [(1000, 64), (700, 128), (300, 100), (1000, 8), (700, 3)])
 def test_gluon_prefill_many_items_gpu(device, T, H, pin):
     """Far more (token, head tile) items than SMs x 3 (the persistent kernel's loop wraps many
     times), ragged lens with empty rows scattered (lens 0 and rows of only -1) between full
@@ -361,11 +362,12 @@ def test_gluon_prefill_many_items_gpu(device, T, H, pin):
 
 
 @pytest.mark.gpu
-def test_gluon_prefill_hostile_indices_gpu(device, pin):
+@pytest.mark.parametrize("H", [64, 8])
+def test_gluon_prefill_hostile_indices_gpu(device, pin, H):
     """Indices far past the workspace, INT32_MAX/MIN, lens past the width and negative:
     nothing out of bounds is read (compute-sanitizer memcheck in the device run)."""
     _need_gluon_gpu()
-    args = _case(device, 4, 64, S=100, K=150)
+    args = _case(device, 4, H, S=100, K=150)
     ix = args["indices"]
     ix[:, ::3] = 2 ** 31 - 1
     ix[:, 1::5] = -(2 ** 31)

@@ -241,8 +241,16 @@ def test_shared_window_zero_tokens(device):
 @pytest.mark.parametrize("H", [8, 16])
 @pytest.mark.parametrize("block_t,block_n,warps", [(None, 64, None), (4, 32, 4)])
 def test_shared_window_v41_gpu(device, H, block_t, block_n, warps):
+    """On sm_90 with at most 8 heads the top-k rows run on the Gluon few-heads kernel, which
+    merges the window partial (its prior)."""
+    from dsv41_triton.attention import gluon as gluon_pkg
+    from dsv41_triton.attention.gluon import prefill_launch as pl
     a = _case(device, qlens=(700, 1, 300), extra=3, H=H, W=128, K=512, S=8192, seed=H)
+    pl.LAST_LAUNCH.clear()
     _check(a, block_t=block_t, block_n=block_n, num_warps=warps)
+    few = (gluon_pkg.AVAILABLE and torch.cuda.get_device_capability() == (9, 0) and H <= 8
+           and pl.pick(1, H, a["q"].device, a["topk_indices"]))
+    assert (pl.LAST_LAUNCH.get("fwd", (None, None))[1] == pl.FEW) == few
 
 
 @pytest.mark.gpu

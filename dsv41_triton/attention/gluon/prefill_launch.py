@@ -32,14 +32,19 @@ PICK = {
     # 64 heads 1472.3 / 1113.7 / 930.0 / 653.7 us, 128 heads 2920.2 / 2175.8 / 1819.3 / 1290.0.
     # Persistent warp-specialized kernel (prefill_wsp.py), 2026-12-02, one run: wsp / ws /
     # FlashMLA 64 heads 666.1 / 740.0 / 655.5 us, 128 heads 1266.0 / 1436.3 / 1287.2.
-    (9, 0): {64: "wsp", 128: "wsp"},
+    # Few-heads kernel (prefill_few.py: keys as the wgmma M), 2026-12-02, one run: 8 heads
+    # tl / few 551.2 / 490.4 us (640 keys), 456.9 / 401.8 (the 512 top-k keys alone).
+    (9, 0): {8: "few", 64: "wsp", 128: "wsp"},
 }
 
 #: variants the GPU tests run (tests/attention/test_prefill_gluon.py); PICK uses only these.
 #: "ws": the warp-specialized kernel (``prefill_ws.py``: a producer warpgroup and two consumer
 #: warpgroups ping-ponging on alternate key blocks, eager rescale); "wsp": its persistent form
 #: (``prefill_wsp.py``: one CTA per SM looping over (token, head tile) items)
-VARIANTS = ("eager", "lazy", "ws", "wsp")
+VARIANTS = ("eager", "lazy", "ws", "wsp", "few")
+#: "few": the few-heads kernel (``prefill_few.py``: H <= 8, the keys as the wgmma M, int32
+#: index rows of at most ``MAX_WIDTH`` columns); where it cannot run, "eager" runs instead
+FEW = "few"
 
 #: DSV41_PREFILL_KERNEL=tl|gluon|auto overrides the pick (benchmarks, tests)
 ENV = "DSV41_PREFILL_KERNEL"
@@ -73,19 +78,32 @@ def usable(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor) -> bool:
     return _aligned(q)
 
 
-def table_variant(H: int, device: torch.device) -> Optional[str]:
-    """The ``PICK`` entry for this head count (a variant name) or None."""
-    return PICK.get(_cap(device), {}).get(heads_bucket(H))
+def few_usable(H: int, indices: torch.Tensor) -> bool:
+    """True when the few-heads kernel takes these (validated) arguments: ``H <= 8``, int32
+    ``indices [T, K]`` with ``K <= MAX_WIDTH`` and unit column stride."""
+    from .prefill_few import MAX_HEADS, MAX_WIDTH
+    return (H <= MAX_HEADS and indices.dtype == torch.int32 and indices.shape[1] <= MAX_WIDTH
+            and (indices.shape[1] <= 1 or indices.stride(1) == 1))
 
 
-def pick(T: int, H: int, device: torch.device) -> bool:
+def table_variant(H: int, device: torch.device,
+                  indices: Optional[torch.Tensor] = None) -> Optional[str]:
+    """The ``PICK`` entry for this head count (a variant name) or None; a "few" entry only for
+    ``indices`` the few-heads kernel takes (None without ``indices``)."""
+    v = PICK.get(_cap(device), {}).get(heads_bucket(H))
+    if v == FEW and (indices is None or not few_usable(H, indices)):
+        return None
+    return v
+
+
+def pick(T: int, H: int, device: torch.device, indices: Optional[torch.Tensor] = None) -> bool:
     """Whether the auto path should take the Gluon kernel."""
     mode = os.environ.get(ENV, "auto")
     if mode == "tl":
         return False
     if mode == "gluon":
         return True
-    return table_variant(H, device) is not None
+    return table_variant(H, device, indices) is not None
 
 
 #: the last launch's compiled kernel and variant (benchmarks read registers)
@@ -94,18 +112,28 @@ LAST_LAUNCH = {}
 
 def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
            lens: Optional[torch.Tensor], sink: Optional[torch.Tensor], softmax_scale: float,
-           out: torch.Tensor, lse: torch.Tensor, variant: Optional[str] = None) -> None:
-    """Run the Gluon prefill on validated arguments (``kv [S, 512]``, ``indices [T, K]``)."""
+           out: torch.Tensor, lse: torch.Tensor, variant: Optional[str] = None,
+           prior: bool = False) -> None:
+    """Run the Gluon prefill on validated arguments (``kv [S, 512]``, ``indices [T, K]``).
+    ``prior`` (the few-heads kernel only): out / lse hold a normalized partial of other keys
+    (bf16, natural lse, +inf = none) that is merged in (the sink applied once)."""
     if not AVAILABLE:
         raise RuntimeError(f"gluon prefill unavailable: {REASON}")
 
     T, H, _ = q.shape
     if T == 0:
         return
-    variant = (variant or os.environ.get(VARIANT_ENV) or table_variant(H, q.device)
+    variant = (variant or os.environ.get(VARIANT_ENV) or table_variant(H, q.device, indices)
                or "eager")
     if variant not in VARIANTS:
         raise ValueError(f"{VARIANT_ENV}: expected one of {VARIANTS}, got {variant!r}")
+    if variant == FEW and not few_usable(H, indices):
+        variant = "eager"
+    if prior and variant != FEW:
+        raise ValueError("prior: only the few-heads kernel merges a prior partial")
+    if variant == FEW:
+        _launch_few(q, kv, indices, lens, sink, softmax_scale, out, lse, prior)
+        return
     if variant == "wsp":
         from .prefill_wsp import NUM_WARPS, _sparse_mla_prefill_gluon_wsp_kernel as kernel
     elif variant == "ws":
@@ -135,5 +163,26 @@ def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     LAST_LAUNCH["fwd"] = (k, variant)
 
 
-__all__ = ["PICK", "ENV", "VARIANT_ENV", "VARIANTS", "usable", "pick", "launch",
-           "heads_bucket", "table_variant"]
+def _launch_few(q, kv, indices, lens, sink, softmax_scale, out, lse, prior, mode=0):
+    """The few-heads kernel (``prefill_few.py``) on validated arguments; ``mode`` 1 / 2 time
+    the copies / the products alone (benchmarks)."""
+    from .prefill_few import NS, NUM_WARPS, _sparse_mla_prefill_gluon_few_kernel, index_blocks
+    T, H, _ = q.shape
+    S, K = kv.shape[0], indices.shape[1]
+    k = _sparse_mla_prefill_gluon_few_kernel[(min(_sms(q.device), T),)](
+        q, q.stride(0), q.stride(1),
+        kv, kv.stride(0) if S > 1 else 512, S,
+        indices, indices.stride(0), K,
+        lens if lens is not None else indices, lens.stride(0) if lens is not None else 0,
+        sink if sink is not None else lse, sink.stride(0) if sink is not None else 0,
+        out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1),
+        T, H, float(softmax_scale) * 1.4426950408889634,
+        HAS_LEN=lens is not None, HAS_SINK=sink is not None, PRIOR=prior, NS=NS,
+        WB=index_blocks(K), MODE=mode, num_warps=NUM_WARPS,
+    )
+    LAST_LAUNCH["fwd"] = (k, FEW)
+    return k
+
+
+__all__ = ["PICK", "ENV", "VARIANT_ENV", "VARIANTS", "FEW", "usable", "few_usable", "pick",
+           "launch", "heads_bucket", "table_variant"]

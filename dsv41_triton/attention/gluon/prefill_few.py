@@ -1,0 +1,334 @@
+"""Few-heads (H <= 8) sparse MLA prefill over the bf16 workspace for Hopper, keys as the wgmma M
+(variant ``"few"``).
+
+The many-heads kernels put the heads on the wgmma M (64 rows), so 8 heads pay 8x the products.
+Here the block's keys are the M and the heads the N: ``S^T [64 keys, 8] = sum_g K_g Q_g^T`` over
+the 8 dim groups, the online softmax down the keys, ``O^T_g [64 dims, 8] += K_g^T P^T``; a
+block's 1 KB rows are the A operand of both products (``m64n8k16``).
+
+Persistent and warp-specialized: ``min(SMs, T)`` CTAs, CTA ``pid`` takes tokens ``pid, pid +
+grid, ...`` (its ``k``-th token). Partitions:
+
+* producer (default, 4 warps): token ``k + 2``'s index row by cp.async into index slot
+  ``(k + 2) % 3``, token ``k``'s Q as 8 ``[8 heads, 64 dims]`` tiles into Q slot ``k % 2``,
+  then each 64-key block's rows by cp.async into ring stage ``g % NS`` (8 ``[64, 64]`` tiles),
+  the row addresses read from the index slot in shared memory.
+* consumer (worker, 4 warps): per block the 8 S products, the softmax (validity from the index
+  slot), ``P^T`` to shared memory, the 8 O products, then it frees the stage. ``PRIOR``: out /
+  lse already hold a normalized partial of other keys for the token (bf16, natural lse, +inf =
+  none), loaded before the key loop and merged after it. The epilogue is ``_finish_rows``
+  (sink, empty rows 0 / +inf).
+
+Barriers (``wait(bar, p)`` returns once the phase of parity ``p`` completed; a fresh barrier
+passes ``p = 1``; the ``*_ready`` ones complete when all 128 producer threads' copies landed,
+by cp.async's noinc arrive): ``ready[s]`` / ``free[s]`` per block ``g`` (use ``g // NS``),
+``q_ready[k % 2]`` / ``q_free[k % 2]`` per token (use ``k // 2``; the consumer frees Q after the
+token's last S, or at once when the token has no keys), ``i_ready[k % 3]`` / ``i_free[k % 3]``
+per token (use ``k // 3``; both partitions wait ``i_ready``, the consumer frees it).
+``MODE`` (benchmarks only): 1 times the copies alone (the consumer frees each stage unread), 2
+the products alone (no row copies); 0 is the kernel.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+
+from .common import _finish_rows
+
+__all__ = ["NUM_WARPS", "MAX_HEADS", "MAX_WIDTH", "NS", "index_blocks",
+           "_sparse_mla_prefill_gluon_few_kernel"]
+
+NUM_WARPS = 4
+#: most heads (the wgmma N)
+MAX_HEADS = 8
+#: most index columns per token (3 index slots of ``index_blocks(K) * 64`` int32)
+MAX_WIDTH = 4096
+#: ring stages (64 KB each; 3 measured no faster)
+NS = 2
+CONSUMER_REGS = gl.constexpr(232)
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                              instr_shape=[16, 8, 16]))
+KM = gl.constexpr(gl.SliceLayout(1, MMA))  # keys (S^T rows) / dims (O^T rows)
+HM = gl.constexpr(gl.SliceLayout(0, MMA))  # heads
+LR = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))  # [64, 64] bf16 row copies
+LQ = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # [8, 64] bf16 Q copies
+LI = gl.constexpr(gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0]))  # [WB, 64] int32, 4 B each
+IDX_SLOTS = gl.constexpr(3)  # a token's index row is copied two tokens ahead
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+def index_blocks(width: int) -> int:
+    """``WB``: 64-column blocks an index slot holds for ``width`` columns (a power of 2, >= 4)."""
+    return max(4, 1 << max(0, -(-width // 64) - 1).bit_length())
+
+
+@gluon.jit
+def _token_len(item, T, len_ptr, len_st, width, HAS_LEN: gl.constexpr):
+    """Columns token ``item`` reads (0 past ``T``)."""
+    if HAS_LEN:
+        n = gl.load(len_ptr + item.to(gl.int64) * len_st, mask=item < T, other=0).to(gl.int32)
+        n = gl.minimum(gl.maximum(n, 0), width)
+    else:
+        n = width + 0
+    return gl.where(item < T, n, 0)
+
+
+@gluon.jit
+def _copy_index_row(k, item, T, idx_ptr, idx_st, width, idx_smem, i_ready, i_free,
+                    WB: gl.constexpr):
+    """The CTA's ``k``-th token's index row (``item``) into slot ``k % IDX_SLOTS``."""
+    if item < T:
+        s = k % IDX_SLOTS
+        mbarrier.wait(i_free.index(s), ((k // IDX_SLOTS) & 1) ^ 1)
+        rb = gl.arange(0, WB, layout=gl.SliceLayout(1, LI))
+        cb = gl.arange(0, 64, layout=gl.SliceLayout(0, LI))
+        col = rb[:, None] * 64 + cb[None, :]
+        cp.async_copy_global_to_shared(idx_smem.index(s),
+                                       idx_ptr + item.to(gl.int64) * idx_st + col,
+                                       mask=col < width)
+        cp.mbarrier_arrive(i_ready.index(s), increment_count=False)
+
+
+@gluon.jit
+def _producer(pid, grid, T, width, len_ptr, len_st, q_ptr, stride_qt, stride_qh, kv_ptr,
+              kv_stride, rows, idx_ptr, idx_st, H, q_smem, ring, idx_smem, idx_rows, q_ready,
+              q_free, i_ready, i_free, ready, free, HAS_LEN: gl.constexpr, NS: gl.constexpr,
+              WB: gl.constexpr, MODE: gl.constexpr):
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, LR))
+    c = gl.arange(0, 64, layout=gl.SliceLayout(0, LR))
+    hq = gl.arange(0, 8, layout=gl.SliceLayout(1, LQ))
+    dq = gl.arange(0, 64, layout=gl.SliceLayout(0, LQ))
+    qmask = (hq < H)[:, None] & (dq < 64)[None, :]
+    _copy_index_row(0, pid, T, idx_ptr, idx_st, width, idx_smem, i_ready, i_free, WB)
+    _copy_index_row(1, pid + grid, T, idx_ptr, idx_st, width, idx_smem, i_ready, i_free, WB)
+    n_next = _token_len(pid, T, len_ptr, len_st, width, HAS_LEN)
+    g = 0
+    k = 0
+    for item in range(pid, T, grid):
+        n = n_next
+        n_next = _token_len(item + grid, T, len_ptr, len_st, width, HAS_LEN)
+        _copy_index_row(k + 2, item + 2 * grid, T, idx_ptr, idx_st, width, idx_smem, i_ready,
+                        i_free, WB)
+        qs = k % 2
+        mbarrier.wait(q_free.index(qs), ((k // 2) & 1) ^ 1)
+        qrow = q_ptr + item.to(gl.int64) * stride_qt + hq.to(gl.int64)[:, None] * stride_qh
+        for grp in gl.static_range(8):
+            cp.async_copy_global_to_shared(q_smem.index(qs * 8 + grp),
+                                           qrow + (grp * 64 + dq)[None, :], mask=qmask)
+        cp.mbarrier_arrive(q_ready.index(qs), increment_count=False)
+        si = k % IDX_SLOTS
+        mbarrier.wait(i_ready.index(si), (k // IDX_SLOTS) & 1)
+        for b in range(gl.cdiv(n, 64)):
+            s = g % NS
+            col = b * 64 + r
+            ix = idx_rows.index(si * WB + b).load(gl.SliceLayout(1, LR))
+            ok = (col < n) & (ix >= 0) & (ix < rows)
+            off = gl.multiple_of(gl.where(ok, ix.to(gl.int64) * kv_stride, 0), 8)
+            mbarrier.wait(free.index(s), ((g // NS) & 1) ^ 1)
+            if MODE != 2:
+                for grp in gl.static_range(8):
+                    cp.async_copy_global_to_shared(
+                        ring.index(s * 8 + grp), kv_ptr + off[:, None] + (grp * 64 + c)[None, :],
+                        mask=ok[:, None], eviction_policy="evict_last")
+            cp.mbarrier_arrive(ready.index(s), increment_count=False)
+            g += 1
+        k += 1
+
+
+@gluon.jit
+def _prior_group(prow, pm, grp: gl.constexpr):
+    """Dims ``grp * 64 ..`` of the prior output as fp32 ``[64 dims, 8 heads]``."""
+    return gl.load(prow + grp * 64, mask=pm, other=0.0).to(gl.float32)
+
+
+@gluon.jit
+def _consumer(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink_ptr, sink_st,
+              out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, q_smem, ring,
+              idx_rows, p_smem, q_ready, q_free, i_ready, i_free, ready, free,
+              HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, NS: gl.constexpr,
+              WB: gl.constexpr, MODE: gl.constexpr, PRIOR: gl.constexpr):
+    zero = gl.full([64, 8], 0.0, gl.float32, layout=MMA)
+    kr = gl.arange(0, 64, layout=KM)
+    h = gl.arange(0, 8, layout=HM)
+    hmask = h < H
+    h64 = h.to(gl.int64)
+    om = hmask[None, :] & (kr >= 0)[:, None]
+    n_next = _token_len(pid, T, len_ptr, len_st, width, HAS_LEN)
+    g = 0
+    k = 0
+    for item in range(pid, T, grid):
+        t = item.to(gl.int64)
+        n = n_next
+        n_next = _token_len(item + grid, T, len_ptr, len_st, width, HAS_LEN)
+        nblk = gl.cdiv(n, 64)
+        qs = k % 2
+        si = k % IDX_SLOTS
+        orow = out_ptr + t * stride_ot + h64[None, :] * stride_oh + kr[:, None]
+        if PRIOR:  # issued before the key loop, merged after it
+            lp = gl.load(lse_ptr + t * stride_lt + h64 * stride_lh, mask=hmask,
+                         other=float("inf"))
+            p0 = _prior_group(orow, om, 0)
+            p1 = _prior_group(orow, om, 1)
+            p2 = _prior_group(orow, om, 2)
+            p3 = _prior_group(orow, om, 3)
+            p4 = _prior_group(orow, om, 4)
+            p5 = _prior_group(orow, om, 5)
+            p6 = _prior_group(orow, om, 6)
+            p7 = _prior_group(orow, om, 7)
+        m_i = gl.full([8], float("-inf"), gl.float32, layout=HM)
+        l_i = gl.full([8], 0.0, gl.float32, layout=HM)
+        o0 = zero
+        o1 = zero
+        o2 = zero
+        o3 = zero
+        o4 = zero
+        o5 = zero
+        o6 = zero
+        o7 = zero
+        mbarrier.wait(q_ready.index(qs), (k // 2) & 1)
+        mbarrier.wait(i_ready.index(si), (k // IDX_SLOTS) & 1)
+        gl.thread_barrier()
+        mbarrier.arrive(q_free.index(qs), pred=nblk == 0)
+        mbarrier.arrive(i_free.index(si), pred=nblk == 0)
+        for b in range(nblk):
+            s = g % NS
+            col = b * 64 + kr
+            ix = idx_rows.index(si * WB + b).load(KM)
+            ok = (col < n) & (ix >= 0) & (ix < rows)
+            base = s * 8 + (b >> 30)  # opaque 0: the descriptors stay in the loop
+            qb = qs * 8 + (b >> 30)
+            mbarrier.wait(ready.index(s), (g // NS) & 1)
+            last = b == nblk - 1
+            if MODE == 1:
+                gl.thread_barrier()
+                mbarrier.arrive(free.index(s))
+                mbarrier.arrive(q_free.index(qs), pred=last)
+                mbarrier.arrive(i_free.index(si), pred=last)
+            else:
+                fence_async_shared()
+                acc = warpgroup_mma(ring.index(base), q_smem.index(qb).permute((1, 0)), zero,
+                                    use_acc=False, is_async=True)
+                for grp in gl.static_range(1, 8):
+                    acc = warpgroup_mma(ring.index(base + grp),
+                                        q_smem.index(qb + grp).permute((1, 0)), acc,
+                                        is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                gl.thread_barrier()
+                mbarrier.arrive(q_free.index(qs), pred=last)
+                mbarrier.arrive(i_free.index(si), pred=last)
+                sc = gl.where(ok[:, None], acc * qk_scale, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(sc, axis=0))
+                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = gl.exp2(m_i - m_safe)
+                p = gl.exp2(sc - m_safe[None, :])
+                l_i = l_i * alpha + gl.sum(p, axis=0)
+                p_smem.store(p.to(gl.bfloat16))
+                fence_async_shared()
+                gl.thread_barrier()
+                a2 = alpha[None, :]
+                o0 = warpgroup_mma(ring.index(base).permute((1, 0)), p_smem, o0 * a2,
+                                   is_async=True)
+                o1 = warpgroup_mma(ring.index(base + 1).permute((1, 0)), p_smem, o1 * a2,
+                                   is_async=True)
+                o2 = warpgroup_mma(ring.index(base + 2).permute((1, 0)), p_smem, o2 * a2,
+                                   is_async=True)
+                o3 = warpgroup_mma(ring.index(base + 3).permute((1, 0)), p_smem, o3 * a2,
+                                   is_async=True)
+                o4 = warpgroup_mma(ring.index(base + 4).permute((1, 0)), p_smem, o4 * a2,
+                                   is_async=True)
+                o5 = warpgroup_mma(ring.index(base + 5).permute((1, 0)), p_smem, o5 * a2,
+                                   is_async=True)
+                o6 = warpgroup_mma(ring.index(base + 6).permute((1, 0)), p_smem, o6 * a2,
+                                   is_async=True)
+                o7 = warpgroup_mma(ring.index(base + 7).permute((1, 0)), p_smem, o7 * a2,
+                                   is_async=True)
+                o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(
+                    0, deps=[o0, o1, o2, o3, o4, o5, o6, o7])
+                gl.thread_barrier()
+                mbarrier.arrive(free.index(s))
+                m_i = m_new
+            g += 1
+        if PRIOR:
+            # the partial is an online state of max lse2 and sum 1; +inf lse: no partial
+            m_p = gl.where(lp == float("inf"), float("-inf"), lp * LOG2E)
+            m_c = gl.maximum(m_i, m_p)
+            m_c = gl.where(m_p != m_p, m_p, m_c)  # the GPU max drops a NaN partial
+            m_cs = gl.where(m_c == float("-inf"), 0.0, m_c)
+            w_i = gl.where(m_i == float("-inf"), 0.0, gl.exp2(m_i - m_cs))
+            w_p = gl.where(m_p == float("-inf"), 0.0, gl.exp2(m_p - m_cs))
+            l_i = l_i * w_i + w_p
+            wi = w_i[None, :]
+            wp = w_p[None, :]
+            o0 = o0 * wi + p0 * wp
+            o1 = o1 * wi + p1 * wp
+            o2 = o2 * wi + p2 * wp
+            o3 = o3 * wi + p3 * wp
+            o4 = o4 * wi + p4 * wp
+            o5 = o5 * wi + p5 * wp
+            o6 = o6 * wi + p6 * wp
+            o7 = o7 * wi + p7 * wp
+            m_i = m_c
+        inv, lse = _finish_rows(l_i, m_i, h64, hmask, sink_ptr, sink_st, HAS_SINK)
+        gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
+        iv = inv[None, :]
+        gl.store(orow + 0, (o0 * iv).to(gl.bfloat16), mask=om)
+        gl.store(orow + 64, (o1 * iv).to(gl.bfloat16), mask=om)
+        gl.store(orow + 128, (o2 * iv).to(gl.bfloat16), mask=om)
+        gl.store(orow + 192, (o3 * iv).to(gl.bfloat16), mask=om)
+        gl.store(orow + 256, (o4 * iv).to(gl.bfloat16), mask=om)
+        gl.store(orow + 320, (o5 * iv).to(gl.bfloat16), mask=om)
+        gl.store(orow + 384, (o6 * iv).to(gl.bfloat16), mask=om)
+        gl.store(orow + 448, (o7 * iv).to(gl.bfloat16), mask=om)
+        k += 1
+
+
+@gluon.jit
+def _sparse_mla_prefill_gluon_few_kernel(
+        q_ptr, stride_qt, stride_qh, kv_ptr, kv_stride, rows, idx_ptr, idx_st, width, len_ptr,
+        len_st, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
+        T, H, qk_scale, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, PRIOR: gl.constexpr,
+        NS: gl.constexpr, WB: gl.constexpr, MODE: gl.constexpr):
+    """Grid ``min(SMs, T)``. q ``[T, H <= 8, 512]`` bf16 (rows 16-byte aligned); kv ``[rows,
+    512]`` bf16; idx ``[T, width]`` int32 (``< 0`` or ``>= rows`` skipped); lens ``[T]`` int; sink ``[H]`` fp32; out ``[T, H, 512]`` bf16, lse ``[T, H]``
+    fp32 (read first with ``PRIOR``); ``qk_scale`` = scale * log2(e); ``WB`` =
+    ``index_blocks(width)``."""
+    KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, 64], gl.bfloat16)
+    PL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 8], gl.bfloat16)
+    IL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    pid = gl.program_id(0)
+    grid = gl.num_programs(0)
+    ring = gl.allocate_shared_memory(gl.bfloat16, [NS * 8, 64, 64], KL)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * 8, 8, 64], QL)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 8], PL)
+    idx_smem = gl.allocate_shared_memory(gl.int32, [IDX_SLOTS, WB, 64], IL)
+    # the same bytes as one 64-index row per block (plain row-major, no swizzle)
+    idx_rows = idx_smem._reinterpret(gl.int32, [IDX_SLOTS * WB, 64],
+                                     gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    i_ready = gl.allocate_shared_memory(gl.int64, [IDX_SLOTS, 1], mbarrier.MBarrierLayout())
+    i_free = gl.allocate_shared_memory(gl.int64, [IDX_SLOTS, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(2):
+        mbarrier.init(q_ready.index(s), count=128)
+        mbarrier.init(q_free.index(s), count=1)
+    for s in gl.static_range(IDX_SLOTS):
+        mbarrier.init(i_ready.index(s), count=128)
+        mbarrier.init(i_free.index(s), count=1)
+    for s in gl.static_range(NS):
+        mbarrier.init(ready.index(s), count=128)
+        mbarrier.init(free.index(s), count=1)
+    gl.warp_specialize([
+        (_producer, (pid, grid, T, width, len_ptr, len_st, q_ptr, stride_qt, stride_qh, kv_ptr,
+                     kv_stride, rows, idx_ptr, idx_st, H, q_smem, ring, idx_smem, idx_rows,
+                     q_ready, q_free, i_ready, i_free, ready, free, HAS_LEN, NS, WB, MODE)),
+        (_consumer, (pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink_ptr,
+                     sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
+                     q_smem, ring, idx_rows, p_smem, q_ready, q_free, i_ready, i_free, ready,
+                     free, HAS_LEN, HAS_SINK, NS, WB, MODE, PRIOR)),
+    ], [4], [CONSUMER_REGS])

@@ -1,0 +1,133 @@
+"""The few-heads Gluon prefill (``dsv41_triton/attention/gluon/prefill_few.py``, H <= 8, keys as
+the wgmma M): its sm_90a compile facts on the CPU, and on an H200 its outputs against
+``sparse_mla_prefill``'s ``tl`` kernel and its time at the issue's 8-head shape beside ``tl``,
+with the copies alone (``MODE=1``) and the products alone (``MODE=2``), and the shared-window
+entry (window partial + this kernel with its prior) beside the same entry on ``tl``.
+
+    python perf/prefill_few_probe.py            # GPU: check, then time (CUDA graph, L2 flushed)
+    python perf/prefill_few_probe.py --compile  # CPU: registers, stack, shared memory, SASS ops
+                                                # (--json: one JSON line per configuration)
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+ARGS = [("q_ptr", "*bf16"), ("stride_qt", "i64"), ("stride_qh", "i64"), ("kv_ptr", "*bf16"),
+        ("kv_stride", "i64"), ("rows", "i32"), ("idx_ptr", "*i32"), ("idx_st", "i64"),
+        ("width", "i32"), ("len_ptr", "*i32"), ("len_st", "i64"), ("sink_ptr", "*fp32"),
+        ("sink_st", "i64"), ("out_ptr", "*bf16"), ("stride_ot", "i64"), ("stride_oh", "i64"),
+        ("lse_ptr", "*fp32"), ("stride_lt", "i64"), ("stride_lh", "i64"), ("T", "i32"),
+        ("H", "i32"), ("qk_scale", "fp32")]
+#: (ring stages, mode, prior) compiled by --compile / --json
+CONFIGS = ((2, 0, False), (2, 0, True), (3, 0, False), (2, 1, False))
+
+
+def compile_stats(ns=2, mode=0, prior=False):
+    """Registers, stack, shared memory and SASS opcode counts of an sm_90a compile (640 keys)."""
+    from dsv41_triton.attention.gluon import compile_check as cc
+    from dsv41_triton.attention.gluon.prefill_few import (NUM_WARPS,
+                                                          _sparse_mla_prefill_gluon_few_kernel)
+    k = cc._compile(_sparse_mla_prefill_gluon_few_kernel, ARGS,
+                    ("stride_qt", "stride_qh", "kv_stride", "idx_st"), None,
+                    dict(HAS_LEN=True, HAS_SINK=True, PRIOR=prior, NS=ns, WB=16, MODE=mode),
+                    NUM_WARPS, 90)
+    regs, stack = cc._regs_stack(k)
+    ops = {}
+    for line in cc.resource_usage(k, "-sass").splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]{4}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)(\.\S+)?", line)
+        if m:
+            op = m.group(2) + ("" if m.group(2) != "HGMMA" else m.group(3).split(".")[1])
+            ops[op] = ops.get(op, 0) + 1
+    return dict(ns=ns, mode=mode, prior=prior, regs=regs, stack=stack, smem=k.metadata.shared,
+                ops=ops)
+
+
+def check_and_time():
+    """On an sm_90 GPU: the kernel against ``tl`` (ragged lens, an empty row, -1 and
+    out-of-range rows, 1 / 2 / 3 / 8 heads, more tokens than SMs, a prior), then the issue's
+    8-head shape (4096 tokens x 640 / the 512 top-k keys) timed beside ``tl``, a sweep of
+    smaller shapes for the pick, and the shared-window entry on both kernels."""
+    import torch
+
+    import bench_prefill as bp
+    from dsv41_triton.attention.gluon import prefill_launch as pl
+    from dsv41_triton.attention.prefill import sparse_mla_prefill
+    from dsv41_triton.attention.prefill_shared import sparse_mla_prefill_shared_window
+    from dsv41_triton.testing import rel_err
+    torch.manual_seed(0)
+    dev = "cuda"
+    scale = 512 ** -0.5
+    for T, H, K, S in [(5, 8, 640, 3000), (3, 3, 70, 100), (1, 1, 1, 10), (300, 8, 200, 5000),
+                       (700, 2, 1100, 9000)]:
+        q = torch.randn(T, H, 512, device=dev).to(torch.bfloat16)
+        kv = torch.randn(S, 512, device=dev).to(torch.bfloat16)
+        idx = torch.randint(-2, S + 3, (T, K), device=dev, dtype=torch.int32)
+        lens = torch.randint(0, K + 1, (T,), device=dev, dtype=torch.int32)
+        lens[0] = 0
+        sink = torch.randn(H, device=dev)
+        for ln in (lens, None):
+            ref, rl = sparse_mla_prefill(q, kv, idx, ln, sink, _kernel="tl")
+            out = torch.full_like(ref, float("nan"))
+            lse = torch.full_like(rl, float("nan"))
+            pl._launch_few(q, kv, idx, ln, sink, scale, out, lse, False)
+            torch.cuda.synchronize()
+            fin = torch.isfinite(rl)
+            print(f"T={T} H={H} K={K} lens={ln is not None}: out rel {rel_err(out, ref):.2e} "
+                  f"lse max {(lse - rl)[fin].abs().max().item() if fin.any() else 0:.2e} empty "
+                  f"rows agree {torch.equal(torch.isinf(lse), torch.isinf(rl))}", flush=True)
+    inp = bp.build_kernel_inputs(8)
+    q, kv, sink = inp["q"], inp["kv"], inp["sink"]
+    T = q.shape[0]
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], device=dev)
+    for lab, idx in (("640", inp["idx"]), ("512", inp["local"])):
+        ref = sparse_mla_prefill(q, kv, idx, None, sink, _kernel="tl")[0]
+        t_ref = bp.time_graph_flushed(lambda: sparse_mla_prefill(q, kv, idx, None, sink, None, out,
+                                                                 _kernel="tl"))
+        for ns_mode in (0, 1, 2):
+            k = pl._launch_few(q, kv, idx, None, sink, scale, out, lse, False, ns_mode)
+            err = rel_err(out, ref) if ns_mode == 0 else float("nan")
+            t_new = bp.time_graph_flushed(lambda: pl._launch_few(q, kv, idx, None, sink, scale,
+                                                                 out, lse, False, ns_mode))
+            print(f"8 heads, {lab} keys: tl {t_ref:.1f} us, few mode={ns_mode} {t_new:.1f} us "
+                  f"(rel {err:.1e}, regs {k.n_regs}, spills {k.n_spills})", flush=True)
+    # the shared-window entry: window partial, then the top-k rows with the prior
+    win_len = torch.full((T,), bp.W, dtype=torch.int32, device=dev)
+    args = (q, kv, inp["win_start"], win_len, inp["local"], None, inp["qsl"], sink)
+    ref = sparse_mla_prefill(q, kv, inp["idx"], None, sink, _kernel="tl")[0]
+    for env in ("tl", "auto"):
+        os.environ[pl.ENV] = env
+        o = sparse_mla_prefill_shared_window(*args)[0]
+        t = bp.time_graph_flushed(lambda: sparse_mla_prefill_shared_window(*args, out=out))
+        print(f"shared window, top-k on {env}: {t:.1f} us (rel to tl 640 {rel_err(o, ref):.1e})",
+              flush=True)
+    os.environ[pl.ENV] = "auto"
+    # the pick: smaller shapes, random rows of a 32768-row workspace
+    for T, H, K in [(1, 8, 640), (16, 8, 640), (128, 8, 640), (1024, 8, 640), (4096, 1, 640),
+                    (4096, 4, 640), (4096, 8, 128), (4096, 8, 2048), (512, 8, 4096)]:
+        q = torch.randn(T, H, 512, device=dev).to(torch.bfloat16)
+        idx = torch.randint(0, kv.shape[0], (T, K), device=dev, dtype=torch.int32)
+        o = torch.empty_like(q)
+        ls = torch.empty(T, H, device=dev)
+        t_tl = bp.time_graph_flushed(lambda: sparse_mla_prefill(q, kv, idx, None, sink[:H], None,
+                                                                o, _kernel="tl"))
+        t_few = bp.time_graph_flushed(lambda: pl._launch_few(q, kv, idx, None, sink[:H], scale,
+                                                             o, ls, False))
+        print(f"pick T={T} H={H} K={K}: tl {t_tl:.1f} us, few {t_few:.1f} us", flush=True)
+
+
+if __name__ == "__main__":
+    if "--json" in sys.argv:  # one line per configuration, for tests/perf
+        import json
+        for c in CONFIGS:
+            print(json.dumps(compile_stats(*c)))
+    elif "--compile" in sys.argv:
+        for c in CONFIGS:
+            print(compile_stats(*c))
+    else:
+        check_and_time()
