@@ -6,6 +6,7 @@ entry (window partial + this kernel with its prior) beside the same entry on ``t
 
     python perf/prefill_few_probe.py            # GPU: check, then time (CUDA graph, L2 flushed)
     python perf/prefill_few_probe.py --compile  # CPU: registers, stack, shared memory, SASS ops
+                                                # (the few-heads and the window kernels)
                                                 # (--json: one JSON line per configuration)
 """
 from __future__ import annotations
@@ -23,19 +24,42 @@ ARGS = [("q_ptr", "*bf16"), ("stride_qt", "i64"), ("stride_qh", "i64"), ("kv_ptr
         ("sink_st", "i64"), ("out_ptr", "*bf16"), ("stride_ot", "i64"), ("stride_oh", "i64"),
         ("lse_ptr", "*fp32"), ("stride_lt", "i64"), ("stride_lh", "i64"), ("T", "i32"),
         ("H", "i32"), ("qk_scale", "fp32")]
-#: (ring stages, mode, prior) compiled by --compile / --json
-CONFIGS = ((2, 0, False), (2, 0, True), (3, 0, False), (2, 1, False))
+#: (ring stages, mode, prior, two mma.sync consumers) compiled by --compile / --json
+CONFIGS = ((2, 0, False, False), (2, 0, True, False), (3, 0, False, False), (2, 1, False, False),
+           (2, 0, False, True), (2, 0, True, True))
 
 
-def compile_stats(ns=2, mode=0, prior=False):
+def compile_stats(ns=2, mode=0, prior=False, sync=False):
     """Registers, stack, shared memory and SASS opcode counts of an sm_90a compile (640 keys)."""
     from dsv41_triton.attention.gluon import compile_check as cc
-    from dsv41_triton.attention.gluon.prefill_few import (NUM_WARPS,
-                                                          _sparse_mla_prefill_gluon_few_kernel)
-    k = cc._compile(_sparse_mla_prefill_gluon_few_kernel, ARGS,
+    from dsv41_triton.attention.gluon import prefill_few as pf
+    kern = (pf._sparse_mla_prefill_gluon_few_sync_kernel if sync
+            else pf._sparse_mla_prefill_gluon_few_kernel)
+    k = cc._compile(kern, ARGS,
                     ("stride_qt", "stride_qh", "kv_stride", "idx_st"), None,
                     dict(HAS_LEN=True, HAS_SINK=True, PRIOR=prior, NS=ns, WB=16, MODE=mode),
-                    NUM_WARPS, 90)
+                    pf.NUM_WARPS, 90)
+    return dict(kind="few", ns=ns, mode=mode, prior=prior, sync=sync, **_facts(cc, k))
+
+
+WINDOW_ARGS = [("q_ptr", "*bf16"), ("stride_qt", "i64"), ("stride_qh", "i64"),
+               ("kv_ptr", "*bf16"), ("kv_stride", "i64"), ("rows", "i32"), ("ws_ptr", "*i32"),
+               ("ws_st", "i64"), ("wl_ptr", "*i32"), ("wl_st", "i64"), ("tiles_ptr", "*i32"),
+               ("num_items", "i32"), ("out_ptr", "*bf16"), ("stride_ot", "i64"),
+               ("stride_oh", "i64"), ("lse_ptr", "*fp32"), ("stride_lt", "i64"),
+               ("stride_lh", "i64"), ("H", "i32"), ("qk_scale", "fp32")]
+
+
+def window_compile_stats(hp=8):
+    """The same facts for the shared-window kernel (``prefill_window.py``) at ``HP`` heads."""
+    from dsv41_triton.attention.gluon import compile_check as cc
+    from dsv41_triton.attention.gluon import prefill_window as pw
+    k = cc._compile(pw._shared_window_gluon_kernel, WINDOW_ARGS,
+                    ("stride_qt", "stride_qh", "kv_stride"), None, dict(HP=hp), pw.NUM_WARPS, 90)
+    return dict(kind="window", hp=hp, **_facts(cc, k))
+
+
+def _facts(cc, k):
     regs, stack = cc._regs_stack(k)
     ops = {}
     for line in cc.resource_usage(k, "-sass").splitlines():
@@ -43,8 +67,7 @@ def compile_stats(ns=2, mode=0, prior=False):
         if m:
             op = m.group(2) + ("" if m.group(2) != "HGMMA" else m.group(3).split(".")[1])
             ops[op] = ops.get(op, 0) + 1
-    return dict(ns=ns, mode=mode, prior=prior, regs=regs, stack=stack, smem=k.metadata.shared,
-                ops=ops)
+    return dict(regs=regs, stack=stack, smem=k.metadata.shared, ops=ops)
 
 
 def check_and_time():
@@ -70,16 +93,37 @@ def check_and_time():
         lens = torch.randint(0, K + 1, (T,), device=dev, dtype=torch.int32)
         lens[0] = 0
         sink = torch.randn(H, device=dev)
-        for ln in (lens, None):
+        for ln, sync in ((lens, False), (None, False), (lens, True), (None, True)):
             ref, rl = sparse_mla_prefill(q, kv, idx, ln, sink, _kernel="tl")
             out = torch.full_like(ref, float("nan"))
             lse = torch.full_like(rl, float("nan"))
-            pl._launch_few(q, kv, idx, ln, sink, scale, out, lse, False)
+            pl._launch_few(q, kv, idx, ln, sink, scale, out, lse, False, sync=sync)
             torch.cuda.synchronize()
             fin = torch.isfinite(rl)
-            print(f"T={T} H={H} K={K} lens={ln is not None}: out rel {rel_err(out, ref):.2e} "
+            print(f"T={T} H={H} K={K} lens={ln is not None} sync={sync}: out rel "
+                  f"{rel_err(out, ref):.2e} "
                   f"lse max {(lse - rl)[fin].abs().max().item() if fin.any() else 0:.2e} empty "
                   f"rows agree {torch.equal(torch.isinf(lse), torch.isinf(rl))}", flush=True)
+    # a prior: the partial of a first key set (no sink), merged with a second set's keys
+    T, H, S = 400, 8, 4000
+    q = torch.randn(T, H, 512, device=dev).to(torch.bfloat16)
+    kv = torch.randn(S, 512, device=dev).to(torch.bfloat16)
+    ia = torch.randint(-1, S + 2, (T, 130), device=dev, dtype=torch.int32)
+    ib = torch.randint(-1, S + 2, (T, 300), device=dev, dtype=torch.int32)
+    ib[:7] = -1
+    ia[3:10] = -1
+    lb = torch.randint(0, 301, (T,), device=dev, dtype=torch.int32)
+    sink = torch.randn(H, device=dev)
+    ref, rl = sparse_mla_prefill(q, kv, torch.cat([ia, torch.where(
+        torch.arange(300, device=dev)[None, :] < lb[:, None], ib, -1)], 1), None, sink,
+        _kernel="tl")
+    for sync in (False, True):
+        out, lse = sparse_mla_prefill(q, kv, ia, None, None, _kernel="tl")
+        pl._launch_few(q, kv, ib, lb, sink, scale, out, lse, True, sync=sync)
+        fin = torch.isfinite(rl)
+        print(f"prior sync={sync}: out rel {rel_err(out, ref):.2e} lse max "
+              f"{(lse - rl)[fin].abs().max().item():.2e} empty rows agree "
+              f"{torch.equal(torch.isinf(lse), torch.isinf(rl))}", flush=True)
     inp = bp.build_kernel_inputs(8)
     q, kv, sink = inp["q"], inp["kv"], inp["sink"]
     T = q.shape[0]
@@ -89,12 +133,14 @@ def check_and_time():
         ref = sparse_mla_prefill(q, kv, idx, None, sink, _kernel="tl")[0]
         t_ref = bp.time_graph_flushed(lambda: sparse_mla_prefill(q, kv, idx, None, sink, None, out,
                                                                  _kernel="tl"))
-        for ns_mode in (0, 1, 2):
-            k = pl._launch_few(q, kv, idx, None, sink, scale, out, lse, False, ns_mode)
+        for ns_mode, sync in ((0, False), (1, False), (2, False), (0, True), (1, True),
+                              (2, True)):
+            k = pl._launch_few(q, kv, idx, None, sink, scale, out, lse, False, ns_mode, sync)
             err = rel_err(out, ref) if ns_mode == 0 else float("nan")
             t_new = bp.time_graph_flushed(lambda: pl._launch_few(q, kv, idx, None, sink, scale,
-                                                                 out, lse, False, ns_mode))
-            print(f"8 heads, {lab} keys: tl {t_ref:.1f} us, few mode={ns_mode} {t_new:.1f} us "
+                                                                 out, lse, False, ns_mode, sync))
+            print(f"8 heads, {lab} keys: tl {t_ref:.1f} us, few mode={ns_mode} sync={sync} "
+                  f"{t_new:.1f} us "
                   f"(rel {err:.1e}, regs {k.n_regs}, spills {k.n_spills})", flush=True)
     # the shared-window entry: window partial, then the top-k rows with the prior
     win_len = torch.full((T,), bp.W, dtype=torch.int32, device=dev)
@@ -102,14 +148,23 @@ def check_and_time():
     ref = sparse_mla_prefill(q, kv, inp["idx"], None, sink, _kernel="tl")[0]
     for env in ("tl", "auto"):
         os.environ[pl.ENV] = env
+        pl.LAST_LAUNCH.clear()
         o = sparse_mla_prefill_shared_window(*args)[0]
         t = bp.time_graph_flushed(lambda: sparse_mla_prefill_shared_window(*args, out=out))
-        print(f"shared window, top-k on {env}: {t:.1f} us (rel to tl 640 {rel_err(o, ref):.1e})",
-              flush=True)
+        print(f"shared window, {env}: {t:.1f} us (rel to tl 640 {rel_err(o, ref):.1e}; Gluon "
+              f"launches {sorted(pl.LAST_LAUNCH)})", flush=True)
     os.environ[pl.ENV] = "auto"
+    from dsv41_triton.attention.prefill_shared import shared_window_tiles
+    tiles = shared_window_tiles(inp["qsl"], T, 8)
+    t_w = bp.time_graph_flushed(lambda: pl.launch_window(q, kv, inp["win_start"], win_len, tiles,
+                                                         scale, out, lse))
+    t_k = bp.time_graph_flushed(lambda: pl._launch_few(q, kv, inp["local"], None, sink, scale,
+                                                       out, lse, True))
+    print(f"shared window parts: Gluon window {t_w:.1f} us, few top-k with prior {t_k:.1f} us",
+          flush=True)
     # the pick: smaller shapes, random rows of a 32768-row workspace
-    for T, H, K in [(1, 8, 640), (16, 8, 640), (128, 8, 640), (1024, 8, 640), (4096, 1, 640),
-                    (4096, 4, 640), (4096, 8, 128), (4096, 8, 2048), (512, 8, 4096)]:
+    for T, H, K in [(1, 8, 640), (128, 8, 640), (4096, 1, 640), (4096, 8, 128),
+                    (512, 8, 4096)]:
         q = torch.randn(T, H, 512, device=dev).to(torch.bfloat16)
         idx = torch.randint(0, kv.shape[0], (T, K), device=dev, dtype=torch.int32)
         o = torch.empty_like(q)
@@ -118,7 +173,10 @@ def check_and_time():
                                                                 o, _kernel="tl"))
         t_few = bp.time_graph_flushed(lambda: pl._launch_few(q, kv, idx, None, sink[:H], scale,
                                                              o, ls, False))
-        print(f"pick T={T} H={H} K={K}: tl {t_tl:.1f} us, few {t_few:.1f} us", flush=True)
+        t_sync = bp.time_graph_flushed(lambda: pl._launch_few(q, kv, idx, None, sink[:H], scale,
+                                                              o, ls, False, sync=True))
+        print(f"pick T={T} H={H} K={K}: tl {t_tl:.1f} us, few {t_few:.1f} us, few sync "
+              f"{t_sync:.1f} us", flush=True)
 
 
 if __name__ == "__main__":
@@ -126,8 +184,12 @@ if __name__ == "__main__":
         import json
         for c in CONFIGS:
             print(json.dumps(compile_stats(*c)))
+        for hp in (8, 1):
+            print(json.dumps(window_compile_stats(hp)))
     elif "--compile" in sys.argv:
         for c in CONFIGS:
             print(compile_stats(*c))
+        for hp in (8, 1):
+            print(window_compile_stats(hp))
     else:
         check_and_time()

@@ -114,9 +114,11 @@ def test_shared_window_sinks(device, sink):
         assert o.abs().max().item() < 1e-20
 
 
-def test_shared_window_empty_rows_and_hostile(device):
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
+def test_shared_window_empty_rows_and_hostile(device, idx_dtype):
     """Tokens with neither window nor top-k get 0 / +inf; windows past either end of kv and
-    negative lengths are clipped; top-k lens past K are clamped; int64 index inputs."""
+    negative lengths are clipped; top-k lens past K are clamped; int64 index inputs (int32:
+    on sm_90 the Gluon window and few-heads kernels)."""
     args = _case(device, H=3, S=120, seed=3)
     T = args["q"].shape[0]
     ws, wl, tlen = args["win_start"].clone(), args["win_len"].clone(), args["topk_lens"].clone()
@@ -127,7 +129,7 @@ def test_shared_window_empty_rows_and_hostile(device):
     wl[7] = -3
     tlen[8] = 999
     args.update(win_start=ws.long(), win_len=wl, topk_lens=tlen,
-                topk_indices=args["topk_indices"].long())
+                topk_indices=args["topk_indices"].to(idx_dtype))
     o, lse = _check(args)
     for t in (0, T - 1):
         assert torch.all(o[t] == 0) and torch.all(torch.isinf(lse[t]) & (lse[t] > 0))
@@ -251,6 +253,8 @@ def test_shared_window_v41_gpu(device, H, block_t, block_n, warps):
     few = (gluon_pkg.AVAILABLE and torch.cuda.get_device_capability() == (9, 0) and H <= 8
            and pl.pick(1, H, a["q"].device, a["topk_indices"]))
     assert (pl.LAST_LAUNCH.get("fwd", (None, None))[1] == pl.FEW) == few
+    # the default tiles (64 rows) put the window partial on the Gluon window kernel too
+    assert ("window" in pl.LAST_LAUNCH) == (few and block_t is None)
 
 
 @pytest.mark.gpu

@@ -3,8 +3,10 @@
 Gluon's API changes with every Triton release, so everything here is behind a feature gate:
 ``AVAILABLE`` is True only when the installed Triton offers every Gluon name the kernels use
 (checked at import, never raising); otherwise ``REASON`` says what is missing and callers keep
-the portable ``tl`` kernels. Gluon does not run in the CPU interpreter. Kernels: ``decode.py`` (sparse MLA decode over the
-paged caches) and ``prefill.py`` (sparse MLA prefill over the bf16 workspace, many heads).
+the portable ``tl`` kernels. Gluon does not run in the CPU interpreter. Kernels: ``decode*.py`` (sparse MLA decode over the
+paged caches), ``prefill.py`` / ``prefill_ws.py`` / ``prefill_wsp.py`` (sparse MLA prefill over
+the bf16 workspace, many heads), ``prefill_few.py`` (at most 8 heads) and ``prefill_window.py``
+(the shared-window entry's window partial).
 """
 from __future__ import annotations
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
@@ -332,3 +333,249 @@ def _sparse_mla_prefill_gluon_few_kernel(
                      q_smem, ring, idx_rows, p_smem, q_ready, q_free, i_ready, i_free, ready,
                      free, HAS_LEN, HAS_SINK, NS, WB, MODE, PRIOR)),
     ], [4], [CONSUMER_REGS])
+
+
+# ---- two mma.sync consumers on alternate blocks ---------------------------------------------
+MMA2 = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1],
+                                               instr_shape=[16, 8]))  # mma.sync, 16 rows a warp
+A2 = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA2, k_width=2))
+B2 = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA2, k_width=2))
+K2 = gl.constexpr(gl.SliceLayout(1, MMA2))
+H2 = gl.constexpr(gl.SliceLayout(0, MMA2))
+SYNC_REGS = gl.constexpr(200)
+
+
+@gluon.jit
+def _q_b(q_smem, i):
+    """Q slot tile ``i`` transposed: an ``mma.sync`` B operand ``[64 dims, 8 heads]``."""
+    return q_smem.index(i).permute((1, 0)).load(B2)
+
+
+@gluon.jit
+def _o_sync(ring, i, pb, o, a2):
+    """``O^T_i * alpha + K_i^T P^T`` by ``mma.sync`` (A: ring tile ``i`` transposed)."""
+    return mma_v2(ring.index(i).permute((1, 0)).load(A2), pb, o * a2)
+
+
+@gluon.jit
+def _consumer_sync(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink_ptr, sink_st,
+                   out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, q_smem, ring,
+                   idx_rows, mg_o, mg_ml, q_ready, q_free, i_ready, i_free, ready, free,
+                   mg_ready, mg_free, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr,
+                   NS: gl.constexpr, WB: gl.constexpr, MODE: gl.constexpr,
+                   PRIOR: gl.constexpr, C: gl.constexpr):
+    """Consumer ``C`` of two: the token's blocks ``b`` with ``(g + b) % 2 == C`` (``g``: the
+    CTA's blocks before the token), its own softmax state; consumer 1 hands (m, l, O^T) to
+    consumer 0 through ``mg_*`` at the token's end, which merges, applies prior and sink, and
+    stores."""
+    zero = gl.full([64, 8], 0.0, gl.float32, layout=MMA2)
+    kr = gl.arange(0, 64, layout=K2)
+    h = gl.arange(0, 8, layout=H2)
+    hmask = h < H
+    h64 = h.to(gl.int64)
+    om = hmask[None, :] & (kr >= 0)[:, None]
+    n_next = _token_len(pid, T, len_ptr, len_st, width, HAS_LEN)
+    g = 0
+    k = 0
+    for item in range(pid, T, grid):
+        t = item.to(gl.int64)
+        n = n_next
+        n_next = _token_len(item + grid, T, len_ptr, len_st, width, HAS_LEN)
+        nblk = gl.cdiv(n, 64)
+        b0 = (C - g) & 1
+        nb = gl.maximum(nblk - b0 + 1, 0) // 2
+        qs = k % 2
+        si = k % IDX_SLOTS
+        orow = out_ptr + t * stride_ot + h64[None, :] * stride_oh + kr[:, None]
+        if PRIOR and C == 0:
+            lp = gl.load(lse_ptr + t * stride_lt + h64 * stride_lh, mask=hmask,
+                         other=float("inf"))
+        m_i = gl.full([8], float("-inf"), gl.float32, layout=H2)
+        l_i = gl.full([8], 0.0, gl.float32, layout=H2)
+        o0 = zero
+        o1 = zero
+        o2 = zero
+        o3 = zero
+        o4 = zero
+        o5 = zero
+        o6 = zero
+        o7 = zero
+        mbarrier.wait(q_ready.index(qs), (k // 2) & 1)
+        mbarrier.wait(i_ready.index(si), (k // IDX_SLOTS) & 1)
+        gl.thread_barrier()
+        mbarrier.arrive(q_free.index(qs), pred=nb == 0)
+        mbarrier.arrive(i_free.index(si), pred=nb == 0)
+        for j in range(nb):
+            b = b0 + 2 * j
+            gg = g + b
+            s = gg % NS
+            col = b * 64 + kr
+            ix = idx_rows.index(si * WB + b).load(K2)
+            ok = (col < n) & (ix >= 0) & (ix < rows)
+            base = s * 8
+            qb = qs * 8
+            mbarrier.wait(ready.index(s), (gg // NS) & 1)
+            last = j == nb - 1
+            if MODE == 1:
+                gl.thread_barrier()
+                mbarrier.arrive(free.index(s))
+                mbarrier.arrive(q_free.index(qs), pred=last)
+                mbarrier.arrive(i_free.index(si), pred=last)
+            else:
+                # four independent S chains (adjacent mma.sync never wait on each other)
+                s0 = mma_v2(ring.index(base).load(A2), _q_b(q_smem, qb), zero)
+                s1 = mma_v2(ring.index(base + 1).load(A2), _q_b(q_smem, qb + 1), zero)
+                s2 = mma_v2(ring.index(base + 2).load(A2), _q_b(q_smem, qb + 2), zero)
+                s3 = mma_v2(ring.index(base + 3).load(A2), _q_b(q_smem, qb + 3), zero)
+                s0 = mma_v2(ring.index(base + 4).load(A2), _q_b(q_smem, qb + 4), s0)
+                s1 = mma_v2(ring.index(base + 5).load(A2), _q_b(q_smem, qb + 5), s1)
+                s2 = mma_v2(ring.index(base + 6).load(A2), _q_b(q_smem, qb + 6), s2)
+                s3 = mma_v2(ring.index(base + 7).load(A2), _q_b(q_smem, qb + 7), s3)
+                gl.thread_barrier()
+                mbarrier.arrive(q_free.index(qs), pred=last)
+                mbarrier.arrive(i_free.index(si), pred=last)
+                acc = (s0 + s1) + (s2 + s3)
+                sc = gl.where(ok[:, None], acc * qk_scale, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(sc, axis=0))
+                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = gl.exp2(m_i - m_safe)
+                p = gl.exp2(sc - m_safe[None, :])
+                l_i = l_i * alpha + gl.sum(p, axis=0)
+                a2 = alpha[None, :]
+                pb = gl.convert_layout(p.to(gl.bfloat16), B2)
+                o0 = _o_sync(ring, base, pb, o0, a2)
+                o1 = _o_sync(ring, base + 1, pb, o1, a2)
+                o2 = _o_sync(ring, base + 2, pb, o2, a2)
+                o3 = _o_sync(ring, base + 3, pb, o3, a2)
+                o4 = _o_sync(ring, base + 4, pb, o4, a2)
+                o5 = _o_sync(ring, base + 5, pb, o5, a2)
+                o6 = _o_sync(ring, base + 6, pb, o6, a2)
+                o7 = _o_sync(ring, base + 7, pb, o7, a2)
+                gl.thread_barrier()
+                mbarrier.arrive(free.index(s))
+                m_i = m_new
+        if C == 1:  # hand this token's state to consumer 0
+            mbarrier.wait(mg_free, (k & 1) ^ 1)
+            mg_ml.index(0).store(m_i)
+            mg_ml.index(1).store(l_i)
+            mg_o.index(0).store(o0)
+            mg_o.index(1).store(o1)
+            mg_o.index(2).store(o2)
+            mg_o.index(3).store(o3)
+            mg_o.index(4).store(o4)
+            mg_o.index(5).store(o5)
+            mg_o.index(6).store(o6)
+            mg_o.index(7).store(o7)
+            gl.thread_barrier()
+            mbarrier.arrive(mg_ready)
+        else:
+            mbarrier.wait(mg_ready, k & 1)
+            m_1 = mg_ml.index(0).load(H2)
+            l_1 = mg_ml.index(1).load(H2)
+            m_c = gl.maximum(m_i, m_1)
+            m_cs = gl.where(m_c == float("-inf"), 0.0, m_c)
+            w_i = gl.where(m_i == float("-inf"), 0.0, gl.exp2(m_i - m_cs))
+            w_1 = gl.where(m_1 == float("-inf"), 0.0, gl.exp2(m_1 - m_cs))
+            wi = w_i[None, :]
+            w1 = w_1[None, :]
+            o0 = o0 * wi + mg_o.index(0).load(MMA2) * w1
+            o1 = o1 * wi + mg_o.index(1).load(MMA2) * w1
+            o2 = o2 * wi + mg_o.index(2).load(MMA2) * w1
+            o3 = o3 * wi + mg_o.index(3).load(MMA2) * w1
+            o4 = o4 * wi + mg_o.index(4).load(MMA2) * w1
+            o5 = o5 * wi + mg_o.index(5).load(MMA2) * w1
+            o6 = o6 * wi + mg_o.index(6).load(MMA2) * w1
+            o7 = o7 * wi + mg_o.index(7).load(MMA2) * w1
+            gl.thread_barrier()
+            mbarrier.arrive(mg_free)
+            l_i = l_i * w_i + l_1 * w_1
+            m_i = m_c
+            if PRIOR:
+                m_p = gl.where(lp == float("inf"), float("-inf"), lp * LOG2E)
+                m_c = gl.maximum(m_i, m_p)
+                m_c = gl.where(m_p != m_p, m_p, m_c)  # the GPU max drops a NaN partial
+                m_cs = gl.where(m_c == float("-inf"), 0.0, m_c)
+                w_i = gl.where(m_i == float("-inf"), 0.0, gl.exp2(m_i - m_cs))
+                w_p = gl.where(m_p == float("-inf"), 0.0, gl.exp2(m_p - m_cs))
+                l_i = l_i * w_i + w_p
+                wi = w_i[None, :]
+                wp = w_p[None, :]
+                o0 = o0 * wi + _prior_group(orow, om, 0) * wp
+                o1 = o1 * wi + _prior_group(orow, om, 1) * wp
+                o2 = o2 * wi + _prior_group(orow, om, 2) * wp
+                o3 = o3 * wi + _prior_group(orow, om, 3) * wp
+                o4 = o4 * wi + _prior_group(orow, om, 4) * wp
+                o5 = o5 * wi + _prior_group(orow, om, 5) * wp
+                o6 = o6 * wi + _prior_group(orow, om, 6) * wp
+                o7 = o7 * wi + _prior_group(orow, om, 7) * wp
+                m_i = m_c
+            inv, lse = _finish_rows(l_i, m_i, h64, hmask, sink_ptr, sink_st, HAS_SINK)
+            gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
+            iv = inv[None, :]
+            gl.store(orow + 0, (o0 * iv).to(gl.bfloat16), mask=om)
+            gl.store(orow + 64, (o1 * iv).to(gl.bfloat16), mask=om)
+            gl.store(orow + 128, (o2 * iv).to(gl.bfloat16), mask=om)
+            gl.store(orow + 192, (o3 * iv).to(gl.bfloat16), mask=om)
+            gl.store(orow + 256, (o4 * iv).to(gl.bfloat16), mask=om)
+            gl.store(orow + 320, (o5 * iv).to(gl.bfloat16), mask=om)
+            gl.store(orow + 384, (o6 * iv).to(gl.bfloat16), mask=om)
+            gl.store(orow + 448, (o7 * iv).to(gl.bfloat16), mask=om)
+        g += nblk
+        k += 1
+
+
+@gluon.jit
+def _sparse_mla_prefill_gluon_few_sync_kernel(
+        q_ptr, stride_qt, stride_qh, kv_ptr, kv_stride, rows, idx_ptr, idx_st, width, len_ptr,
+        len_st, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
+        T, H, qk_scale, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, PRIOR: gl.constexpr,
+        NS: gl.constexpr, WB: gl.constexpr, MODE: gl.constexpr):
+    """``_sparse_mla_prefill_gluon_few_kernel``'s arguments and producer; the products by
+    ``mma.sync`` in two consumer warpgroups on alternate blocks."""
+    KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, 64], gl.bfloat16)
+    IL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    pid = gl.program_id(0)
+    grid = gl.num_programs(0)
+    ring = gl.allocate_shared_memory(gl.bfloat16, [NS * 8, 64, 64], KL)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * 8, 8, 64], QL)
+    idx_smem = gl.allocate_shared_memory(gl.int32, [IDX_SLOTS, WB, 64], IL)
+    idx_rows = idx_smem._reinterpret(gl.int32, [IDX_SLOTS * WB, 64],
+                                     gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    mg_o = gl.allocate_shared_memory(gl.float32, [8, 64, 8], IL)
+    mg_ml = gl.allocate_shared_memory(gl.float32, [2, 8], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    i_ready = gl.allocate_shared_memory(gl.int64, [IDX_SLOTS, 1], mbarrier.MBarrierLayout())
+    i_free = gl.allocate_shared_memory(gl.int64, [IDX_SLOTS, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    mg_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mg_ready = mg_bar.index(0)
+    mg_free = mg_bar.index(1)
+    for s in gl.static_range(2):
+        mbarrier.init(q_ready.index(s), count=128)
+        mbarrier.init(q_free.index(s), count=2)
+    for s in gl.static_range(IDX_SLOTS):
+        mbarrier.init(i_ready.index(s), count=128)
+        mbarrier.init(i_free.index(s), count=2)
+    for s in gl.static_range(NS):
+        mbarrier.init(ready.index(s), count=128)
+        mbarrier.init(free.index(s), count=1)
+    mbarrier.init(mg_ready, count=1)
+    mbarrier.init(mg_free, count=1)
+    gl.warp_specialize([
+        (_producer, (pid, grid, T, width, len_ptr, len_st, q_ptr, stride_qt, stride_qh, kv_ptr,
+                     kv_stride, rows, idx_ptr, idx_st, H, q_smem, ring, idx_smem, idx_rows,
+                     q_ready, q_free, i_ready, i_free, ready, free, HAS_LEN, NS, WB, MODE)),
+        (_consumer_sync, (pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink_ptr,
+                          sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
+                          stride_lh, q_smem, ring, idx_rows, mg_o, mg_ml, q_ready, q_free,
+                          i_ready, i_free, ready, free, mg_ready, mg_free, HAS_LEN, HAS_SINK,
+                          NS, WB, MODE, PRIOR, 0)),
+        (_consumer_sync, (pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink_ptr,
+                          sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
+                          stride_lh, q_smem, ring, idx_rows, mg_o, mg_ml, q_ready, q_free,
+                          i_ready, i_free, ready, free, mg_ready, mg_free, HAS_LEN, HAS_SINK,
+                          NS, WB, MODE, PRIOR, 1)),
+    ], [4, 4], [SYNC_REGS, SYNC_REGS])

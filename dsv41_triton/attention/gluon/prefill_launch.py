@@ -163,13 +163,17 @@ def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     LAST_LAUNCH["fwd"] = (k, variant)
 
 
-def _launch_few(q, kv, indices, lens, sink, softmax_scale, out, lse, prior, mode=0):
+def _launch_few(q, kv, indices, lens, sink, softmax_scale, out, lse, prior, mode=0,
+                sync=False):
     """The few-heads kernel (``prefill_few.py``) on validated arguments; ``mode`` 1 / 2 time
-    the copies / the products alone (benchmarks)."""
-    from .prefill_few import NS, NUM_WARPS, _sparse_mla_prefill_gluon_few_kernel, index_blocks
+    the copies / the products alone (benchmarks); ``sync``: the two mma.sync consumers."""
+    from . import prefill_few as pf
+    kernel = (pf._sparse_mla_prefill_gluon_few_sync_kernel if sync
+              else pf._sparse_mla_prefill_gluon_few_kernel)
+    NS, NUM_WARPS, index_blocks = pf.NS, pf.NUM_WARPS, pf.index_blocks
     T, H, _ = q.shape
     S, K = kv.shape[0], indices.shape[1]
-    k = _sparse_mla_prefill_gluon_few_kernel[(min(_sms(q.device), T),)](
+    k = kernel[(min(_sms(q.device), T),)](
         q, q.stride(0), q.stride(1),
         kv, kv.stride(0) if S > 1 else 512, S,
         indices, indices.stride(0), K,
@@ -184,5 +188,28 @@ def _launch_few(q, kv, indices, lens, sink, softmax_scale, out, lse, prior, mode
     return k
 
 
+def launch_window(q: torch.Tensor, kv: torch.Tensor, win_start: torch.Tensor,
+                  win_len: torch.Tensor, tiles: torch.Tensor, softmax_scale: float,
+                  out: torch.Tensor, lse: torch.Tensor) -> None:
+    """The shared-window partial (``prefill_window.py``) on validated arguments: ``tiles [NT,
+    2]`` int32 of ``64 // next_power_of_2(H)`` tokens at most; writes each token's normalized
+    window partial to out / lse (no sink)."""
+    from ..._utils import next_power_of_2
+    from .prefill_window import NUM_WARPS, _shared_window_gluon_kernel
+    T, H, _ = q.shape
+    S, NT = kv.shape[0], tiles.shape[0]
+    if T == 0 or NT == 0:
+        return
+    k = _shared_window_gluon_kernel[(min(_sms(q.device), NT),)](
+        q, q.stride(0), q.stride(1),
+        kv, kv.stride(0) if S > 1 else 512, S,
+        win_start, win_start.stride(0), win_len, win_len.stride(0), tiles, NT,
+        out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1),
+        H, float(softmax_scale) * 1.4426950408889634,
+        HP=next_power_of_2(H), num_warps=NUM_WARPS,
+    )
+    LAST_LAUNCH["window"] = (k, "window")
+
+
 __all__ = ["PICK", "ENV", "VARIANT_ENV", "VARIANTS", "FEW", "usable", "few_usable", "pick",
-           "launch", "heads_bucket", "table_variant"]
+           "launch", "launch_window", "heads_bucket", "table_variant"]

@@ -93,14 +93,21 @@ def _row_offsets(ix, rows, kv_stride):
 
 
 @gluon.jit
-def _fill_pairs(kv_ptr, kv_stride, rows, idx_row, n, npair, g, r, d, ring, ready, free):
+def _fill_pairs(kv_ptr, kv_stride, rows, idx_row, n, npair, g, r, d, ring, ready, free,
+                BAND: gl.constexpr = False, base=0):
     """Block pairs ``0 .. npair - 1`` of one item (``g``: pairs this CTA filled before it, for
     the ``free`` phases) into ring stages 0 (even block) and 1 (odd block), each pair's halves
     in the order they free up: (0, 0), (1, 1), (0, 1), (1, 0); each pair's ids loaded just
-    before its first wait."""
+    before its first wait. ``BAND``: the ids are the rows ``base, base + 1, ..`` (no index
+    row)."""
     for i in range(npair):
         ph = ((g + i) & 1) ^ 1
-        ix0, ix1 = _pair_ids(idx_row, n, i, r)
+        if BAND:
+            c0 = (2 * i) * BN + r
+            ix0 = gl.where(c0 < n, base + c0, -1)
+            ix1 = gl.where(c0 + BN < n, base + c0 + BN, -1)
+        else:
+            ix0, ix1 = _pair_ids(idx_row, n, i, r)
         off0, ok0 = _row_offsets(ix0, rows, kv_stride)
         off1, ok1 = _row_offsets(ix1, rows, kv_stride)
         _fill(kv_ptr, off0, ok0, d, ring, ready, free, 0, 0, ph)
@@ -144,24 +151,27 @@ def _qk(q_smem, kt, ready, C: gl.constexpr, ph, s_zero):
 
 
 @gluon.jit
-def _block_ok(C: gl.constexpr, i, n, idx_row, rows):
+def _block_ok(C: gl.constexpr, i, n, idx_row, rows, BAND: gl.constexpr = False, base=0):
     """Column validity of consumer ``C``'s block of pair ``i`` in the S accumulator's column
     layout ``COL_S``: loaded one column a thread pair and moved there (the load's latency
-    hides behind the QK product)."""
+    hides behind the QK product); ``BAND``: the ids are the rows ``base + column``."""
     IL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     # (+ i >> 30, i.e. 0: keeps the column pointers from being hoisted to the kernel's entry,
     # where they stay live in every partition and make ptxas spill)
     c = (2 * i + C) * BN + (gl.arange(0, BN, layout=IL) + (i >> 30))
     cm = c < n
-    ci = gl.load(idx_row + c, mask=cm, other=-1)
+    if BAND:
+        ci = base + c
+    else:
+        ci = gl.load(idx_row + c, mask=cm, other=-1)
     return gl.convert_layout(cm & (ci >= 0) & (ci < rows), COL_S)
 
 
 @gluon.jit
 def _pair_max(C: gl.constexpr, sc, ok, qk_scale, m_i, m_smem, m_bar, ph):
-    """Masked, scaled logits of consumer ``C``'s block and the running max after them, handed
-    0 -> 1 (consumer 1 starts from consumer 0's new max; ``m_smem[C * BH:]`` holds ``C``'s)."""
-    sc = gl.where(ok[None, :], sc * qk_scale, float("-inf"))
+    """Masked (``ok``: ``[1 or BH, BN]``), scaled logits of consumer ``C``'s block and the
+    running max after them, handed 0 -> 1 (consumer 1 starts from consumer 0's new max; ``m_smem[C * BH:]`` holds ``C``'s)."""
+    sc = gl.where(ok, sc * qk_scale, float("-inf"))
     if C == 0:
         m_new = gl.maximum(m_i, gl.max(sc, axis=1))
         m_smem.slice(0, BH).store(m_new)
@@ -214,20 +224,27 @@ def _pair_views(C: gl.constexpr, i, ring):
 @gluon.jit
 def _consumer_pair(C: gl.constexpr, i, ph, last, n, idx_row, rows, qk_scale, q_smem, ring,
                    p_smem, m_smem, ready, free, m_bar, p_bar, q_free, m_i, l_i, o,
-                   FREES_Q: gl.constexpr):
+                   FREES_Q: gl.constexpr, BAND: gl.constexpr = False, base=0, lo_c=0, hi_c=0):
     """Consumer ``C``'s share of block pair ``i`` (barrier phase ``ph``): the QK of its own
     block, the running max handed 0 -> 1 -> 0, P (its own from registers, the other's from
     shared memory) times its value dims; frees the ring halves as it is done with them (and,
-    with ``FREES_Q``, Q after the QK of the ``last`` pair). Returns ``(m_i, l_i, o)``."""
+    with ``FREES_Q``, Q after the QK of the ``last`` pair). ``BAND``: keys are the rows ``base
+    + column`` and row ``r`` sees only the columns ``lo_c[r] <= c < hi_c[r]`` (``[BH]`` int32,
+    ``ROW_S``). Returns ``(m_i, l_i, o)``."""
     s_zero = gl.full([BH, BN], 0.0, gl.float32, layout=S_L)
     opaque, mine, v_mine, v_other = _pair_views(C, i, ring)
-    ok = _block_ok(C, i, n, idx_row, rows)
+    ok = _block_ok(C, i, n, idx_row, rows, BAND, base)
     sc = _qk(q_smem.index(opaque), mine, ready, C, ph, s_zero)
     gl.thread_barrier()
     if FREES_Q:
         mbarrier.arrive(q_free, pred=last)  # the item's last QK: Q free
     mbarrier.arrive(free.index(2 * C + 1 - C))  # the other half of my stage: QK done
-    sc, m_new = _pair_max(C, sc, ok, qk_scale, m_i, m_smem, m_bar, ph)
+    if BAND:
+        c = (2 * i + C) * BN + gl.arange(0, BN, layout=COL_S)
+        ok2 = ok[None, :] & (c[None, :] >= lo_c[:, None]) & (c[None, :] < hi_c[:, None])
+    else:
+        ok2 = ok[None, :]
+    sc, m_new = _pair_max(C, sc, ok2, qk_scale, m_i, m_smem, m_bar, ph)
     m_safe, l_i, o, pb = _pair_probs(sc, m_i, m_new, l_i, o)
     o = warpgroup_mma(gl.convert_layout(pb, P_A), v_mine, o, is_async=True)
     if C == 0:
@@ -262,27 +279,34 @@ def _consumer_pair(C: gl.constexpr, i, ph, last, n, idx_row, rows, qk_scale, q_s
 @gluon.jit
 def _consumer_rows(C: gl.constexpr, l_i, m_i, o, t, ht, H, sink_ptr, sink_st, out_ptr, stride_ot,
                    stride_oh, lse_ptr, stride_lt, stride_lh, l_buf, l_mine, l_other, ph,
-                   HAS_SINK: gl.constexpr):
+                   HAS_SINK: gl.constexpr, HP: gl.constexpr, nt):
     """Consumer ``C``'s rows of one (token ``t``, head tile ``ht``): its row sums handed to the
     other consumer through ``l_buf`` (``[2 * BH]`` fp32; ``l_mine`` / ``l_other``: the two
     mbarriers, ``ph`` the other's phase), the sink (``_finish_rows``), lse (consumer 0) and its
-    256 value dims of the output."""
+    256 value dims of the output. Row ``r`` is token ``t + r // HP`` (of ``nt``), head ``ht *
+    BH + r % HP``: ``HP = BH``, ``nt = 1`` for one token's head tile, ``HP`` heads a token for
+    the window kernel's tile of tokens (``prefill_window.py``)."""
     l_buf.slice(BH * C, BH).store(l_i)
     gl.thread_barrier()
     mbarrier.arrive(l_mine)
     mbarrier.wait(l_other, ph)
     l_tot = l_i + l_buf.slice(BH * (1 - C), BH).load(ROW_S)
-    h = ht * BH + gl.arange(0, BH, layout=ROW_S)
-    hmask = h < H
+    r = gl.arange(0, BH, layout=ROW_S)
+    h = ht * BH + r % HP
+    hmask = (h < H) & (r // HP < nt)
+    tr = t + (r // HP).to(gl.int64)
     h64 = h.to(gl.int64)
     inv, lse = _finish_rows(l_tot, m_i, h64, hmask, sink_ptr, sink_st, HAS_SINK)
     if C == 0:
-        gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
-    ho = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, O_ST))
+        gl.store(lse_ptr + tr * stride_lt + h64 * stride_lh, lse, mask=hmask)
     do = 256 * C + gl.arange(0, 256, layout=gl.SliceLayout(0, O_ST))
     v = gl.convert_layout((o * gl.convert_layout(inv, ROW_O)[:, None]).to(gl.bfloat16), O_ST)
-    op = out_ptr + t * stride_ot + ho.to(gl.int64)[:, None] * stride_oh + do[None, :]
-    gl.store(op, v, mask=(ho < H)[:, None], cache_modifier=".cs")
+    ro = gl.arange(0, BH, layout=gl.SliceLayout(1, O_ST))
+    ho = ht * BH + ro % HP
+    om = (ho < H) & (ro // HP < nt)
+    orow = (t + (ro // HP).to(gl.int64)) * stride_ot + ho.to(gl.int64) * stride_oh
+    op = out_ptr + orow[:, None] + do[None, :]
+    gl.store(op, v, mask=om[:, None], cache_modifier=".cs")
 
 
 @gluon.jit
@@ -309,7 +333,7 @@ def _consumer(C: gl.constexpr, idx_ptr, idx_st, n, rows, t, ht, H, qk_scale,
 
     _consumer_rows(C, l_i, m_i, o, t, ht, H, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh,
                    lse_ptr, stride_lt, stride_lh, l_smem, l_bar.index(C), l_bar.index(1 - C),
-                   0, HAS_SINK)
+                   0, HAS_SINK, BH, 1)
 
 
 @gluon.jit

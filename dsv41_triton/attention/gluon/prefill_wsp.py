@@ -134,7 +134,7 @@ def _consumer(C: gl.constexpr, pid, grid, num_items, num_ht, width, len_ptr, len
         _consumer_rows(C, l_i, m_i, o, t, ht, H, sink_ptr, sink_st, out_ptr, stride_ot,
                        stride_oh, lse_ptr, stride_lt, stride_lh, l_smem.index(lb),
                        l_bar.index(2 * lb + C), l_bar.index(2 * lb + 1 - C), (k >> 1) & 1,
-                       HAS_SINK)
+                       HAS_SINK, BH, 1)
         k += 1
 
 
