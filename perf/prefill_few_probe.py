@@ -163,8 +163,7 @@ def check_and_time():
     print(f"shared window parts: Gluon window {t_w:.1f} us, few top-k with prior {t_k:.1f} us",
           flush=True)
     # the pick: smaller shapes, random rows of a 32768-row workspace
-    for T, H, K in [(1, 8, 640), (128, 8, 640), (4096, 1, 640), (4096, 8, 128),
-                    (512, 8, 4096)]:
+    for T, H, K in [(1, 8, 640), (128, 8, 640), (512, 8, 4096)]:
         q = torch.randn(T, H, 512, device=dev).to(torch.bfloat16)
         idx = torch.randint(0, kv.shape[0], (T, K), device=dev, dtype=torch.int32)
         o = torch.empty_like(q)

@@ -122,6 +122,27 @@ def test_gluon_prefill_pick_table():
     assert pl.heads_bucket(65) == 128 and pl.heads_bucket(129) == 1 << 30
 
 
+def test_gluon_prefill_pick_few_heads(monkeypatch):
+    """On sm_90 the auto path takes the few-heads kernel for <= 8 heads from
+    ``FEW_MIN_TOKENS`` tokens with int32 index rows it can copy, and keeps tl otherwise (one
+    token, int64 ids, more than ``MAX_WIDTH`` columns); many heads keep their entries."""
+    from dsv41_triton.attention.gluon import prefill_launch as pl
+    MAX_WIDTH = pytest.importorskip("dsv41_triton.attention.gluon.prefill_few").MAX_WIDTH
+    monkeypatch.setattr(pl, "_cap", lambda device: (9, 0))
+    monkeypatch.delenv(pl.ENV, raising=False)
+    dev = torch.device("cpu")
+    i32 = torch.zeros(4, 640, dtype=torch.int32)
+    n = pl.FEW_MIN_TOKENS
+    assert pl.pick(n, 8, dev, i32) and pl.pick(n, 1, dev, i32) and pl.pick(n, 3, dev, i32)
+    assert not pl.pick(n - 1, 8, dev, i32) and not pl.pick(1, 8, dev, i32)
+    assert not pl.pick(n, 8, dev, i32.long())
+    assert not pl.pick(n, 8, dev, torch.zeros(4, MAX_WIDTH + 1, dtype=torch.int32))
+    assert pl.table_variant(8, dev, i32) == pl.FEW and pl.table_variant(8, dev) is None
+    assert not pl.pick(n, 16, dev, i32) and pl.pick(1, 64, dev, i32) and pl.pick(1, 128, dev)
+    assert pl.few_usable(8, i32) and not pl.few_usable(9, i32)
+    assert pl.few_usable(8, torch.zeros(4, 17, dtype=torch.int32))  # any row alignment
+
+
 def test_gluon_prefill_not_picked_without_gpu():
     """Without an sm_90 GPU (or with the gate closed) the auto path runs tl / the reference,
     and ``_kernel`` is validated."""

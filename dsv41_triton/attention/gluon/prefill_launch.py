@@ -33,9 +33,14 @@ PICK = {
     # Persistent warp-specialized kernel (prefill_wsp.py), 2026-12-02, one run: wsp / ws /
     # FlashMLA 64 heads 666.1 / 740.0 / 655.5 us, 128 heads 1266.0 / 1436.3 / 1287.2.
     # Few-heads kernel (prefill_few.py: keys as the wgmma M), 2026-12-02, one run: 8 heads
-    # tl / few 551.2 / 490.4 us (640 keys), 456.9 / 401.8 (the 512 top-k keys alone).
+    # tl / few 550.0 / 482.9 us (640 keys), 455.6 / 396.5 (the 512 top-k keys alone); 128
+    # tokens x 640 keys 34.1 / 26.4, 512 x 4096 435.0 / 367.8; 1 token 11.5 / 19.4 (hence
+    # FEW_MIN_TOKENS).
     (9, 0): {8: "few", 64: "wsp", 128: "wsp"},
 }
+#: fewer query tokens than this keep ``tl`` where the table says "few" (one token measured
+#: 1.7x slower on it: one CTA walks all the blocks; 128 tokens faster)
+FEW_MIN_TOKENS = 128
 
 #: variants the GPU tests run (tests/attention/test_prefill_gluon.py); PICK uses only these.
 #: "ws": the warp-specialized kernel (``prefill_ws.py``: a producer warpgroup and two consumer
@@ -81,7 +86,10 @@ def usable(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor) -> bool:
 def few_usable(H: int, indices: torch.Tensor) -> bool:
     """True when the few-heads kernel takes these (validated) arguments: ``H <= 8``, int32
     ``indices [T, K]`` with ``K <= MAX_WIDTH`` and unit column stride."""
-    from .prefill_few import MAX_HEADS, MAX_WIDTH
+    try:
+        from .prefill_few import MAX_HEADS, MAX_WIDTH
+    except Exception:  # noqa: BLE001 - a Triton without this Gluon API: never usable
+        return False
     return (H <= MAX_HEADS and indices.dtype == torch.int32 and indices.shape[1] <= MAX_WIDTH
             and (indices.shape[1] <= 1 or indices.stride(1) == 1))
 
@@ -103,7 +111,8 @@ def pick(T: int, H: int, device: torch.device, indices: Optional[torch.Tensor] =
         return False
     if mode == "gluon":
         return True
-    return table_variant(H, device, indices) is not None
+    v = table_variant(H, device, indices)
+    return v is not None and (v != FEW or T >= FEW_MIN_TOKENS)
 
 
 #: the last launch's compiled kernel and variant (benchmarks read registers)
@@ -211,5 +220,6 @@ def launch_window(q: torch.Tensor, kv: torch.Tensor, win_start: torch.Tensor,
     LAST_LAUNCH["window"] = (k, "window")
 
 
-__all__ = ["PICK", "ENV", "VARIANT_ENV", "VARIANTS", "FEW", "usable", "few_usable", "pick",
+__all__ = ["PICK", "ENV", "VARIANT_ENV", "VARIANTS", "FEW", "FEW_MIN_TOKENS", "usable",
+           "few_usable", "pick",
            "launch", "launch_window", "heads_bucket", "table_variant"]
