@@ -27,6 +27,11 @@ token's last S, or at once when the token has no keys), ``i_ready[k % 3]`` / ``i
 per token (use ``k // 3``; both partitions wait ``i_ready``, the consumer frees it).
 ``MODE`` (benchmarks only): 1 times the copies alone (the consumer frees each stage unread), 2
 the products alone (no row copies); 0 is the kernel.
+
+``_sparse_mla_prefill_gluon_few_sync_kernel`` (not picked; ``perf/prefill_few_probe.py``): the
+same producer with two ``mma.sync`` consumer warpgroups on alternate blocks, each with its own
+softmax state, merged at the token's end; faster products alone, slower whole on the H200
+(perf/NOTES.md, "Session 18").
 """
 from __future__ import annotations
 
