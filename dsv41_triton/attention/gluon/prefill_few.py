@@ -151,6 +151,42 @@ def _prior_group(prow, pm, grp: gl.constexpr):
 
 
 @gluon.jit
+def _merge_prior(l_i, m_i, lp, o0, o1, o2, o3, o4, o5, o6, o7, p0, p1, p2, p3, p4, p5, p6, p7):
+    """The online state (log2-domain max ``m_i``, sum ``l_i``, ``O^T`` tiles ``o*``) merged with
+    a normalized prior (natural lse ``lp``, ``+inf``: none; its output tiles ``p*``)."""
+    m_p = gl.where(lp == float("inf"), float("-inf"), lp * LOG2E)
+    m_c = gl.maximum(m_i, m_p)
+    m_c = gl.where(m_p != m_p, m_p, m_c)  # the GPU max drops a NaN partial
+    m_cs = gl.where(m_c == float("-inf"), 0.0, m_c)
+    w_i = gl.where(m_i == float("-inf"), 0.0, gl.exp2(m_i - m_cs))
+    w_p = gl.where(m_p == float("-inf"), 0.0, gl.exp2(m_p - m_cs))
+    l_i = l_i * w_i + w_p
+    wi = w_i[None, :]
+    wp = w_p[None, :]
+    return (l_i, m_c, o0 * wi + p0 * wp, o1 * wi + p1 * wp, o2 * wi + p2 * wp,
+            o3 * wi + p3 * wp, o4 * wi + p4 * wp, o5 * wi + p5 * wp, o6 * wi + p6 * wp,
+            o7 * wi + p7 * wp)
+
+
+@gluon.jit
+def _store_token(l_i, m_i, o0, o1, o2, o3, o4, o5, o6, o7, t, h64, hmask, orow, om, sink_ptr,
+                 sink_st, lse_ptr, stride_lt, stride_lh, HAS_SINK: gl.constexpr):
+    """A token's epilogue: ``_finish_rows`` (sink, empty rows 0 / +inf), its lse and its 8
+    ``O^T [64 dims, 8 heads]`` tiles as bf16 at ``orow`` (``om``: live heads)."""
+    inv, lse = _finish_rows(l_i, m_i, h64, hmask, sink_ptr, sink_st, HAS_SINK)
+    gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
+    iv = inv[None, :]
+    gl.store(orow + 0, (o0 * iv).to(gl.bfloat16), mask=om)
+    gl.store(orow + 64, (o1 * iv).to(gl.bfloat16), mask=om)
+    gl.store(orow + 128, (o2 * iv).to(gl.bfloat16), mask=om)
+    gl.store(orow + 192, (o3 * iv).to(gl.bfloat16), mask=om)
+    gl.store(orow + 256, (o4 * iv).to(gl.bfloat16), mask=om)
+    gl.store(orow + 320, (o5 * iv).to(gl.bfloat16), mask=om)
+    gl.store(orow + 384, (o6 * iv).to(gl.bfloat16), mask=om)
+    gl.store(orow + 448, (o7 * iv).to(gl.bfloat16), mask=om)
+
+
+@gluon.jit
 def _consumer(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink_ptr, sink_st,
               out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, q_smem, ring,
               idx_rows, p_smem, q_ready, q_free, i_ready, i_free, ready, free,
@@ -258,36 +294,10 @@ def _consumer(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink_ptr,
                 m_i = m_new
             g += 1
         if PRIOR:
-            # the partial is an online state of max lse2 and sum 1; +inf lse: no partial
-            m_p = gl.where(lp == float("inf"), float("-inf"), lp * LOG2E)
-            m_c = gl.maximum(m_i, m_p)
-            m_c = gl.where(m_p != m_p, m_p, m_c)  # the GPU max drops a NaN partial
-            m_cs = gl.where(m_c == float("-inf"), 0.0, m_c)
-            w_i = gl.where(m_i == float("-inf"), 0.0, gl.exp2(m_i - m_cs))
-            w_p = gl.where(m_p == float("-inf"), 0.0, gl.exp2(m_p - m_cs))
-            l_i = l_i * w_i + w_p
-            wi = w_i[None, :]
-            wp = w_p[None, :]
-            o0 = o0 * wi + p0 * wp
-            o1 = o1 * wi + p1 * wp
-            o2 = o2 * wi + p2 * wp
-            o3 = o3 * wi + p3 * wp
-            o4 = o4 * wi + p4 * wp
-            o5 = o5 * wi + p5 * wp
-            o6 = o6 * wi + p6 * wp
-            o7 = o7 * wi + p7 * wp
-            m_i = m_c
-        inv, lse = _finish_rows(l_i, m_i, h64, hmask, sink_ptr, sink_st, HAS_SINK)
-        gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
-        iv = inv[None, :]
-        gl.store(orow + 0, (o0 * iv).to(gl.bfloat16), mask=om)
-        gl.store(orow + 64, (o1 * iv).to(gl.bfloat16), mask=om)
-        gl.store(orow + 128, (o2 * iv).to(gl.bfloat16), mask=om)
-        gl.store(orow + 192, (o3 * iv).to(gl.bfloat16), mask=om)
-        gl.store(orow + 256, (o4 * iv).to(gl.bfloat16), mask=om)
-        gl.store(orow + 320, (o5 * iv).to(gl.bfloat16), mask=om)
-        gl.store(orow + 384, (o6 * iv).to(gl.bfloat16), mask=om)
-        gl.store(orow + 448, (o7 * iv).to(gl.bfloat16), mask=om)
+            l_i, m_i, o0, o1, o2, o3, o4, o5, o6, o7 = _merge_prior(
+                l_i, m_i, lp, o0, o1, o2, o3, o4, o5, o6, o7, p0, p1, p2, p3, p4, p5, p6, p7)
+        _store_token(l_i, m_i, o0, o1, o2, o3, o4, o5, o6, o7, t, h64, hmask, orow, om,
+                     sink_ptr, sink_st, lse_ptr, stride_lt, stride_lh, HAS_SINK)
         k += 1
 
 
@@ -496,35 +506,14 @@ def _consumer_sync(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink
             l_i = l_i * w_i + l_1 * w_1
             m_i = m_c
             if PRIOR:
-                m_p = gl.where(lp == float("inf"), float("-inf"), lp * LOG2E)
-                m_c = gl.maximum(m_i, m_p)
-                m_c = gl.where(m_p != m_p, m_p, m_c)  # the GPU max drops a NaN partial
-                m_cs = gl.where(m_c == float("-inf"), 0.0, m_c)
-                w_i = gl.where(m_i == float("-inf"), 0.0, gl.exp2(m_i - m_cs))
-                w_p = gl.where(m_p == float("-inf"), 0.0, gl.exp2(m_p - m_cs))
-                l_i = l_i * w_i + w_p
-                wi = w_i[None, :]
-                wp = w_p[None, :]
-                o0 = o0 * wi + _prior_group(orow, om, 0) * wp
-                o1 = o1 * wi + _prior_group(orow, om, 1) * wp
-                o2 = o2 * wi + _prior_group(orow, om, 2) * wp
-                o3 = o3 * wi + _prior_group(orow, om, 3) * wp
-                o4 = o4 * wi + _prior_group(orow, om, 4) * wp
-                o5 = o5 * wi + _prior_group(orow, om, 5) * wp
-                o6 = o6 * wi + _prior_group(orow, om, 6) * wp
-                o7 = o7 * wi + _prior_group(orow, om, 7) * wp
-                m_i = m_c
-            inv, lse = _finish_rows(l_i, m_i, h64, hmask, sink_ptr, sink_st, HAS_SINK)
-            gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
-            iv = inv[None, :]
-            gl.store(orow + 0, (o0 * iv).to(gl.bfloat16), mask=om)
-            gl.store(orow + 64, (o1 * iv).to(gl.bfloat16), mask=om)
-            gl.store(orow + 128, (o2 * iv).to(gl.bfloat16), mask=om)
-            gl.store(orow + 192, (o3 * iv).to(gl.bfloat16), mask=om)
-            gl.store(orow + 256, (o4 * iv).to(gl.bfloat16), mask=om)
-            gl.store(orow + 320, (o5 * iv).to(gl.bfloat16), mask=om)
-            gl.store(orow + 384, (o6 * iv).to(gl.bfloat16), mask=om)
-            gl.store(orow + 448, (o7 * iv).to(gl.bfloat16), mask=om)
+                l_i, m_i, o0, o1, o2, o3, o4, o5, o6, o7 = _merge_prior(
+                    l_i, m_i, lp, o0, o1, o2, o3, o4, o5, o6, o7, _prior_group(orow, om, 0),
+                    _prior_group(orow, om, 1), _prior_group(orow, om, 2),
+                    _prior_group(orow, om, 3), _prior_group(orow, om, 4),
+                    _prior_group(orow, om, 5), _prior_group(orow, om, 6),
+                    _prior_group(orow, om, 7))
+            _store_token(l_i, m_i, o0, o1, o2, o3, o4, o5, o6, o7, t, h64, hmask, orow, om,
+                         sink_ptr, sink_st, lse_ptr, stride_lt, stride_lh, HAS_SINK)
         g += nblk
         k += 1
 
