@@ -7,6 +7,8 @@ entry (window partial + this kernel with its prior) beside the same entry on ``t
     python perf/prefill_few_probe.py            # GPU: check, then time (CUDA graph, L2 flushed)
     python perf/prefill_few_probe.py --compile  # CPU: registers, stack, shared memory, SASS ops
                                                 # (the few-heads and the window kernels)
+    python perf/prefill_few_probe.py --ncu      # GPU: one launch of each, for ncu
+                                                # (perf/ncu_prefill_few.sh)
                                                 # (--json: one JSON line per configuration)
 """
 from __future__ import annotations
@@ -178,6 +180,26 @@ def check_and_time():
               f"{t_sync:.1f} us", flush=True)
 
 
+def ncu_launches():
+    """One launch of each few-heads kernel (wgmma, then the two mma.sync consumers) and of the
+    window kernel at the issue's 8-head shape (512 top-k keys), for ``perf/ncu_prefill_few.sh``."""
+    import torch
+
+    import bench_prefill as bp
+    from dsv41_triton.attention.gluon import prefill_launch as pl
+    from dsv41_triton.attention.prefill_shared import shared_window_tiles
+    inp = bp.build_kernel_inputs(8)
+    q, kv, sink = inp["q"], inp["kv"], inp["sink"]
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], device=q.device)
+    for sync in (False, True):
+        pl._launch_few(q, kv, inp["local"], None, sink, 512 ** -0.5, out, lse, False, sync=sync)
+    wl = torch.full((q.shape[0],), bp.W, dtype=torch.int32, device=q.device)
+    pl.launch_window(q, kv, inp["win_start"], wl, shared_window_tiles(inp["qsl"], q.shape[0], 8),
+                     512 ** -0.5, out, lse)
+    torch.cuda.synchronize()
+
+
 if __name__ == "__main__":
     if "--json" in sys.argv:  # one line per configuration, for tests/perf
         import json
@@ -185,6 +207,8 @@ if __name__ == "__main__":
             print(json.dumps(compile_stats(*c)))
         for hp in (8, 1):
             print(json.dumps(window_compile_stats(hp)))
+    elif "--ncu" in sys.argv:
+        ncu_launches()
     elif "--compile" in sys.argv:
         for c in CONFIGS:
             print(compile_stats(*c))

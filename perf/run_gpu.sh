@@ -5,7 +5,8 @@
 #   bash perf/run_gpu.sh [--quick] [extra dsv41-bench args...]
 #
 # PARTS (default "tests harness decode prefill"; "sanitize" adds compute-sanitizer memcheck
-# of the Gluon kernels' hostile-id, empty-row and edge tests) picks the parts to run and
+# of the Gluon kernels' hostile-id, empty-row and edge tests; "few" the few-heads prefill probe
+# and its ncu pass) picks the parts to run and
 # TESTS_K narrows the GPU tests to a pytest -k expression, so a short device call can run only
 # what changed, e.g.
 #   PARTS="tests prefill" TESTS_K=wsp BENCH_GLUON_VARIANTS=ws,wsp bash perf/run_gpu.sh
@@ -70,6 +71,15 @@ elif $PY -c "import torch,sys; sys.exit(torch.cuda.get_device_capability() != (9
   grep "^| [0-9]" "$OUTDIR/gather_probe.log"
 else
   echo "not an sm_90 GPU: skipped"
+fi
+
+echo "== few-heads prefill (Gluon few / window kernels: check against tl, times, ncu)"
+if part few; then
+  timeout ${T_FEW:-300} $PY perf/prefill_few_probe.py > "$OUTDIR/prefill_few.log" 2>&1
+  tail -n 30 "$OUTDIR/prefill_few.log"
+  timeout ${T_NCU:-240} bash perf/ncu_prefill_few.sh > "$OUTDIR/ncu_prefill_few.log" 2>&1
+  grep -E "few|window|Duration|Throughput|bank_conflicts|pipe_tensor|Warp Cycles Per Issued|stalled_(long|short|barrier|mio|math|wait|tex|lg)" \
+    "$OUTDIR/ncu_prefill_few.log" | head -80
 fi
 
 echo "== Hopper prefill (tl vs Gluon vs FlashMLA's flash_mla_sparse_fwd, issue 11's table)"
