@@ -3,25 +3,17 @@
 
 Agents: ``PW`` producer warps and ``CW`` warps per consumer, each running the kernel's sequence
 of mbarrier waits / arrives, warpgroup barriers (``tb``) and shared-memory writes / reads
-(tagged with the item or pair they belong to), over random item lists with empty items. Each
-step runs one random runnable agent. Checked: no deadlock, no parity lap (a wait for absolute
-phase ``x`` never sees more than ``x + 1`` completions: the hardware's parity wait would hang),
-every read sees the version it expects (nothing overwritten before use), no barrier left
-half-arrived. The model is hand-kept beside the kernel: change both together.
+(tagged with the item or pair they belong to), over random item lists with empty items, run by
+``mbarrier_model.schedule`` (its checks: no deadlock, no parity lap, no stale read, no
+half-arrived barrier). The model is hand-kept beside the kernel: change both together.
 """
 import random
 
 import pytest
+from mbarrier_model import Bar, rd, schedule
 
 #: producer warps, warps per consumer (the kernel has 4 and 4; 2 keep the model small)
 PW, CW = 2, 2
-
-
-class Bar:
-    """An mbarrier: arrivals per phase, arrivals so far in this phase, phases completed."""
-
-    def __init__(self, count):
-        self.count, self.pend, self.done = count, 0, 0
 
 
 def run(lens_pairs, seed, one_l_buffer=False, no_barrier_empty=False, free_other_early=False):
@@ -30,7 +22,6 @@ def run(lens_pairs, seed, one_l_buffer=False, no_barrier_empty=False, free_other
     operands at issue and at completion. The flags break the protocol on purpose (the
     mutation test): ``free_other_early`` has each consumer free its half of the other stage
     between issuing and completing its remote PV."""
-    rnd = random.Random(seed)
     bars = {"q_ready": Bar(PW), "q_free": Bar(2)}
     for i in range(4):
         bars[f"ready{i}"] = Bar(PW)
@@ -41,7 +32,6 @@ def run(lens_pairs, seed, one_l_buffer=False, no_barrier_empty=False, free_other
         bars[f"p{c}"] = Bar(1)
     for i in range(4):
         bars[f"l{i}"] = Bar(1)
-    mem = {}
 
     def producer(w):
         g = 0
@@ -56,10 +46,6 @@ def run(lens_pairs, seed, one_l_buffer=False, no_barrier_empty=False, free_other
                     yield ("write", ("ring", S, HF, w), gi)
                     yield ("arrive", f"ready{2 * S + HF}")
             g += npair
-
-    def rd(key, ver, n):
-        for x in range(n):
-            yield ("read", key + (x,), ver)
 
     def qk_half(S, HF, gi, k):
         yield ("wait", f"ready{2 * S + HF}", gi)
@@ -129,54 +115,7 @@ def run(lens_pairs, seed, one_l_buffer=False, no_barrier_empty=False, free_other
     for C in range(2):
         for w in range(CW):
             agents[("C", C, w)] = consumer(C, w)
-    cur = {a: next(gen) for a, gen in agents.items()}
-    steps = 0
-    while cur:
-        runnable = []
-        for a, op in cur.items():
-            if op[0] == "wait":
-                b = bars[op[1]]
-                assert b.done <= op[2] + 1, ("lap", a, op, b.done)
-                if b.done > op[2]:
-                    runnable.append(a)
-            elif op[0] == "tb":
-                C = op[1]
-                # all warps of the consumer at a tb with the same generation
-                if all(("C", C, ww) in cur and cur[("C", C, ww)][0] == "tb" for ww in range(CW)):
-                    runnable.append(a)
-            else:
-                runnable.append(a)
-        if not runnable:
-            raise AssertionError(("deadlock", lens_pairs, {a: op for a, op in cur.items()}))
-        a = rnd.choice(runnable)
-        op = cur[a]
-        if op[0] == "tb":
-            C = op[1]
-            members = [("C", C, ww) for ww in range(CW)]
-        else:
-            members = [a]
-        for m in members:
-            op = cur[m]
-            if op[0] == "arrive":
-                if m[0] == "C" and m[2] != 0:
-                    pass  # one thread of the warpgroup arrives
-                else:
-                    b = bars[op[1]]
-                    b.pend += 1
-                    if b.pend == b.count:
-                        b.pend, b.done = 0, b.done + 1
-            elif op[0] == "write":
-                mem[op[1]] = op[2]
-            elif op[0] == "read":
-                assert mem.get(op[1]) == op[2], ("stale", m, op, mem.get(op[1]))
-            try:
-                cur[m] = next(agents[m])
-            except StopIteration:
-                del cur[m]
-        steps += 1
-    for name, b in bars.items():
-        assert b.pend == 0, (name, b.pend)
-    return steps
+    return schedule(agents, bars, seed, CW)
 
 
 def _items(rnd):
