@@ -116,7 +116,9 @@ def sparse_mla_prefill_shared_window(
         attn_sink: ``[H]`` fp32 or None; softmax_scale: default ``512 ** -0.5``;
         out: optional ``[T, H, 512]`` bf16.
         block_t: tokens per tile (default ``64 // next_power_of_2(H)``, at least 1);
-        block_n, num_warps, num_stages: the window launch's shape.
+        block_n, num_warps, num_stages: the ``tl`` window launch's shape (on sm_90 with at
+            most 8 heads and ``block_t * next_power_of_2(H) == 64`` the Gluon window and
+            few-heads kernels run instead and these do not apply).
 
     Each token attends over its window rows and its top-k rows in one softmax (a row in both
     counts twice). Returns ``(out [T, H, 512] bf16, lse [T, H] fp32)``; empty rows 0 / +inf.
