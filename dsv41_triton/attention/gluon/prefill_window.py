@@ -111,28 +111,6 @@ def _consumer(C: gl.constexpr, pid, grid, num_items, tiles_ptr, ws_ptr, ws_st, w
 
 
 @gluon.jit
-def _consumer0(pid, grid, num_items, tiles_ptr, ws_ptr, ws_st, wl_ptr, wl_st, rows, H,
-               qk_scale, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, q_smem,
-               ring, p_smem, m_smem, l_smem, q_ready, q_free, ready, free, m_bar, p_bar, l_bar,
-               HP: gl.constexpr):
-    _consumer(0, pid, grid, num_items, tiles_ptr, ws_ptr, ws_st, wl_ptr, wl_st, rows, H,
-              qk_scale, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, q_smem,
-              ring, p_smem, m_smem, l_smem, q_ready, q_free, ready, free, m_bar, p_bar, l_bar,
-              HP)
-
-
-@gluon.jit
-def _consumer1(pid, grid, num_items, tiles_ptr, ws_ptr, ws_st, wl_ptr, wl_st, rows, H,
-               qk_scale, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, q_smem,
-               ring, p_smem, m_smem, l_smem, q_ready, q_free, ready, free, m_bar, p_bar, l_bar,
-               HP: gl.constexpr):
-    _consumer(1, pid, grid, num_items, tiles_ptr, ws_ptr, ws_st, wl_ptr, wl_st, rows, H,
-              qk_scale, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, q_smem,
-              ring, p_smem, m_smem, l_smem, q_ready, q_free, ready, free, m_bar, p_bar, l_bar,
-              HP)
-
-
-@gluon.jit
 def _shared_window_gluon_kernel(
     q_ptr, stride_qt, stride_qh,
     kv_ptr, kv_stride, rows,
@@ -179,13 +157,16 @@ def _shared_window_gluon_kernel(
     for s in gl.static_range(4):
         mbarrier.init(l_bar.index(s), count=1)
 
-    cargs = (pid, grid, num_items, tiles_ptr, ws_ptr, ws_st, wl_ptr, wl_st, rows, H, qk_scale,
-             out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, q_smem, ring, p_smem,
-             m_smem, l_smem, q_ready, q_free, ready, free, m_bar, p_bar, l_bar, HP)
     gl.warp_specialize([
         (_producer, (pid, grid, num_items, tiles_ptr, ws_ptr, ws_st, wl_ptr, wl_st, q_ptr,
                      stride_qt, stride_qh, kv_ptr, kv_stride, rows, H, q_smem, ring, q_ready,
                      q_free, ready, free, HP)),
-        (_consumer0, cargs),
-        (_consumer1, cargs),
+        (_consumer, (0, pid, grid, num_items, tiles_ptr, ws_ptr, ws_st, wl_ptr, wl_st, rows, H,
+                     qk_scale, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
+                     q_smem, ring, p_smem, m_smem, l_smem, q_ready, q_free, ready, free, m_bar,
+                     p_bar, l_bar, HP)),
+        (_consumer, (1, pid, grid, num_items, tiles_ptr, ws_ptr, ws_st, wl_ptr, wl_st, rows, H,
+                     qk_scale, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
+                     q_smem, ring, p_smem, m_smem, l_smem, q_ready, q_free, ready, free, m_bar,
+                     p_bar, l_bar, HP)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
