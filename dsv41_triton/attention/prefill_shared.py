@@ -189,11 +189,12 @@ def _shared_window_op(q: torch.Tensor, kv: torch.Tensor, win_start: torch.Tensor
     S = int(kv.shape[0])
     row_stride = kv.stride(0) if S > 1 else HEAD_DIM
     from .gluon import prefill_launch as gluon_launch
-    gluon = (gluon_launch.usable(q, kv, topk_indices)
-             and gluon_launch.pick(T, H, q.device, topk_indices))
-    if gluon and rows == 64 and gluon_launch.table_variant(H, q.device, topk_indices) == \
-            gluon_launch.FEW:
-        # sm_90, <= 8 heads: the window partial and the top-k rows on the Gluon kernels
+    # sm_90, <= 8 heads: the top-k rows on the Gluon few-heads kernel (and, with 64-row tiles,
+    # the window partial on the Gluon window kernel)
+    few = (gluon_launch.usable(q, kv, topk_indices)
+           and gluon_launch.pick(T, H, q.device, topk_indices)
+           and gluon_launch.table_variant(H, q.device, topk_indices) == gluon_launch.FEW)
+    if few and rows == 64:
         gluon_launch.launch_window(q, kv, win_start, win_len, tiles, scale, out, lse)
         gluon_launch.launch(q, kv, topk_indices, topk_lens, attn_sink, scale, out, lse,
                             gluon_launch.FEW, prior=True)
@@ -210,7 +211,7 @@ def _shared_window_op(q: torch.Tensor, kv: torch.Tensor, win_start: torch.Tensor
         num_stages=1 if interp else num_stages,
     )
     LAST_LAUNCH["shared"] = (k, (bt, block_n))
-    if gluon and gluon_launch.table_variant(H, q.device, topk_indices) == gluon_launch.FEW:
+    if few:
         gluon_launch.launch(q, kv, topk_indices, topk_lens, attn_sink, scale, out, lse,
                             gluon_launch.FEW, prior=True)
         return

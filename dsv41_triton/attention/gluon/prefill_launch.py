@@ -179,7 +179,6 @@ def _launch_few(q, kv, indices, lens, sink, softmax_scale, out, lse, prior, mode
     from . import prefill_few as pf
     kernel = (pf._sparse_mla_prefill_gluon_few_sync_kernel if sync
               else pf._sparse_mla_prefill_gluon_few_kernel)
-    NS, NUM_WARPS, index_blocks = pf.NS, pf.NUM_WARPS, pf.index_blocks
     T, H, _ = q.shape
     S, K = kv.shape[0], indices.shape[1]
     k = kernel[(min(_sms(q.device), T),)](
@@ -190,8 +189,8 @@ def _launch_few(q, kv, indices, lens, sink, softmax_scale, out, lse, prior, mode
         sink if sink is not None else lse, sink.stride(0) if sink is not None else 0,
         out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1),
         T, H, float(softmax_scale) * 1.4426950408889634,
-        HAS_LEN=lens is not None, HAS_SINK=sink is not None, PRIOR=prior, NS=NS,
-        WB=index_blocks(K), MODE=mode, num_warps=NUM_WARPS,
+        HAS_LEN=lens is not None, HAS_SINK=sink is not None, PRIOR=prior, NS=pf.NS,
+        WB=pf.index_blocks(K), MODE=mode, num_warps=pf.NUM_WARPS,
     )
     LAST_LAUNCH["fwd"] = (k, FEW)
     return k

@@ -170,7 +170,8 @@ def _block_ok(C: gl.constexpr, i, n, idx_row, rows, BAND: gl.constexpr = False, 
 @gluon.jit
 def _pair_max(C: gl.constexpr, sc, ok, qk_scale, m_i, m_smem, m_bar, ph):
     """Masked (``ok``: ``[1 or BH, BN]``), scaled logits of consumer ``C``'s block and the
-    running max after them, handed 0 -> 1 (consumer 1 starts from consumer 0's new max; ``m_smem[C * BH:]`` holds ``C``'s)."""
+    running max after them, handed 0 -> 1 (consumer 1 starts from consumer 0's new max;
+    ``m_smem[C * BH:]`` holds ``C``'s)."""
     sc = gl.where(ok, sc * qk_scale, float("-inf"))
     if C == 0:
         m_new = gl.maximum(m_i, gl.max(sc, axis=1))
