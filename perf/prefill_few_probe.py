@@ -26,22 +26,26 @@ ARGS = [("q_ptr", "*bf16"), ("stride_qt", "i64"), ("stride_qh", "i64"), ("kv_ptr
         ("sink_st", "i64"), ("out_ptr", "*bf16"), ("stride_ot", "i64"), ("stride_oh", "i64"),
         ("lse_ptr", "*fp32"), ("stride_lt", "i64"), ("stride_lh", "i64"), ("T", "i32"),
         ("H", "i32"), ("qk_scale", "fp32")]
-#: (ring stages, mode, prior, two mma.sync consumers) compiled by --compile / --json
-CONFIGS = ((2, 0, False, False), (2, 0, True, False), (3, 0, False, False), (2, 1, False, False),
-           (2, 0, False, True), (2, 0, True, True))
+#: (ring stages, mode, prior, two mma.sync consumers on alternate blocks, two splitting each
+#: block's dims) compiled by --compile / --json
+CONFIGS = ((2, 0, False, False, False), (2, 0, True, False, False), (3, 0, False, False, False),
+           (2, 1, False, False, False), (2, 0, False, True, False), (2, 0, True, True, False),
+           (2, 0, False, False, True), (2, 0, True, False, True))
 
 
-def compile_stats(ns=2, mode=0, prior=False, sync=False):
+def compile_stats(ns=2, mode=0, prior=False, sync=False, split=False):
     """Registers, stack, shared memory and SASS opcode counts of an sm_90a compile (640 keys)."""
     from dsv41_triton.attention.gluon import compile_check as cc
     from dsv41_triton.attention.gluon import prefill_few as pf
-    kern = (pf._sparse_mla_prefill_gluon_few_sync_kernel if sync
+    kern = (pf._sparse_mla_prefill_gluon_few_split_kernel if split
+            else pf._sparse_mla_prefill_gluon_few_sync_kernel if sync
             else pf._sparse_mla_prefill_gluon_few_kernel)
     k = cc._compile(kern, ARGS,
                     ("stride_qt", "stride_qh", "kv_stride", "idx_st"), None,
                     dict(HAS_LEN=True, HAS_SINK=True, PRIOR=prior, NS=ns, WB=16, MODE=mode),
                     pf.NUM_WARPS, 90)
-    return dict(kind="few", ns=ns, mode=mode, prior=prior, sync=sync, **_facts(cc, k))
+    return dict(kind="few", ns=ns, mode=mode, prior=prior, sync=sync, split=split,
+                **_facts(cc, k))
 
 
 WINDOW_ARGS = [("q_ptr", "*bf16"), ("stride_qt", "i64"), ("stride_qh", "i64"),
@@ -72,6 +76,12 @@ def _facts(cc, k):
     return dict(regs=regs, stack=stack, smem=k.metadata.shared, ops=ops)
 
 
+#: the few-heads kernel's forms (``_launch_few`` keywords): wgmma, two mma.sync consumers on
+#: alternate blocks, two splitting each block's dims (2 and 3 ring stages)
+FORMS = {"wgmma": {}, "sync": dict(sync=True), "split": dict(split=True),
+         "split3": dict(split=True, ns=3)}
+
+
 def check_and_time():
     """On an sm_90 GPU: the kernel against ``tl`` (ragged lens, an empty row, -1 and
     out-of-range rows, 1 / 2 / 3 / 8 heads, more tokens than SMs, a prior), then the issue's
@@ -80,6 +90,7 @@ def check_and_time():
     import torch
 
     import bench_prefill as bp
+    from dsv41_triton.attention.gluon import prefill_few as pf
     from dsv41_triton.attention.gluon import prefill_launch as pl
     from dsv41_triton.attention.prefill import sparse_mla_prefill
     from dsv41_triton.attention.prefill_shared import sparse_mla_prefill_shared_window
@@ -95,14 +106,16 @@ def check_and_time():
         lens = torch.randint(0, K + 1, (T,), device=dev, dtype=torch.int32)
         lens[0] = 0
         sink = torch.randn(H, device=dev)
-        for ln, sync in ((lens, False), (None, False), (lens, True), (None, True)):
+        for ln, form in [(x, f) for f in FORMS for x in (lens, None)]:
+            if FORMS[form].get("ns") == 3 and pf.index_blocks(K) > 8:
+                continue  # 3 stages fit shared memory for <= 512 index columns only
             ref, rl = sparse_mla_prefill(q, kv, idx, ln, sink, _kernel="tl")
             out = torch.full_like(ref, float("nan"))
             lse = torch.full_like(rl, float("nan"))
-            pl._launch_few(q, kv, idx, ln, sink, scale, out, lse, False, sync=sync)
+            pl._launch_few(q, kv, idx, ln, sink, scale, out, lse, False, **FORMS[form])
             torch.cuda.synchronize()
             fin = torch.isfinite(rl)
-            print(f"T={T} H={H} K={K} lens={ln is not None} sync={sync}: out rel "
+            print(f"T={T} H={H} K={K} lens={ln is not None} {form}: out rel "
                   f"{rel_err(out, ref):.2e} "
                   f"lse max {(lse - rl)[fin].abs().max().item() if fin.any() else 0:.2e} empty "
                   f"rows agree {torch.equal(torch.isinf(lse), torch.isinf(rl))}", flush=True)
@@ -119,11 +132,11 @@ def check_and_time():
     ref, rl = sparse_mla_prefill(q, kv, torch.cat([ia, torch.where(
         torch.arange(300, device=dev)[None, :] < lb[:, None], ib, -1)], 1), None, sink,
         _kernel="tl")
-    for sync in (False, True):
+    for form in FORMS:
         out, lse = sparse_mla_prefill(q, kv, ia, None, None, _kernel="tl")
-        pl._launch_few(q, kv, ib, lb, sink, scale, out, lse, True, sync=sync)
+        pl._launch_few(q, kv, ib, lb, sink, scale, out, lse, True, **FORMS[form])
         fin = torch.isfinite(rl)
-        print(f"prior sync={sync}: out rel {rel_err(out, ref):.2e} lse max "
+        print(f"prior {form}: out rel {rel_err(out, ref):.2e} lse max "
               f"{(lse - rl)[fin].abs().max().item():.2e} empty rows agree "
               f"{torch.equal(torch.isinf(lse), torch.isinf(rl))}", flush=True)
     inp = bp.build_kernel_inputs(8)
@@ -135,15 +148,18 @@ def check_and_time():
         ref = sparse_mla_prefill(q, kv, idx, None, sink, _kernel="tl")[0]
         t_ref = bp.time_graph_flushed(lambda: sparse_mla_prefill(q, kv, idx, None, sink, None, out,
                                                                  _kernel="tl"))
-        for ns_mode, sync in ((0, False), (1, False), (2, False), (0, True), (1, True),
-                              (2, True)):
-            k = pl._launch_few(q, kv, idx, None, sink, scale, out, lse, False, ns_mode, sync)
-            err = rel_err(out, ref) if ns_mode == 0 else float("nan")
-            t_new = bp.time_graph_flushed(lambda: pl._launch_few(q, kv, idx, None, sink, scale,
-                                                                 out, lse, False, ns_mode, sync))
-            print(f"8 heads, {lab} keys: tl {t_ref:.1f} us, few mode={ns_mode} sync={sync} "
-                  f"{t_new:.1f} us "
-                  f"(rel {err:.1e}, regs {k.n_regs}, spills {k.n_spills})", flush=True)
+        for form in FORMS:
+            kw = FORMS[form]
+            if kw.get("ns") == 3 and lab != "512":
+                continue  # 3 stages fit shared memory for <= 512 index columns only
+            for ns_mode in (0, 1, 2):
+                k = pl._launch_few(q, kv, idx, None, sink, scale, out, lse, False, ns_mode, **kw)
+                err = rel_err(out, ref) if ns_mode == 0 else float("nan")
+                t_new = bp.time_graph_flushed(lambda: pl._launch_few(
+                    q, kv, idx, None, sink, scale, out, lse, False, ns_mode, **kw))
+                print(f"8 heads, {lab} keys: tl {t_ref:.1f} us, few mode={ns_mode} {form} "
+                      f"{t_new:.1f} us "
+                      f"(rel {err:.1e}, regs {k.n_regs}, spills {k.n_spills})", flush=True)
     # the shared-window entry: window partial, then the top-k rows with the prior
     win_len = torch.full((T,), bp.W, dtype=torch.int32, device=dev)
     args = (q, kv, inp["win_start"], win_len, inp["local"], None, inp["qsl"], sink)
@@ -160,10 +176,11 @@ def check_and_time():
     tiles = shared_window_tiles(inp["qsl"], T, 8)
     t_w = bp.time_graph_flushed(lambda: pl.launch_window(q, kv, inp["win_start"], win_len, tiles,
                                                          scale, out, lse))
-    t_k = bp.time_graph_flushed(lambda: pl._launch_few(q, kv, inp["local"], None, sink, scale,
-                                                       out, lse, True))
-    print(f"shared window parts: Gluon window {t_w:.1f} us, few top-k with prior {t_k:.1f} us",
-          flush=True)
+    for form in FORMS:
+        t_k = bp.time_graph_flushed(lambda: pl._launch_few(q, kv, inp["local"], None, sink,
+                                                           scale, out, lse, True, **FORMS[form]))
+        print(f"shared window parts: Gluon window {t_w:.1f} us, few top-k with prior ({form}) "
+              f"{t_k:.1f} us", flush=True)
     # the pick: smaller shapes, random rows of a 32768-row workspace
     for T, H, K in [(1, 8, 640), (128, 8, 640), (512, 8, 4096)]:
         q = torch.randn(T, H, 512, device=dev).to(torch.bfloat16)
@@ -174,10 +191,10 @@ def check_and_time():
                                                                 o, _kernel="tl"))
         t_few = bp.time_graph_flushed(lambda: pl._launch_few(q, kv, idx, None, sink[:H], scale,
                                                              o, ls, False))
-        t_sync = bp.time_graph_flushed(lambda: pl._launch_few(q, kv, idx, None, sink[:H], scale,
-                                                              o, ls, False, sync=True))
-        print(f"pick T={T} H={H} K={K}: tl {t_tl:.1f} us, few {t_few:.1f} us, few sync "
-              f"{t_sync:.1f} us", flush=True)
+        t_split = bp.time_graph_flushed(lambda: pl._launch_few(q, kv, idx, None, sink[:H],
+                                                               scale, o, ls, False, split=True))
+        print(f"pick T={T} H={H} K={K}: tl {t_tl:.1f} us, few {t_few:.1f} us, few split "
+              f"{t_split:.1f} us", flush=True)
 
 
 def ncu_launches():
@@ -192,8 +209,9 @@ def ncu_launches():
     q, kv, sink = inp["q"], inp["kv"], inp["sink"]
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], device=q.device)
-    for sync in (False, True):
-        pl._launch_few(q, kv, inp["local"], None, sink, 512 ** -0.5, out, lse, False, sync=sync)
+    for form in ("wgmma", "sync", "split"):
+        pl._launch_few(q, kv, inp["local"], None, sink, 512 ** -0.5, out, lse, False,
+                       **FORMS[form])
     wl = torch.full((q.shape[0],), bp.W, dtype=torch.int32, device=q.device)
     pl.launch_window(q, kv, inp["win_start"], wl, shared_window_tiles(inp["qsl"], q.shape[0], 8),
                      512 ** -0.5, out, lse)

@@ -28,10 +28,13 @@ per token (use ``k // 3``; both partitions wait ``i_ready``, the consumer frees 
 ``MODE`` (benchmarks only): 1 times the copies alone (the consumer frees each stage unread), 2
 the products alone (no row copies); 0 is the kernel.
 
-``_sparse_mla_prefill_gluon_few_sync_kernel`` (not picked; ``perf/prefill_few_probe.py``): the
-same producer with two ``mma.sync`` consumer warpgroups on alternate blocks, each with its own
-softmax state, merged at the token's end; faster products alone, slower whole on the H200
-(perf/NOTES.md, "Session 18").
+Two ``mma.sync`` forms with the same producer, not picked (``perf/prefill_few_probe.py``):
+``_sparse_mla_prefill_gluon_few_sync_kernel``, two consumer warpgroups on alternate blocks, each
+with its own softmax state, merged at the token's end (faster products alone, slower whole on
+the H200: perf/NOTES.md, "Session 18"); ``_sparse_mla_prefill_gluon_few_split_kernel``, two
+consumers that split every block's dims (Q's half in registers for the token, the ``S^T``
+halves swapped through shared memory, the softmax in the ``P^T`` operand's layout in every
+warp, no merge).
 """
 from __future__ import annotations
 
@@ -151,18 +154,23 @@ def _prior_group(prow, pm, grp: gl.constexpr):
 
 
 @gluon.jit
-def _merge_prior(l_i, m_i, lp, o0, o1, o2, o3, o4, o5, o6, o7, p0, p1, p2, p3, p4, p5, p6, p7):
-    """The online state (log2-domain max ``m_i``, sum ``l_i``, ``O^T`` tiles ``o*``) merged with
-    a normalized prior (natural lse ``lp``, ``+inf``: none; its output tiles ``p*``)."""
+def _prior_weights(l_i, m_i, lp):
+    """The merged ``(l, m)`` of the online state and a normalized prior (natural lse ``lp``,
+    ``+inf``: none), and the ``[1, 8]`` weights of the state's and the prior's output tiles."""
     m_p = gl.where(lp == float("inf"), float("-inf"), lp * LOG2E)
     m_c = gl.maximum(m_i, m_p)
     m_c = gl.where(m_p != m_p, m_p, m_c)  # the GPU max drops a NaN partial
     m_cs = gl.where(m_c == float("-inf"), 0.0, m_c)
     w_i = gl.where(m_i == float("-inf"), 0.0, gl.exp2(m_i - m_cs))
     w_p = gl.where(m_p == float("-inf"), 0.0, gl.exp2(m_p - m_cs))
-    l_i = l_i * w_i + w_p
-    wi = w_i[None, :]
-    wp = w_p[None, :]
+    return l_i * w_i + w_p, m_c, w_i[None, :], w_p[None, :]
+
+
+@gluon.jit
+def _merge_prior(l_i, m_i, lp, o0, o1, o2, o3, o4, o5, o6, o7, p0, p1, p2, p3, p4, p5, p6, p7):
+    """The online state (log2-domain max ``m_i``, sum ``l_i``, ``O^T`` tiles ``o*``) merged with
+    a normalized prior (natural lse ``lp``, ``+inf``: none; its output tiles ``p*``)."""
+    l_i, m_c, wi, wp = _prior_weights(l_i, m_i, lp)
     return (l_i, m_c, o0 * wi + p0 * wp, o1 * wi + p1 * wp, o2 * wi + p2 * wp,
             o3 * wi + p3 * wp, o4 * wi + p4 * wp, o5 * wi + p5 * wp, o6 * wi + p6 * wp,
             o7 * wi + p7 * wp)
@@ -176,14 +184,17 @@ def _store_token(l_i, m_i, o0, o1, o2, o3, o4, o5, o6, o7, t, h64, hmask, orow, 
     inv, lse = _finish_rows(l_i, m_i, h64, hmask, sink_ptr, sink_st, HAS_SINK)
     gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
     iv = inv[None, :]
+    _store_quad(orow, iv, om, o0, o1, o2, o3)
+    _store_quad(orow + 256, iv, om, o4, o5, o6, o7)
+
+
+@gluon.jit
+def _store_quad(orow, iv, om, o0, o1, o2, o3):
+    """Four ``O^T [64 dims, 8 heads]`` tiles times ``iv`` as bf16 at ``orow + 64 * i``."""
     gl.store(orow + 0, (o0 * iv).to(gl.bfloat16), mask=om)
     gl.store(orow + 64, (o1 * iv).to(gl.bfloat16), mask=om)
     gl.store(orow + 128, (o2 * iv).to(gl.bfloat16), mask=om)
     gl.store(orow + 192, (o3 * iv).to(gl.bfloat16), mask=om)
-    gl.store(orow + 256, (o4 * iv).to(gl.bfloat16), mask=om)
-    gl.store(orow + 320, (o5 * iv).to(gl.bfloat16), mask=om)
-    gl.store(orow + 384, (o6 * iv).to(gl.bfloat16), mask=om)
-    gl.store(orow + 448, (o7 * iv).to(gl.bfloat16), mask=om)
 
 
 @gluon.jit
@@ -573,3 +584,166 @@ def _sparse_mla_prefill_gluon_few_sync_kernel(
                           i_ready, i_free, ready, free, mg_ready, mg_free, HAS_LEN, HAS_SINK,
                           NS, WB, MODE, PRIOR, 1)),
     ], [4, 4], [SYNC_REGS, SYNC_REGS])
+
+
+# ---- two mma.sync consumers splitting the dims of every block ---------------------------------
+SPLIT_REGS = gl.constexpr(200)
+KB = gl.constexpr(gl.SliceLayout(1, B2))  # keys of a [64 keys, 8 heads] B operand
+HB = gl.constexpr(gl.SliceLayout(0, B2))  # its heads
+
+
+@gluon.jit
+def _consumer_split(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink_ptr, sink_st,
+                    out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, q_smem, ring,
+                    idx_rows, x_smem, q_ready, q_free, i_ready, i_free, ready, free, x_bar,
+                    HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, NS: gl.constexpr,
+                    WB: gl.constexpr, MODE: gl.constexpr, PRIOR: gl.constexpr,
+                    C: gl.constexpr):
+    """Consumer ``C`` of two, dims ``256 C ..`` of every block: its half of ``S^T`` (Q's half in
+    registers for the token, 4 independent chains) into ``x_smem`` slot ``2 (g % 2) + C``
+    (``x_bar``, use ``g // 2``); then every warp loads both halves as the ``P^T`` operand's
+    layout and runs the softmax there (the same sum and result in all 8 warps, no cross-warp
+    reduction), its 4 ``O^T`` tiles and its half of the output; consumer 0 stores the lse."""
+    zero = gl.full([64, 8], 0.0, gl.float32, layout=MMA2)
+    kr = gl.arange(0, 64, layout=K2)
+    kb = gl.arange(0, 64, layout=KB)
+    h = gl.arange(0, 8, layout=H2)
+    hmask = h < H
+    h64 = h.to(gl.int64)
+    om = hmask[None, :] & (kr >= 0)[:, None]
+    n_next = _token_len(pid, T, len_ptr, len_st, width, HAS_LEN)
+    g = 0
+    k = 0
+    for item in range(pid, T, grid):
+        t = item.to(gl.int64)
+        n = n_next
+        n_next = _token_len(item + grid, T, len_ptr, len_st, width, HAS_LEN)
+        nblk = gl.cdiv(n, 64)
+        qs = k % 2
+        si = k % IDX_SLOTS
+        orow = out_ptr + t * stride_ot + h64[None, :] * stride_oh + (256 * C + kr)[:, None]
+        if PRIOR:
+            lp = gl.load(lse_ptr + t * stride_lt + h64 * stride_lh, mask=hmask,
+                         other=float("inf"))
+        m_i = gl.full([8], float("-inf"), gl.float32, layout=HB)
+        l_i = gl.full([8], 0.0, gl.float32, layout=HB)
+        o0 = zero
+        o1 = zero
+        o2 = zero
+        o3 = zero
+        mbarrier.wait(q_ready.index(qs), (k // 2) & 1)
+        q0 = _q_b(q_smem, qs * 8 + 4 * C)
+        q1 = _q_b(q_smem, qs * 8 + 4 * C + 1)
+        q2 = _q_b(q_smem, qs * 8 + 4 * C + 2)
+        q3 = _q_b(q_smem, qs * 8 + 4 * C + 3)
+        mbarrier.wait(i_ready.index(si), (k // IDX_SLOTS) & 1)
+        gl.thread_barrier()
+        mbarrier.arrive(q_free.index(qs))
+        mbarrier.arrive(i_free.index(si), pred=nblk == 0)
+        for b in range(nblk):
+            s = g % NS
+            col = b * 64 + kb
+            ix = idx_rows.index(si * WB + b).load(KB)
+            ok = (col < n) & (ix >= 0) & (ix < rows)
+            base = s * 8 + 4 * C
+            mbarrier.wait(ready.index(s), (g // NS) & 1)
+            last = b == nblk - 1
+            if MODE == 1:
+                gl.thread_barrier()
+                mbarrier.arrive(free.index(s))
+                mbarrier.arrive(i_free.index(si), pred=last)
+            else:
+                s0 = mma_v2(ring.index(base).load(A2), q0, zero)
+                s1 = mma_v2(ring.index(base + 1).load(A2), q1, zero)
+                s2 = mma_v2(ring.index(base + 2).load(A2), q2, zero)
+                s3 = mma_v2(ring.index(base + 3).load(A2), q3, zero)
+                xs = 2 * (g % 2)
+                x_smem.index(xs + C).store((s0 + s1) + (s2 + s3))
+                gl.thread_barrier()
+                mbarrier.arrive(x_bar.index(xs + C))
+                mbarrier.arrive(i_free.index(si), pred=last)
+                mbarrier.wait(x_bar.index(xs + 1 - C), (g // 2) & 1)
+                sc = x_smem.index(xs).load(B2) + x_smem.index(xs + 1).load(B2)
+                sc = gl.where(ok[:, None], sc * qk_scale, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(sc, axis=0))
+                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = gl.exp2(m_i - m_safe)
+                p = gl.exp2(sc - m_safe[None, :])
+                l_i = l_i * alpha + gl.sum(p, axis=0)
+                a2 = gl.convert_layout(alpha, H2)[None, :]
+                pb = p.to(gl.bfloat16)
+                o0 = _o_sync(ring, base, pb, o0, a2)
+                o1 = _o_sync(ring, base + 1, pb, o1, a2)
+                o2 = _o_sync(ring, base + 2, pb, o2, a2)
+                o3 = _o_sync(ring, base + 3, pb, o3, a2)
+                gl.thread_barrier()
+                mbarrier.arrive(free.index(s))
+                m_i = m_new
+            g += 1
+        l_h = gl.convert_layout(l_i, H2)
+        m_h = gl.convert_layout(m_i, H2)
+        if PRIOR:
+            l_h, m_h, wi, wp = _prior_weights(l_h, m_h, lp)
+            o0 = o0 * wi + _prior_group(orow, om, 0) * wp
+            o1 = o1 * wi + _prior_group(orow, om, 1) * wp
+            o2 = o2 * wi + _prior_group(orow, om, 2) * wp
+            o3 = o3 * wi + _prior_group(orow, om, 3) * wp
+        inv, lse = _finish_rows(l_h, m_h, h64, hmask, sink_ptr, sink_st, HAS_SINK)
+        if C == 0:
+            gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
+        _store_quad(orow, inv[None, :], om, o0, o1, o2, o3)
+        k += 1
+
+
+@gluon.jit
+def _sparse_mla_prefill_gluon_few_split_kernel(
+        q_ptr, stride_qt, stride_qh, kv_ptr, kv_stride, rows, idx_ptr, idx_st, width, len_ptr,
+        len_st, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
+        T, H, qk_scale, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, PRIOR: gl.constexpr,
+        NS: gl.constexpr, WB: gl.constexpr, MODE: gl.constexpr):
+    """``_sparse_mla_prefill_gluon_few_kernel``'s arguments and producer; the products by
+    ``mma.sync`` in two consumer warpgroups that split every block's dims."""
+    KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, 64], gl.bfloat16)
+    IL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    pid = gl.program_id(0)
+    grid = gl.num_programs(0)
+    ring = gl.allocate_shared_memory(gl.bfloat16, [NS * 8, 64, 64], KL)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * 8, 8, 64], QL)
+    idx_smem = gl.allocate_shared_memory(gl.int32, [IDX_SLOTS, WB, 64], IL)
+    idx_rows = idx_smem._reinterpret(gl.int32, [IDX_SLOTS * WB, 64],
+                                     gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    x_smem = gl.allocate_shared_memory(gl.float32, [4, 64, 8], IL)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    i_ready = gl.allocate_shared_memory(gl.int64, [IDX_SLOTS, 1], mbarrier.MBarrierLayout())
+    i_free = gl.allocate_shared_memory(gl.int64, [IDX_SLOTS, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    x_bar = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(2):
+        mbarrier.init(q_ready.index(s), count=128)
+        mbarrier.init(q_free.index(s), count=2)
+    for s in gl.static_range(IDX_SLOTS):
+        mbarrier.init(i_ready.index(s), count=128)
+        mbarrier.init(i_free.index(s), count=2)
+    for s in gl.static_range(NS):
+        mbarrier.init(ready.index(s), count=128)
+        mbarrier.init(free.index(s), count=2)
+    for s in gl.static_range(4):
+        mbarrier.init(x_bar.index(s), count=1)
+    gl.warp_specialize([
+        (_producer, (pid, grid, T, width, len_ptr, len_st, q_ptr, stride_qt, stride_qh, kv_ptr,
+                     kv_stride, rows, idx_ptr, idx_st, H, q_smem, ring, idx_smem, idx_rows,
+                     q_ready, q_free, i_ready, i_free, ready, free, HAS_LEN, NS, WB, MODE)),
+        (_consumer_split, (pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink_ptr,
+                           sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
+                           stride_lh, q_smem, ring, idx_rows, x_smem, q_ready, q_free, i_ready,
+                           i_free, ready, free, x_bar, HAS_LEN, HAS_SINK, NS, WB, MODE, PRIOR,
+                           0)),
+        (_consumer_split, (pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink_ptr,
+                           sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
+                           stride_lh, q_smem, ring, idx_rows, x_smem, q_ready, q_free, i_ready,
+                           i_free, ready, free, x_bar, HAS_LEN, HAS_SINK, NS, WB, MODE, PRIOR,
+                           1)),
+    ], [4, 4], [SPLIT_REGS, SPLIT_REGS])
