@@ -19,6 +19,38 @@ PW, CW = 2, 2
 IDX_SLOTS = 3
 
 
+def producer(nblks, w, ns, idx_slots):
+    """Producer warp ``w`` (the same in every form): index rows two tokens ahead, Q per token,
+    each block's rows into ring stage ``g % ns``."""
+    n_tok = len(nblks)
+
+    def copy_index_row(k):
+        if k < n_tok:
+            s = k % idx_slots
+            yield ("wait", f"i_free{s}", k // idx_slots - 1)
+            yield ("write", ("idx", s, w), k)
+            yield ("arrive", f"i_ready{s}")
+
+    yield from copy_index_row(0)
+    yield from copy_index_row(1)
+    g = 0
+    for k, nblk in enumerate(nblks):
+        yield from copy_index_row(k + 2)
+        qs = k % 2
+        yield ("wait", f"q_free{qs}", k // 2 - 1)
+        yield ("write", ("Q", qs, w), k)
+        yield ("arrive", f"q_ready{qs}")
+        si = k % idx_slots
+        yield ("wait", f"i_ready{si}", k // idx_slots)
+        for b in range(nblk):
+            s = g % ns
+            yield from rd(("idx", si), k, PW)
+            yield ("wait", f"free{s}", g // ns - 1)
+            yield ("write", ("ring", s, w), g)
+            yield ("arrive", f"ready{s}")
+            g += 1
+
+
 def run(nblks, seed, ns=2, consumers=1, idx_slots=IDX_SLOTS, no_barrier_empty=False,
         early_q_free=False, no_merge_free=False, split=False, single_x=False):
     """One CTA over tokens of ``nblks[k]`` 64-key blocks; ``consumers`` 1 (the wgmma kernel)
@@ -45,33 +77,6 @@ def run(nblks, seed, ns=2, consumers=1, idx_slots=IDX_SLOTS, no_barrier_empty=Fa
         bars[f"free{s}"] = Bar(1)
     bars["mg_ready"] = Bar(1)
     bars["mg_free"] = Bar(1)
-
-    def copy_index_row(k, w):
-        if k < n_tok:
-            s = k % idx_slots
-            yield ("wait", f"i_free{s}", k // idx_slots - 1)
-            yield ("write", ("idx", s, w), k)
-            yield ("arrive", f"i_ready{s}")
-
-    def producer(w):
-        yield from copy_index_row(0, w)
-        yield from copy_index_row(1, w)
-        g = 0
-        for k, nblk in enumerate(nblks):
-            yield from copy_index_row(k + 2, w)
-            qs = k % 2
-            yield ("wait", f"q_free{qs}", k // 2 - 1)
-            yield ("write", ("Q", qs, w), k)
-            yield ("arrive", f"q_ready{qs}")
-            si = k % idx_slots
-            yield ("wait", f"i_ready{si}", k // idx_slots)
-            for b in range(nblk):
-                s = g % ns
-                yield from rd(("idx", si), k, PW)
-                yield ("wait", f"free{s}", g // ns - 1)
-                yield ("write", ("ring", s, w), g)
-                yield ("arrive", f"ready{s}")
-                g += 1
 
     def consumer(C, w):
         g = 0
@@ -121,7 +126,7 @@ def run(nblks, seed, ns=2, consumers=1, idx_slots=IDX_SLOTS, no_barrier_empty=Fa
                     yield ("arrive", "mg_free")
             g += nblk
 
-    agents = {("P", w): producer(w) for w in range(PW)}
+    agents = {("P", w): producer(nblks, w, ns, idx_slots) for w in range(PW)}
     for C in range(consumers):
         for w in range(CW):
             agents[("C", C, w)] = consumer(C, w)
@@ -136,7 +141,6 @@ def run_split(nblks, seed, ns=2, single_x=False):
     its ``S^T`` half, arrives on its ``x_bar`` slot, waits for the other's and reads both halves
     in all its warps, then reads the stage again (its O products) and frees it (``free`` and the
     token barriers count 2); Q is read once per token and freed at once."""
-    n_tok = len(nblks)
     bars = {}
     for s in range(2):
         bars[f"q_ready{s}"] = Bar(PW)
@@ -149,33 +153,6 @@ def run_split(nblks, seed, ns=2, single_x=False):
         bars[f"free{s}"] = Bar(2)
     for s in range(4):
         bars[f"x{s}"] = Bar(1)
-
-    def copy_index_row(k, w):
-        if k < n_tok:
-            s = k % IDX_SLOTS
-            yield ("wait", f"i_free{s}", k // IDX_SLOTS - 1)
-            yield ("write", ("idx", s, w), k)
-            yield ("arrive", f"i_ready{s}")
-
-    def producer(w):
-        yield from copy_index_row(0, w)
-        yield from copy_index_row(1, w)
-        g = 0
-        for k, nblk in enumerate(nblks):
-            yield from copy_index_row(k + 2, w)
-            qs = k % 2
-            yield ("wait", f"q_free{qs}", k // 2 - 1)
-            yield ("write", ("Q", qs, w), k)
-            yield ("arrive", f"q_ready{qs}")
-            si = k % IDX_SLOTS
-            yield ("wait", f"i_ready{si}", k // IDX_SLOTS)
-            for b in range(nblk):
-                s = g % ns
-                yield from rd(("idx", si), k, PW)
-                yield ("wait", f"free{s}", g // ns - 1)
-                yield ("write", ("ring", s, w), g)
-                yield ("arrive", f"ready{s}")
-                g += 1
 
     def consumer(C, w):
         g = 0
@@ -208,7 +185,7 @@ def run_split(nblks, seed, ns=2, single_x=False):
                 yield ("arrive", f"free{s}")
                 g += 1
 
-    agents = {("P", w): producer(w) for w in range(PW)}
+    agents = {("P", w): producer(nblks, w, ns, IDX_SLOTS) for w in range(PW)}
     for C in range(2):
         for w in range(CW):
             agents[("C", C, w)] = consumer(C, w)
