@@ -198,6 +198,26 @@ def _store_quad(orow, iv, om, o0, o1, o2, o3):
 
 
 @gluon.jit
+def _token_slots(q_ready, i_ready, q_free, i_free, qs, si, k, hand_back):
+    """A consumer's wait for its ``k``-th token's Q slot ``qs`` and index slot ``si``; both
+    handed back at once when ``hand_back`` (a token without blocks of this consumer's)."""
+    mbarrier.wait(q_ready.index(qs), (k // 2) & 1)
+    mbarrier.wait(i_ready.index(si), (k // IDX_SLOTS) & 1)
+    gl.thread_barrier()
+    mbarrier.arrive(q_free.index(qs), pred=hand_back)
+    mbarrier.arrive(i_free.index(si), pred=hand_back)
+
+
+@gluon.jit
+def _block_keys(idx_rows, row, b, n, rows, L: gl.constexpr):
+    """Which of block ``b``'s 64 keys count (column ``< n``, id in ``[0, rows)``), in ``L``;
+    ``row``: the block's row of the index slots."""
+    kr = gl.arange(0, 64, layout=L)
+    ix = idx_rows.index(row).load(L)
+    return (b * 64 + kr < n) & (ix >= 0) & (ix < rows)
+
+
+@gluon.jit
 def _consumer(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink_ptr, sink_st,
               out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, q_smem, ring,
               idx_rows, p_smem, q_ready, q_free, i_ready, i_free, ready, free,
@@ -241,16 +261,10 @@ def _consumer(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink_ptr,
         o5 = zero
         o6 = zero
         o7 = zero
-        mbarrier.wait(q_ready.index(qs), (k // 2) & 1)
-        mbarrier.wait(i_ready.index(si), (k // IDX_SLOTS) & 1)
-        gl.thread_barrier()
-        mbarrier.arrive(q_free.index(qs), pred=nblk == 0)
-        mbarrier.arrive(i_free.index(si), pred=nblk == 0)
+        _token_slots(q_ready, i_ready, q_free, i_free, qs, si, k, nblk == 0)
         for b in range(nblk):
             s = g % NS
-            col = b * 64 + kr
-            ix = idx_rows.index(si * WB + b).load(KM)
-            ok = (col < n) & (ix >= 0) & (ix < rows)
+            ok = _block_keys(idx_rows, si * WB + b, b, n, rows, KM)
             base = s * 8 + (b >> 30)  # opaque 0: the descriptors stay in the loop
             qb = qs * 8 + (b >> 30)
             mbarrier.wait(ready.index(s), (g // NS) & 1)
@@ -313,26 +327,18 @@ def _consumer(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink_ptr,
 
 
 @gluon.jit
-def _sparse_mla_prefill_gluon_few_kernel(
-        q_ptr, stride_qt, stride_qh, kv_ptr, kv_stride, rows, idx_ptr, idx_st, width, len_ptr,
-        len_st, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
-        T, H, qk_scale, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, PRIOR: gl.constexpr,
-        NS: gl.constexpr, WB: gl.constexpr, MODE: gl.constexpr):
-    """Grid ``min(SMs, T)``. q ``[T, H <= 8, 512]`` bf16 (rows 16-byte aligned); kv ``[rows,
-    512]`` bf16; idx ``[T, width]`` int32 (``< 0`` or ``>= rows`` skipped); lens ``[T]`` int; sink ``[H]`` fp32; out ``[T, H, 512]`` bf16, lse ``[T, H]``
-    fp32 (read first with ``PRIOR``); ``qk_scale`` = scale * log2(e); ``WB`` =
-    ``index_blocks(width)``."""
+def _shared(NS: gl.constexpr, WB: gl.constexpr, TOKEN_FREES: gl.constexpr,
+            STAGE_FREES: gl.constexpr):
+    """The shared memory every form's producer fills, its barriers initialized (``q_free`` and
+    ``i_free`` take ``TOKEN_FREES`` arrivals, ``free`` ``STAGE_FREES``): the ring ``[NS * 8, 64,
+    64]``, two Q slots ``[2 * 8, 8, 64]``, the index slots ``[IDX_SLOTS, WB, 64]`` and the same
+    bytes as one 64-index row per block."""
     KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, 64], gl.bfloat16)
-    PL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 8], gl.bfloat16)
     IL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    pid = gl.program_id(0)
-    grid = gl.num_programs(0)
     ring = gl.allocate_shared_memory(gl.bfloat16, [NS * 8, 64, 64], KL)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * 8, 8, 64], QL)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 8], PL)
     idx_smem = gl.allocate_shared_memory(gl.int32, [IDX_SLOTS, WB, 64], IL)
-    # the same bytes as one 64-index row per block (plain row-major, no swizzle)
     idx_rows = idx_smem._reinterpret(gl.int32, [IDX_SLOTS * WB, 64],
                                      gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -343,13 +349,32 @@ def _sparse_mla_prefill_gluon_few_kernel(
     free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(2):
         mbarrier.init(q_ready.index(s), count=128)
-        mbarrier.init(q_free.index(s), count=1)
+        mbarrier.init(q_free.index(s), count=TOKEN_FREES)
     for s in gl.static_range(IDX_SLOTS):
         mbarrier.init(i_ready.index(s), count=128)
-        mbarrier.init(i_free.index(s), count=1)
+        mbarrier.init(i_free.index(s), count=TOKEN_FREES)
     for s in gl.static_range(NS):
         mbarrier.init(ready.index(s), count=128)
-        mbarrier.init(free.index(s), count=1)
+        mbarrier.init(free.index(s), count=STAGE_FREES)
+    return ring, q_smem, idx_smem, idx_rows, q_ready, q_free, i_ready, i_free, ready, free
+
+
+@gluon.jit
+def _sparse_mla_prefill_gluon_few_kernel(
+        q_ptr, stride_qt, stride_qh, kv_ptr, kv_stride, rows, idx_ptr, idx_st, width, len_ptr,
+        len_st, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
+        T, H, qk_scale, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, PRIOR: gl.constexpr,
+        NS: gl.constexpr, WB: gl.constexpr, MODE: gl.constexpr):
+    """Grid ``min(SMs, T)``. q ``[T, H <= 8, 512]`` bf16 (rows 16-byte aligned); kv ``[rows,
+    512]`` bf16; idx ``[T, width]`` int32 (``< 0`` or ``>= rows`` skipped); lens ``[T]`` int; sink ``[H]`` fp32; out ``[T, H, 512]`` bf16, lse ``[T, H]``
+    fp32 (read first with ``PRIOR``); ``qk_scale`` = scale * log2(e); ``WB`` =
+    ``index_blocks(width)``."""
+    PL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 8], gl.bfloat16)
+    pid = gl.program_id(0)
+    grid = gl.num_programs(0)
+    ring, q_smem, idx_smem, idx_rows, q_ready, q_free, i_ready, i_free, ready, free = _shared(
+        NS, WB, 1, 1)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 8], PL)
     gl.warp_specialize([
         (_producer, (pid, grid, T, width, len_ptr, len_st, q_ptr, stride_qt, stride_qh, kv_ptr,
                      kv_stride, rows, idx_ptr, idx_st, H, q_smem, ring, idx_smem, idx_rows,
@@ -426,18 +451,12 @@ def _consumer_sync(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink
         o5 = zero
         o6 = zero
         o7 = zero
-        mbarrier.wait(q_ready.index(qs), (k // 2) & 1)
-        mbarrier.wait(i_ready.index(si), (k // IDX_SLOTS) & 1)
-        gl.thread_barrier()
-        mbarrier.arrive(q_free.index(qs), pred=nb == 0)
-        mbarrier.arrive(i_free.index(si), pred=nb == 0)
+        _token_slots(q_ready, i_ready, q_free, i_free, qs, si, k, nb == 0)
         for j in range(nb):
             b = b0 + 2 * j
             gg = g + b
             s = gg % NS
-            col = b * 64 + kr
-            ix = idx_rows.index(si * WB + b).load(K2)
-            ok = (col < n) & (ix >= 0) & (ix < rows)
+            ok = _block_keys(idx_rows, si * WB + b, b, n, rows, K2)
             base = s * 8
             qb = qs * 8
             mbarrier.wait(ready.index(s), (gg // NS) & 1)
@@ -537,36 +556,16 @@ def _sparse_mla_prefill_gluon_few_sync_kernel(
         NS: gl.constexpr, WB: gl.constexpr, MODE: gl.constexpr):
     """``_sparse_mla_prefill_gluon_few_kernel``'s arguments and producer; the products by
     ``mma.sync`` in two consumer warpgroups on alternate blocks."""
-    KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
-    QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, 64], gl.bfloat16)
     IL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     pid = gl.program_id(0)
     grid = gl.num_programs(0)
-    ring = gl.allocate_shared_memory(gl.bfloat16, [NS * 8, 64, 64], KL)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * 8, 8, 64], QL)
-    idx_smem = gl.allocate_shared_memory(gl.int32, [IDX_SLOTS, WB, 64], IL)
-    idx_rows = idx_smem._reinterpret(gl.int32, [IDX_SLOTS * WB, 64],
-                                     gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    ring, q_smem, idx_smem, idx_rows, q_ready, q_free, i_ready, i_free, ready, free = _shared(
+        NS, WB, 2, 1)
     mg_o = gl.allocate_shared_memory(gl.float32, [8, 64, 8], IL)
     mg_ml = gl.allocate_shared_memory(gl.float32, [2, 8], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    i_ready = gl.allocate_shared_memory(gl.int64, [IDX_SLOTS, 1], mbarrier.MBarrierLayout())
-    i_free = gl.allocate_shared_memory(gl.int64, [IDX_SLOTS, 1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     mg_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mg_ready = mg_bar.index(0)
     mg_free = mg_bar.index(1)
-    for s in gl.static_range(2):
-        mbarrier.init(q_ready.index(s), count=128)
-        mbarrier.init(q_free.index(s), count=2)
-    for s in gl.static_range(IDX_SLOTS):
-        mbarrier.init(i_ready.index(s), count=128)
-        mbarrier.init(i_free.index(s), count=2)
-    for s in gl.static_range(NS):
-        mbarrier.init(ready.index(s), count=128)
-        mbarrier.init(free.index(s), count=1)
     mbarrier.init(mg_ready, count=1)
     mbarrier.init(mg_free, count=1)
     gl.warp_specialize([
@@ -606,7 +605,6 @@ def _consumer_split(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sin
     reduction), its 4 ``O^T`` tiles and its half of the output; consumer 0 stores the lse."""
     zero = gl.full([64, 8], 0.0, gl.float32, layout=MMA2)
     kr = gl.arange(0, 64, layout=K2)
-    kb = gl.arange(0, 64, layout=KB)
     h = gl.arange(0, 8, layout=H2)
     hmask = h < H
     h64 = h.to(gl.int64)
@@ -642,9 +640,7 @@ def _consumer_split(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sin
         mbarrier.arrive(i_free.index(si), pred=nblk == 0)
         for b in range(nblk):
             s = g % NS
-            col = b * 64 + kb
-            ix = idx_rows.index(si * WB + b).load(KB)
-            ok = (col < n) & (ix >= 0) & (ix < rows)
+            ok = _block_keys(idx_rows, si * WB + b, b, n, rows, KB)
             base = s * 8 + 4 * C
             mbarrier.wait(ready.index(s), (g // NS) & 1)
             last = b == nblk - 1
@@ -703,33 +699,13 @@ def _sparse_mla_prefill_gluon_few_split_kernel(
         NS: gl.constexpr, WB: gl.constexpr, MODE: gl.constexpr):
     """``_sparse_mla_prefill_gluon_few_kernel``'s arguments and producer; the products by
     ``mma.sync`` in two consumer warpgroups that split every block's dims."""
-    KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
-    QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, 64], gl.bfloat16)
     IL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     pid = gl.program_id(0)
     grid = gl.num_programs(0)
-    ring = gl.allocate_shared_memory(gl.bfloat16, [NS * 8, 64, 64], KL)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * 8, 8, 64], QL)
-    idx_smem = gl.allocate_shared_memory(gl.int32, [IDX_SLOTS, WB, 64], IL)
-    idx_rows = idx_smem._reinterpret(gl.int32, [IDX_SLOTS * WB, 64],
-                                     gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    ring, q_smem, idx_smem, idx_rows, q_ready, q_free, i_ready, i_free, ready, free = _shared(
+        NS, WB, 2, 2)
     x_smem = gl.allocate_shared_memory(gl.float32, [4, 64, 8], IL)
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    i_ready = gl.allocate_shared_memory(gl.int64, [IDX_SLOTS, 1], mbarrier.MBarrierLayout())
-    i_free = gl.allocate_shared_memory(gl.int64, [IDX_SLOTS, 1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     x_bar = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(2):
-        mbarrier.init(q_ready.index(s), count=128)
-        mbarrier.init(q_free.index(s), count=2)
-    for s in gl.static_range(IDX_SLOTS):
-        mbarrier.init(i_ready.index(s), count=128)
-        mbarrier.init(i_free.index(s), count=2)
-    for s in gl.static_range(NS):
-        mbarrier.init(ready.index(s), count=128)
-        mbarrier.init(free.index(s), count=2)
     for s in gl.static_range(4):
         mbarrier.init(x_bar.index(s), count=1)
     gl.warp_specialize([
