@@ -26,26 +26,22 @@ ARGS = [("q_ptr", "*bf16"), ("stride_qt", "i64"), ("stride_qh", "i64"), ("kv_ptr
         ("sink_st", "i64"), ("out_ptr", "*bf16"), ("stride_ot", "i64"), ("stride_oh", "i64"),
         ("lse_ptr", "*fp32"), ("stride_lt", "i64"), ("stride_lh", "i64"), ("T", "i32"),
         ("H", "i32"), ("qk_scale", "fp32")]
-#: (ring stages, mode, prior, two mma.sync consumers on alternate blocks, two splitting each
-#: block's dims) compiled by --compile / --json
-CONFIGS = ((2, 0, False, False, False), (2, 0, True, False, False), (3, 0, False, False, False),
-           (2, 1, False, False, False), (2, 0, False, True, False), (2, 0, True, True, False),
-           (2, 0, False, False, True), (2, 0, True, False, True))
+#: (ring stages, mode, prior, two mma.sync consumers) compiled by --compile / --json
+CONFIGS = ((2, 0, False, False), (2, 0, True, False), (3, 0, False, False), (2, 1, False, False),
+           (2, 0, False, True), (2, 0, True, True))
 
 
-def compile_stats(ns=2, mode=0, prior=False, sync=False, split=False):
+def compile_stats(ns=2, mode=0, prior=False, sync=False):
     """Registers, stack, shared memory and SASS opcode counts of an sm_90a compile (640 keys)."""
     from dsv41_triton.attention.gluon import compile_check as cc
     from dsv41_triton.attention.gluon import prefill_few as pf
-    kern = (pf._sparse_mla_prefill_gluon_few_split_kernel if split
-            else pf._sparse_mla_prefill_gluon_few_sync_kernel if sync
+    kern = (pf._sparse_mla_prefill_gluon_few_sync_kernel if sync
             else pf._sparse_mla_prefill_gluon_few_kernel)
     k = cc._compile(kern, ARGS,
                     ("stride_qt", "stride_qh", "kv_stride", "idx_st"), None,
                     dict(HAS_LEN=True, HAS_SINK=True, PRIOR=prior, NS=ns, WB=16, MODE=mode),
                     pf.NUM_WARPS, 90)
-    return dict(kind="few", ns=ns, mode=mode, prior=prior, sync=sync, split=split,
-                **_facts(cc, k))
+    return dict(kind="few", ns=ns, mode=mode, prior=prior, sync=sync, **_facts(cc, k))
 
 
 WINDOW_ARGS = [("q_ptr", "*bf16"), ("stride_qt", "i64"), ("stride_qh", "i64"),
@@ -77,9 +73,8 @@ def _facts(cc, k):
 
 
 #: the few-heads kernel's forms (``_launch_few`` keywords): wgmma, two mma.sync consumers on
-#: alternate blocks, two splitting each block's dims (2 and 3 ring stages)
-FORMS = {"wgmma": {}, "sync": dict(sync=True), "split": dict(split=True),
-         "split3": dict(split=True, ns=3)}
+#: alternate blocks
+FORMS = {"wgmma": {}, "sync": dict(sync=True)}
 
 
 def check_and_time():
@@ -90,7 +85,6 @@ def check_and_time():
     import torch
 
     import bench_prefill as bp
-    from dsv41_triton.attention.gluon import prefill_few as pf
     from dsv41_triton.attention.gluon import prefill_launch as pl
     from dsv41_triton.attention.prefill import sparse_mla_prefill
     from dsv41_triton.attention.prefill_shared import sparse_mla_prefill_shared_window
@@ -107,8 +101,6 @@ def check_and_time():
         lens[0] = 0
         sink = torch.randn(H, device=dev)
         for ln, form in [(x, f) for f in FORMS for x in (lens, None)]:
-            if FORMS[form].get("ns") == 3 and pf.index_blocks(K) > 8:
-                continue  # 3 stages fit shared memory for <= 512 index columns only
             ref, rl = sparse_mla_prefill(q, kv, idx, ln, sink, _kernel="tl")
             out = torch.full_like(ref, float("nan"))
             lse = torch.full_like(rl, float("nan"))
@@ -150,8 +142,6 @@ def check_and_time():
                                                                  _kernel="tl"))
         for form in FORMS:
             kw = FORMS[form]
-            if kw.get("ns") == 3 and lab != "512":
-                continue  # 3 stages fit shared memory for <= 512 index columns only
             for ns_mode in (0, 1, 2):
                 k = pl._launch_few(q, kv, idx, None, sink, scale, out, lse, False, ns_mode, **kw)
                 err = rel_err(out, ref) if ns_mode == 0 else float("nan")
@@ -191,10 +181,10 @@ def check_and_time():
                                                                 o, _kernel="tl"))
         t_few = bp.time_graph_flushed(lambda: pl._launch_few(q, kv, idx, None, sink[:H], scale,
                                                              o, ls, False))
-        t_split = bp.time_graph_flushed(lambda: pl._launch_few(q, kv, idx, None, sink[:H],
-                                                               scale, o, ls, False, split=True))
-        print(f"pick T={T} H={H} K={K}: tl {t_tl:.1f} us, few {t_few:.1f} us, few split "
-              f"{t_split:.1f} us", flush=True)
+        t_sync = bp.time_graph_flushed(lambda: pl._launch_few(q, kv, idx, None, sink[:H], scale,
+                                                              o, ls, False, sync=True))
+        print(f"pick T={T} H={H} K={K}: tl {t_tl:.1f} us, few {t_few:.1f} us, few sync "
+              f"{t_sync:.1f} us", flush=True)
 
 
 def ncu_launches():
@@ -209,7 +199,7 @@ def ncu_launches():
     q, kv, sink = inp["q"], inp["kv"], inp["sink"]
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], device=q.device)
-    for form in ("wgmma", "sync", "split"):
+    for form in FORMS:
         pl._launch_few(q, kv, inp["local"], None, sink, 512 ** -0.5, out, lse, False,
                        **FORMS[form])
     wl = torch.full((q.shape[0],), bp.W, dtype=torch.int32, device=q.device)

@@ -1,8 +1,7 @@
 """A random-interleaving model of the few-heads Gluon prefill's mbarrier protocol
 (``attention/gluon/prefill_few.py``: its docstring's barriers), on the CPU, for the picked kernel
-(one consumer warpgroup), for the two-``mma.sync``-consumer form (alternate blocks, the softmax
-states merged at each token's end) and for the split form (both consumers on every block, the
-``S^T`` halves swapped through two double-buffered slots).
+(one consumer warpgroup) and for the two-``mma.sync``-consumer form (alternate blocks, the
+softmax states merged at each token's end).
 
 Agents: ``PW`` producer warps and ``CW`` warps per consumer running the kernel's waits, arrives,
 warpgroup barriers and shared-memory reads / writes (index slots ``k % 3``, Q slots ``k % 2``,
@@ -52,18 +51,14 @@ def producer(nblks, w, ns, idx_slots):
 
 
 def run(nblks, seed, ns=2, consumers=1, idx_slots=IDX_SLOTS, no_barrier_empty=False,
-        early_q_free=False, no_merge_free=False, split=False, single_x=False):
+        early_q_free=False, no_merge_free=False):
     """One CTA over tokens of ``nblks[k]`` 64-key blocks; ``consumers`` 1 (the wgmma kernel)
     or 2 (the mma.sync form). The flags break the protocol on purpose (the mutation test):
     ``idx_slots=2`` (the index row copied two tokens ahead into only two slots),
     ``no_barrier_empty`` (an empty token hands its slots back without the warpgroup barrier
     after the waits), ``early_q_free`` (Q freed before the last block's S read it),
     ``no_merge_free`` (consumer 1 writes the merge buffer without waiting for consumer 0 to
-    have read the previous token's). ``split``: two consumers that split every block's dims
-    (Q read once per token, ``S^T`` halves through ``x`` slots ``2 (g % 2) + C``);
-    ``single_x`` breaks it (one slot per consumer, no double buffer)."""
-    if split:
-        return run_split(nblks, seed, ns, single_x)
+    have read the previous token's)."""
     n_tok = len(nblks)
     bars = {}
     for s in range(2):
@@ -134,81 +129,6 @@ def run(nblks, seed, ns=2, consumers=1, idx_slots=IDX_SLOTS, no_barrier_empty=Fa
     if not no_merge_free and consumers == 2:
         assert bars["mg_ready"].done == n_tok
     return steps
-
-
-def run_split(nblks, seed, ns=2, single_x=False):
-    """The split form (``_consumer_split``): both consumers wait for every block, each writes
-    its ``S^T`` half, arrives on its ``x_bar`` slot, waits for the other's and reads both halves
-    in all its warps, then reads the stage again (its O products) and frees it (``free`` and the
-    token barriers count 2); Q is read once per token and freed at once."""
-    bars = {}
-    for s in range(2):
-        bars[f"q_ready{s}"] = Bar(PW)
-        bars[f"q_free{s}"] = Bar(2)
-    for s in range(IDX_SLOTS):
-        bars[f"i_ready{s}"] = Bar(PW)
-        bars[f"i_free{s}"] = Bar(2)
-    for s in range(ns):
-        bars[f"ready{s}"] = Bar(PW)
-        bars[f"free{s}"] = Bar(2)
-    for s in range(4):
-        bars[f"x{s}"] = Bar(1)
-
-    def consumer(C, w):
-        g = 0
-        for k, nblk in enumerate(nblks):
-            qs, si = k % 2, k % IDX_SLOTS
-            yield ("wait", f"q_ready{qs}", k // 2)
-            yield from rd(("Q", qs), k, PW)
-            yield ("wait", f"i_ready{si}", k // IDX_SLOTS)
-            yield ("tb", C)
-            yield ("arrive", f"q_free{qs}")
-            if nblk == 0:
-                yield ("arrive", f"i_free{si}")
-            for b in range(nblk):
-                s = g % ns
-                yield from rd(("idx", si), k, PW)
-                yield ("wait", f"ready{s}", g // ns)
-                yield from rd(("ring", s), g, PW)  # the S half
-                xs = 0 if single_x else 2 * (g % 2)
-                uses = g if single_x else g // 2
-                yield ("write", ("x", xs + C, w), g)
-                yield ("tb", C)
-                yield ("arrive", f"x{xs + C}")
-                if b == nblk - 1:
-                    yield ("arrive", f"i_free{si}")
-                yield ("wait", f"x{xs + 1 - C}", uses)
-                for c in (0, 1):
-                    yield from rd(("x", xs + c), g, CW)
-                yield from rd(("ring", s), g, PW)  # the O products
-                yield ("tb", C)
-                yield ("arrive", f"free{s}")
-                g += 1
-
-    agents = {("P", w): producer(nblks, w, ns, IDX_SLOTS) for w in range(PW)}
-    for C in range(2):
-        for w in range(CW):
-            agents[("C", C, w)] = consumer(C, w)
-    return schedule(agents, bars, seed, CW)
-
-
-@pytest.mark.parametrize("ns", [2, 3])
-def test_few_split_protocol_random_schedules(ns):
-    rnd = random.Random(50 + ns)
-    for seed in range(300):
-        run(_tokens(rnd), seed, ns=ns, split=True)
-    run([0] * 12, 1, ns=ns, split=True)
-    run([8] * 6, 2, ns=ns, split=True)
-    run([1, 0, 1, 1, 0, 1], 3, ns=ns, split=True)
-
-
-def test_few_split_protocol_model_catches_single_x():
-    """One ``x`` slot per consumer: a consumer a block ahead overwrites its half before the
-    other consumer read it (stale) or laps its barrier."""
-    rnd = random.Random(9)
-    with pytest.raises(AssertionError, match="stale|lap"):
-        for seed in range(3000):
-            run(_tokens(rnd), seed, split=True, single_x=True)
 
 
 def _tokens(rnd):

@@ -2,8 +2,7 @@
 designed (``perf/prefill_few_probe.py --json``): the 64 keys-as-M products per 64-key block
 (m64n8k16: 8 dim groups x 4 k16 steps for S^T, 8 dim tiles x 4 for O^T), no local memory with
 or without the prior, one CTA's shared memory at both ring depths, no products in the
-copies-alone mode, the mma.sync form's 128 ``HMMA`` per block (two consumers on alternate
-blocks) and the split form's 64 (two consumers, each half of every block's dims); the
+copies-alone mode, and the mma.sync form's 128 ``HMMA`` per block (two consumers); the
 shared-window kernel (``prefill_window.py``) at 8 and 1 heads a token without local memory (CPU, in a subprocess without the interpreter; skipped without Triton's
 Gluon API of 3.6)."""
 from gluon_probe import probe_json
@@ -18,10 +17,9 @@ def test_prefill_few_compiles_as_designed():
     for r in window:
         assert r["stack"] == 0 and "LDL" not in r["ops"] and 0 < r["smem"] <= 227 * 1024, r
         assert r["ops"].get("HGMMA64x64x16", 0) > 0 and r["ops"].get("HGMMA64x256x16", 0) > 0, r
-    assert [(r["ns"], r["mode"], r["prior"], r["sync"], r["split"]) for r in rows] == [
-        (2, 0, False, False, False), (2, 0, True, False, False), (3, 0, False, False, False),
-        (2, 1, False, False, False), (2, 0, False, True, False), (2, 0, True, True, False),
-        (2, 0, False, False, True), (2, 0, True, False, True)], rows
+    assert [(r["ns"], r["mode"], r["prior"], r["sync"]) for r in rows] == [
+        (2, 0, False, False), (2, 0, True, False), (3, 0, False, False), (2, 1, False, False),
+        (2, 0, False, True), (2, 0, True, True)], rows
     for r in rows:
         ops = r["ops"]
         assert r["stack"] == 0 and "LDL" not in ops and "STL" not in ops, r
@@ -32,7 +30,5 @@ def test_prefill_few_compiles_as_designed():
     assert "HGMMA64x8x16" not in rows[3]["ops"], rows[3]["ops"]
     assert rows[1]["ops"]["LDG"] > rows[0]["ops"]["LDG"], rows  # the prior's loads
     assert rows[2]["smem"] - rows[0]["smem"] >= 64 * 1024, rows  # one more 64-key stage
-    for r in rows[4:6]:  # two mma.sync consumers: 8 x 4 m16n8k16 for S and for O per warp each
+    for r in rows[4:]:  # two mma.sync consumers: 8 x 4 m16n8k16 for S and for O per warp each
         assert r["ops"].get("HMMA") == 128 and "HGMMA64x8x16" not in r["ops"], r["ops"]
-    for r in rows[6:]:  # split: each consumer's half, 4 x 4 m16n8k16 for S and for O per warp
-        assert r["ops"].get("HMMA") == 64 and "HGMMA64x8x16" not in r["ops"], r["ops"]

@@ -173,14 +173,11 @@ def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
 
 
 def _launch_few(q, kv, indices, lens, sink, softmax_scale, out, lse, prior, mode=0,
-                sync=False, split=False, ns=None):
+                sync=False):
     """The few-heads kernel (``prefill_few.py``) on validated arguments; ``mode`` 1 / 2 time
-    the copies / the products alone (benchmarks); ``sync``: the two mma.sync consumers on
-    alternate blocks, ``split``: the two mma.sync consumers splitting each block's dims;
-    ``ns``: ring stages (default ``NS``)."""
+    the copies / the products alone (benchmarks); ``sync``: the two mma.sync consumers."""
     from . import prefill_few as pf
-    kernel = (pf._sparse_mla_prefill_gluon_few_split_kernel if split
-              else pf._sparse_mla_prefill_gluon_few_sync_kernel if sync
+    kernel = (pf._sparse_mla_prefill_gluon_few_sync_kernel if sync
               else pf._sparse_mla_prefill_gluon_few_kernel)
     T, H, _ = q.shape
     S, K = kv.shape[0], indices.shape[1]
@@ -192,7 +189,7 @@ def _launch_few(q, kv, indices, lens, sink, softmax_scale, out, lse, prior, mode
         sink if sink is not None else lse, sink.stride(0) if sink is not None else 0,
         out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1),
         T, H, float(softmax_scale) * 1.4426950408889634,
-        HAS_LEN=lens is not None, HAS_SINK=sink is not None, PRIOR=prior, NS=ns or pf.NS,
+        HAS_LEN=lens is not None, HAS_SINK=sink is not None, PRIOR=prior, NS=pf.NS,
         WB=pf.index_blocks(K), MODE=mode, num_warps=pf.NUM_WARPS,
     )
     LAST_LAUNCH["fwd"] = (k, FEW)
