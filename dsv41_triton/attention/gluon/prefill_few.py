@@ -152,23 +152,18 @@ def _prior_group(prow, pm, grp: gl.constexpr):
 
 
 @gluon.jit
-def _prior_weights(l_i, m_i, lp):
-    """The merged ``(l, m)`` of the online state and a normalized prior (natural lse ``lp``,
-    ``+inf``: none), and the ``[1, 8]`` weights of the state's and the prior's output tiles."""
+def _merge_prior(l_i, m_i, lp, o0, o1, o2, o3, o4, o5, o6, o7, p0, p1, p2, p3, p4, p5, p6, p7):
+    """The online state (log2-domain max ``m_i``, sum ``l_i``, ``O^T`` tiles ``o*``) merged with
+    a normalized prior (natural lse ``lp``, ``+inf``: none; its output tiles ``p*``)."""
     m_p = gl.where(lp == float("inf"), float("-inf"), lp * LOG2E)
     m_c = gl.maximum(m_i, m_p)
     m_c = gl.where(m_p != m_p, m_p, m_c)  # the GPU max drops a NaN partial
     m_cs = gl.where(m_c == float("-inf"), 0.0, m_c)
     w_i = gl.where(m_i == float("-inf"), 0.0, gl.exp2(m_i - m_cs))
     w_p = gl.where(m_p == float("-inf"), 0.0, gl.exp2(m_p - m_cs))
-    return l_i * w_i + w_p, m_c, w_i[None, :], w_p[None, :]
-
-
-@gluon.jit
-def _merge_prior(l_i, m_i, lp, o0, o1, o2, o3, o4, o5, o6, o7, p0, p1, p2, p3, p4, p5, p6, p7):
-    """The online state (log2-domain max ``m_i``, sum ``l_i``, ``O^T`` tiles ``o*``) merged with
-    a normalized prior (natural lse ``lp``, ``+inf``: none; its output tiles ``p*``)."""
-    l_i, m_c, wi, wp = _prior_weights(l_i, m_i, lp)
+    l_i = l_i * w_i + w_p
+    wi = w_i[None, :]
+    wp = w_p[None, :]
     return (l_i, m_c, o0 * wi + p0 * wp, o1 * wi + p1 * wp, o2 * wi + p2 * wp,
             o3 * wi + p3 * wp, o4 * wi + p4 * wp, o5 * wi + p5 * wp, o6 * wi + p6 * wp,
             o7 * wi + p7 * wp)
@@ -182,17 +177,14 @@ def _store_token(l_i, m_i, o0, o1, o2, o3, o4, o5, o6, o7, t, h64, hmask, orow, 
     inv, lse = _finish_rows(l_i, m_i, h64, hmask, sink_ptr, sink_st, HAS_SINK)
     gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
     iv = inv[None, :]
-    _store_quad(orow, iv, om, o0, o1, o2, o3)
-    _store_quad(orow + 256, iv, om, o4, o5, o6, o7)
-
-
-@gluon.jit
-def _store_quad(orow, iv, om, o0, o1, o2, o3):
-    """Four ``O^T [64 dims, 8 heads]`` tiles times ``iv`` as bf16 at ``orow + 64 * i``."""
     gl.store(orow + 0, (o0 * iv).to(gl.bfloat16), mask=om)
     gl.store(orow + 64, (o1 * iv).to(gl.bfloat16), mask=om)
     gl.store(orow + 128, (o2 * iv).to(gl.bfloat16), mask=om)
     gl.store(orow + 192, (o3 * iv).to(gl.bfloat16), mask=om)
+    gl.store(orow + 256, (o4 * iv).to(gl.bfloat16), mask=om)
+    gl.store(orow + 320, (o5 * iv).to(gl.bfloat16), mask=om)
+    gl.store(orow + 384, (o6 * iv).to(gl.bfloat16), mask=om)
+    gl.store(orow + 448, (o7 * iv).to(gl.bfloat16), mask=om)
 
 
 @gluon.jit
