@@ -28,6 +28,31 @@ def _finish_rows(l_i, m_i, h64, hmask, sink_ptr, sink_st, HAS_SINK: gl.constexpr
     return inv, lse
 
 
+@gluon.jit
+def _prior_group(prow, pm, grp: gl.constexpr):
+    """Dims ``grp * 64 ..`` of a prior output (pointer tile ``prow [64 dims, heads]``, mask
+    ``pm``) as fp32."""
+    return gl.load(prow + grp * 64, mask=pm, other=0.0).to(gl.float32)
+
+
+@gluon.jit
+def _merge_prior(l_i, m_i, lp, o0, o1, o2, o3, o4, o5, o6, o7, p0, p1, p2, p3, p4, p5, p6, p7):
+    """The online state (log2-domain max ``m_i``, sum ``l_i``, ``O^T`` tiles ``o*``) merged with
+    a normalized prior (natural lse ``lp``, ``+inf``: none; its output tiles ``p*``)."""
+    m_p = gl.where(lp == float("inf"), float("-inf"), lp * LOG2E)
+    m_c = gl.maximum(m_i, m_p)
+    m_c = gl.where(m_p != m_p, m_p, m_c)  # the GPU max drops a NaN partial
+    m_cs = gl.where(m_c == float("-inf"), 0.0, m_c)
+    w_i = gl.where(m_i == float("-inf"), 0.0, gl.exp2(m_i - m_cs))
+    w_p = gl.where(m_p == float("-inf"), 0.0, gl.exp2(m_p - m_cs))
+    l_i = l_i * w_i + w_p
+    wi = w_i[None, :]
+    wp = w_p[None, :]
+    return (l_i, m_c, o0 * wi + p0 * wp, o1 * wi + p1 * wp, o2 * wi + p2 * wp,
+            o3 * wi + p3 * wp, o4 * wi + p4 * wp, o5 * wi + p5 * wp, o6 * wi + p6 * wp,
+            o7 * wi + p7 * wp)
+
+
 def row_store_layout(n: int, warp_bases) -> gl.DistributedLinearLayout:
     """The store layout of a ``[64, n * 2**(extra warp column bits)]`` wgmma accumulator
     (``instr_shape [16, n, 16]``, 4 warps down the 64 rows, ``warp_bases`` as its linear

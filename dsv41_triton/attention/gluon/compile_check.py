@@ -36,11 +36,12 @@ _DECODE_ALIGNED = ("a_bstride", "b_bstride", "stride_qt", "stride_qh")
 def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool = False,
                    has_b: bool = True, ns: int = 3, arch: int = 90, nw: int = 4,
                    overlap: bool = True, f16: bool = False, ws: bool = False, nt: int = 0,
-                   ahead: int = 1, deq_prefetch: bool = False, values: dict | None = None):
+                   ahead: int = 1, deq_prefetch: bool = False, values: dict | None = None,
+                   prior: bool = False):
     """``nt > 0`` with ``bh < 64``: the warp-specialized few-heads kernel (decode_few_ws.py)
     with ``nt`` key tiles and ``ns`` ring stages; ``ahead``: the warp-specialized kernels'
-    ``IDX_AHEAD`` (their producer's slot-id lead in blocks); ``deq_prefetch``: the few-heads
-    ws kernel's ``DEQ_PREFETCH``; ``values`` (argument name -> int): specialized on a
+    ``IDX_AHEAD`` (their producer's slot-id lead in blocks); ``deq_prefetch`` / ``prior``: the
+    few-heads ws kernel's ``DEQ_PREFETCH`` / ``PRIOR``; ``values`` (argument name -> int): specialized on a
     launch's integer arguments, as on the GPU (``_specialize``; ``compile_launch`` compiles
     what ``launch.launch`` actually passes)."""
     consts = dict(SRC_A=src_a, SRC_B=src_b, HAS_B=has_b, HAS_LEN_A=True, HAS_LEN_B=True,
@@ -58,7 +59,8 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
     elif nt:
         from .decode_few_ws import MMA_WARPS, _sparse_mla_decode_few_ws_kernel as kern
         nw = MMA_WARPS.value
-        consts.update(BH=bh, NS=ns, NT=nt, IDX_AHEAD=ahead, DEQ_PREFETCH=deq_prefetch)
+        consts.update(BH=bh, NS=ns, NT=nt, IDX_AHEAD=ahead, DEQ_PREFETCH=deq_prefetch,
+                      PRIOR=prior)
     else:
         from .decode import _sparse_mla_decode_gluon_kernel as kern
         consts.update(BH=bh, NS=ns, NW=nw, F16=f16)
@@ -442,13 +444,14 @@ def loops_sass(k) -> list:
 
 
 def summary_few_ws(src_a: int, src_b: int, split: bool, bh: int = 8, ahead: int = 1,
-                   deq_prefetch: bool = False) -> dict:
+                   deq_prefetch: bool = False, has_b: bool = True, prior: bool = False) -> dict:
     """Facts of one compile of the warp-specialized few-heads kernel (``decode_few_ws.py``,
     ``bh``-head tiles, two ring stages, two key tiles, slot ids ``ahead`` blocks ahead): wgmma /
     cp.async / mbarrier in the PTX, shared memory, registers, stack bytes, ``setmaxnreg``
-    requests and the loops (``loops_sass``); ``deq_prefetch``: ``DEQ_PREFETCH``."""
-    k = compile_decode(src_a, src_b, bh, split, ns=2, nt=2, ahead=ahead,
-                       deq_prefetch=deq_prefetch)
+    requests and the loops (``loops_sass``); ``deq_prefetch`` / ``has_b`` / ``prior``:
+    ``DEQ_PREFETCH`` / ``HAS_B`` / ``PRIOR``."""
+    k = compile_decode(src_a, src_b, bh, split, has_b=has_b, ns=2, nt=2, ahead=ahead,
+                       deq_prefetch=deq_prefetch, prior=prior)
     ptx = k.asm["ptx"]
     regs, stack = _regs_stack(k)
     return {"wgmma": "wgmma.mma_async" in ptx, "cp_async": "cp.async" in ptx,

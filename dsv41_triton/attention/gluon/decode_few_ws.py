@@ -12,7 +12,9 @@ across blocks instead of running as one serial chain:
   the tile over (``tready[t]``).
 * **MMA** (the default partition, one warpgroup): Q into shared memory once, then per block:
   waits ``tready[t]``, ``S^T = K Q^T``, online softmax, ``O^T += K^T P^T``, releases the tile
-  (``tfree[t]``); then the epilogue (``decode._few_heads_epilogue``).
+  (``tfree[t]``); then the epilogue (``decode._few_heads_epilogue``). ``PRIOR``: out / lse
+  already hold a normalized partial of other keys (bf16, natural lse, +inf = none), loaded
+  before the key loop and merged after it (the sink applied once, in the epilogue).
 
 Shared memory (8-head tiles, ``NS = NT = 2``): the ring 2 x 37 KB (584) + two key tiles of
 64 KB + Q 8 KB: ~217 KB, one CTA per SM.
@@ -23,6 +25,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
+from .common import _merge_prior, _prior_group
 from .decode import _acc_layout, _few_heads_epilogue, _online_softmax, _pv, _q_rows, _qk, _store_q
 from .dequant import _convert_group, _dequant_group, _load_group
 from .gather import _alloc_rings, _key_ranges, _program_ids, _put
@@ -99,11 +102,27 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
               sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
               po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid, q_smem, p_smem, tready,
               tfree, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BH: gl.constexpr,
-              NT: gl.constexpr):
+              NT: gl.constexpr, PRIOR: gl.constexpr):
     """One warpgroup: Q, then both swap-AB wgmmas and the softmax of every block, then the
     epilogue."""
     ACC: gl.constexpr = _acc_layout(BH, MMA_WARPS)
     LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [MMA_WARPS, 1], [1, 0])
+    if PRIOR:  # issued before the key loop, merged after it
+        hp = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, ACC))
+        hpm = hp < H
+        hp64 = hp.to(gl.int64)
+        dp = gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))
+        prow = out_ptr + t_tok * stride_ot + hp64[None, :] * stride_oh + dp[:, None]
+        pm = hpm[None, :] & (dp >= 0)[:, None]
+        lp = gl.load(lse_ptr + t_tok * stride_lt + hp64 * stride_lh, mask=hpm, other=float("inf"))
+        p0 = _prior_group(prow, pm, 0)
+        p1 = _prior_group(prow, pm, 1)
+        p2 = _prior_group(prow, pm, 2)
+        p3 = _prior_group(prow, pm, 3)
+        p4 = _prior_group(prow, pm, 4)
+        p5 = _prior_group(prow, pm, 5)
+        p6 = _prior_group(prow, pm, 6)
+        p7 = _prior_group(prow, pm, 7)
     qrow, hq, dq = _q_rows(q_ptr, t_tok, stride_qt, stride_qh, ht, BH, LQ)
     _store_q(qrow, hq, dq, H, q_smem)
     fence_async_shared()
@@ -144,6 +163,9 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
         gl.thread_barrier()
         mbarrier.arrive(tfree.index(t))
     l_i = gl.sum(l_part, axis=0)
+    if PRIOR:
+        l_i, m_i, o0, o1, o2, o3, o4, o5, o6, o7 = _merge_prior(
+            l_i, m_i, lp, o0, o1, o2, o3, o4, o5, o6, o7, p0, p1, p2, p3, p4, p5, p6, p7)
     _few_heads_epilogue(o0, o1, o2, o3, o4, o5, o6, o7, l_i, m_i, 1.0, t_tok, split, ht, H,
                         num_splits, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr,
                         stride_lt, stride_lh, po_ptr, pl_ptr, ACC, HAS_SINK, SPLIT, BH)
@@ -162,12 +184,13 @@ def _sparse_mla_decode_few_ws_kernel(
     HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, HAS_SINK: gl.constexpr,
     SPLIT: gl.constexpr, BH: gl.constexpr, NS: gl.constexpr, NT: gl.constexpr,
     IDX_AHEAD: gl.constexpr = 1, DEQ_PREFETCH: gl.constexpr = False,
+    PRIOR: gl.constexpr = False,
 ):
     """Grid ``T * num_splits * num_ht`` (head tile fastest, then split, then token); launch with
     ``num_warps=MMA_WARPS``. Arguments as ``decode._sparse_mla_decode_gluon_kernel``'s; ``NS``
     byte-ring stages, ``NT`` bf16 key tiles, slot ids loaded one block ahead (``IDX_AHEAD``
     1) or 8 blocks at once (0); ``DEQ_PREFETCH``: the dequant partition loads each group's
-    bytes one group ahead."""
+    bytes one group ahead; ``PRIOR`` (not with ``SPLIT``): merge the partial out / lse hold."""
     ht, split, t = _program_ids(num_ht, num_splits)
 
     USE_288: gl.constexpr = SRC_A == 288 or (HAS_B and SRC_B == 288)
@@ -210,7 +233,7 @@ def _sparse_mla_decode_few_ws_kernel(
         (_mma_part, (q_ptr, stride_qt, stride_qh, t, split, ht, H, qk_scale, num_splits, nblk,
                      sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
                      stride_lh, po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid, q_smem,
-                     p_smem, tready, tfree, HAS_SINK, SPLIT, BH, NT)),
+                     p_smem, tready, tfree, HAS_SINK, SPLIT, BH, NT, PRIOR)),
         (_producer, (a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_row, b_bstride,
                      b_page, b_rows, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk,
                      r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, ids_pre,

@@ -312,8 +312,12 @@ LAST_LAUNCH = {}
 def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: float,
            out: torch.Tensor, lse: torch.Tensor, block_h: Optional[int] = None,
            num_splits: Optional[int] = None, stages: Optional[int] = None,
-           num_warps: Optional[int] = None, f16: Optional[bool] = None) -> None:
-    """Run the Gluon decode on validated arguments (``a``/``b``: ``KeySet``s of decode.py)."""
+           num_warps: Optional[int] = None, f16: Optional[bool] = None,
+           prior: bool = False) -> None:
+    """Run the Gluon decode on validated arguments (``a``/``b``: ``KeySet``s of decode.py).
+    ``prior``: out / lse hold a normalized partial of other keys (bf16, natural lse, +inf =
+    none) to merge in; it runs the warp-specialized few-heads kernel (8- or 16-head tiles),
+    unsplit."""
     if not AVAILABLE:
         raise RuntimeError(f"gluon decode unavailable: {REASON}")
     from .._launch import kernel_args, merge_splits
@@ -335,7 +339,10 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
                  HAS_LEN_B=bb.lens is not None, HAS_SINK=sink is not None)
     qk_scale = float(softmax_scale) * 1.4426950408889634  # log2(e): the kernels use exp2
     ahead = over.get("idx_ahead", IDX_AHEAD)
-    if over.get("few_ws") and bh != 64:
+    if prior:
+        bh = min(bh, 16)
+        num_splits = 1
+    if (over.get("few_ws") and bh != 64) or prior:
         # the warp-specialized few-heads kernel: 8- or 16-head tiles, two ring stages, two key
         # tiles (~210-227 KB of shared memory: one CTA per SM)
         from .decode_few_ws import MMA_WARPS, _sparse_mla_decode_few_ws_kernel
@@ -346,7 +353,7 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
         args, po, pl, sink_arg, sink_st = kernel_args(q, a, b, sink, out, lse, ns)
         k = _sparse_mla_decode_few_ws_kernel[(T * ns * n_ht,)](
             *args, H, qk_scale, ns, n_ht, **flags, SPLIT=ns > 1, BH=bh, NS=stages, NT=nt,
-            IDX_AHEAD=ahead, DEQ_PREFETCH=over.get("deq_prefetch", DEQ_PREFETCH),
+            IDX_AHEAD=ahead, DEQ_PREFETCH=over.get("deq_prefetch", DEQ_PREFETCH), PRIOR=prior,
             num_warps=MMA_WARPS.value)
         LAST_LAUNCH["fwd"] = (k, (bh, ns, MMA_WARPS.value, stages, "few_ws"))
     elif bh == 64:

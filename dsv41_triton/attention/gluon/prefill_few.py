@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .common import _finish_rows
+from .common import _finish_rows, _merge_prior, _prior_group
 
 __all__ = ["NUM_WARPS", "MAX_HEADS", "MAX_WIDTH", "NS", "index_blocks",
            "_sparse_mla_prefill_gluon_few_kernel"]
@@ -64,7 +64,6 @@ LR = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))  # [64, 64] 
 LQ = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # [8, 64] bf16 Q copies
 LI = gl.constexpr(gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0]))  # [WB, 64] int32, 4 B each
 IDX_SLOTS = gl.constexpr(3)  # a token's index row is copied two tokens ahead
-LOG2E = gl.constexpr(1.4426950408889634)
 
 
 def index_blocks(width: int) -> int:
@@ -143,30 +142,6 @@ def _producer(pid, grid, T, width, len_ptr, len_st, q_ptr, stride_qt, stride_qh,
             cp.mbarrier_arrive(ready.index(s), increment_count=False)
             g += 1
         k += 1
-
-
-@gluon.jit
-def _prior_group(prow, pm, grp: gl.constexpr):
-    """Dims ``grp * 64 ..`` of the prior output as fp32 ``[64 dims, 8 heads]``."""
-    return gl.load(prow + grp * 64, mask=pm, other=0.0).to(gl.float32)
-
-
-@gluon.jit
-def _merge_prior(l_i, m_i, lp, o0, o1, o2, o3, o4, o5, o6, o7, p0, p1, p2, p3, p4, p5, p6, p7):
-    """The online state (log2-domain max ``m_i``, sum ``l_i``, ``O^T`` tiles ``o*``) merged with
-    a normalized prior (natural lse ``lp``, ``+inf``: none; its output tiles ``p*``)."""
-    m_p = gl.where(lp == float("inf"), float("-inf"), lp * LOG2E)
-    m_c = gl.maximum(m_i, m_p)
-    m_c = gl.where(m_p != m_p, m_p, m_c)  # the GPU max drops a NaN partial
-    m_cs = gl.where(m_c == float("-inf"), 0.0, m_c)
-    w_i = gl.where(m_i == float("-inf"), 0.0, gl.exp2(m_i - m_cs))
-    w_p = gl.where(m_p == float("-inf"), 0.0, gl.exp2(m_p - m_cs))
-    l_i = l_i * w_i + w_p
-    wi = w_i[None, :]
-    wp = w_p[None, :]
-    return (l_i, m_c, o0 * wi + p0 * wp, o1 * wi + p1 * wp, o2 * wi + p2 * wp,
-            o3 * wi + p3 * wp, o4 * wi + p4 * wp, o5 * wi + p5 * wp, o6 * wi + p6 * wp,
-            o7 * wi + p7 * wp)
 
 
 @gluon.jit
