@@ -1,12 +1,15 @@
 """Float64 reference of ``sparse_mla_prefill_shared_window``: each token's top-k rows and
-window rows as one index row of ``sparse_mla_prefill_ref``."""
+window rows as one index row of ``sparse_mla_prefill_ref`` (with ``topk_cache``: the top-k
+records decoded by ``records.read_slots_ref`` and the window rows in one softmax)."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
 
 import torch
 
-from .ref import sparse_mla_prefill_ref
+from .._utils import HEAD_DIM
+from ..ops.records import check_k_cache, read_slots_ref
+from .ref import _attend, _column_mask, _empty, sparse_mla_prefill_ref
 
 
 def sparse_mla_prefill_shared_window_ref(
@@ -19,6 +22,7 @@ def sparse_mla_prefill_shared_window_ref(
     query_start_loc: torch.Tensor,
     attn_sink: Optional[torch.Tensor] = None,
     softmax_scale: Optional[float] = None,
+    topk_cache: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Same arguments as the kernel entry point (``query_start_loc`` only shapes its tiles);
     returns ``(out [T, H, 512] float64, lse [T, H] float64)``."""
@@ -33,8 +37,20 @@ def sparse_mla_prefill_shared_window_ref(
     width = int(wl.max().item()) if T else 0
     cw = torch.arange(width, device=dev)[None, :]
     win = torch.where(cw < wl[:, None], win_start.long()[:, None] + cw, -1)
-    return sparse_mla_prefill_ref(q, kv, torch.cat([idx, win], 1), None, attn_sink,
-                                  softmax_scale)
+    if topk_cache is None:
+        return sparse_mla_prefill_ref(q, kv, torch.cat([idx, win], 1), None, attn_sink,
+                                      softmax_scale)
+    if T == 0:
+        return _empty(q)
+    scale = HEAD_DIM ** -0.5 if softmax_scale is None else float(softmax_scale)
+    _, c3 = check_k_cache("topk_cache", topk_cache)
+    tmask = _column_mask(idx, None, c3.shape[0] * c3.shape[1])
+    tkeys = read_slots_ref(c3, torch.where(tmask, idx, -1), torch.float32).double()
+    kv2 = kv.reshape(kv.shape[0], HEAD_DIM)
+    wmask = _column_mask(win, None, kv2.shape[0])
+    wkeys = (kv2[torch.where(wmask, win, 0)].double() if kv2.shape[0] else
+             torch.zeros(T, width, HEAD_DIM, dtype=torch.float64, device=dev))
+    return _attend(q.double(), [tkeys, wkeys], [tmask, wmask], attn_sink, scale)
 
 
 __all__ = ["sparse_mla_prefill_shared_window_ref"]

@@ -270,3 +270,121 @@ def test_shared_window_cuda_graph_gpu(device):
     torch.cuda.synchronize()
     ro, rl = sparse_mla_prefill_shared_window_ref(**a)
     assert rel_err(out, ro) <= OUT_TOL and max_abs_err(lse, rl) <= LSE_TOL
+
+
+# --------------------------------------------------------------------------------------------
+# top-k keys from a paged record cache (``topk_cache``): the layer's paged prefill
+# --------------------------------------------------------------------------------------------
+def _paged_case(device, rec=584, page=16, blocks=24, H=3, seed=0, **kw):
+    """``_case`` with its top-k columns as slot ids into a random ``rec``-byte record cache
+    (``-1``, ids past the cache's slots and ragged lens included)."""
+    from dsv41_triton.testing import random_k_cache
+
+    a = _case(device, H=H, seed=seed, S=kw.pop("S", 300), **kw)
+    g = torch.Generator().manual_seed(100 + seed)
+    n = blocks * page
+    T, K = a["topk_indices"].shape
+    slots = torch.randint(0, n + 30, (T, K), generator=g).to(torch.int32)
+    slots[torch.rand(T, K, generator=g) < 0.1] = -1
+    cache = random_k_cache(blocks, page, rec, device, generator=g)
+    a.update(topk_indices=slots.to(device), topk_cache=cache)
+    return a
+
+
+def _check_paged(args, **kw):
+    T, H = args["q"].shape[:2]
+    out = poison_(torch.empty(T, H, 512, dtype=torch.bfloat16, device=args["q"].device))
+    o, lse = sparse_mla_prefill_shared_window(**args, out=out, **kw)
+    assert o.data_ptr() == out.data_ptr()
+    ro, rl = sparse_mla_prefill_shared_window_ref(**args)
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    assert rel_err(o, ro) <= OUT_TOL, rel_err(o, ro)
+    assert max_abs_err(lse, rl) <= LSE_TOL, max_abs_err(lse, rl)
+    return o, lse
+
+
+@pytest.mark.parametrize("rec", [584, 528, 288])
+@pytest.mark.parametrize("H", [1, 3, 8])
+def test_shared_window_paged_topk_matches_ref(device, rec, H):
+    _check_paged(_paged_case(device, rec=rec, H=H, seed=H))
+
+
+def test_shared_window_paged_topk_equals_decoded_rows(device):
+    """An independent path: the top-k records decoded into extra workspace rows
+    (``read_slots_ref``) and read as bf16 rows by the plain entry point give the same result."""
+    from dsv41_triton.ops.records import read_slots_ref
+
+    a = _paged_case(device, rec=528, H=3, seed=5)
+    o1, l1 = sparse_mla_prefill_shared_window(**a)
+    slots = a["topk_indices"]
+    n = a["topk_cache"].shape[0] * a["topk_cache"].shape[1]
+    ok = (slots >= 0) & (slots < n)
+    rows = read_slots_ref(a["topk_cache"], torch.where(ok, slots, -1).long()).view(-1, 512)
+    S = a["kv"].shape[0]
+    T, K = slots.shape
+    kv2 = torch.cat([a["kv"], rows.to(a["kv"].dtype)], 0)
+    idx = torch.where(ok, S + torch.arange(T * K, device=device).view(T, K), -1).to(torch.int32)
+    b = dict(a, kv=kv2, topk_indices=idx)
+    del b["topk_cache"]
+    o2, l2 = sparse_mla_prefill_shared_window(**b)
+    assert rel_err(o1, o2) < 5e-3 and max_abs_err(l1, l2) < 1e-3
+
+
+def test_shared_window_paged_topk_empty_rows(device):
+    """Tokens without window rows and top-k columns get 0 / +inf; all-``-1`` slot rows and a
+    window past kv's end add nothing."""
+    a = _paged_case(device, rec=584, H=3, seed=7)
+    T = a["q"].shape[0]
+    wl, tlen, slots = a["win_len"].clone(), a["topk_lens"].clone(), a["topk_indices"].clone()
+    wl[[0, T - 1]] = 0
+    tlen[0] = 0
+    slots[T - 1] = -1
+    ws = a["win_start"].clone()
+    ws[4], wl[4] = a["kv"].shape[0] - 2, 9
+    a.update(win_len=wl, topk_lens=tlen, topk_indices=slots, win_start=ws)
+    o, lse = _check_paged(a)
+    for t in (0, T - 1):
+        assert torch.all(o[t] == 0) and torch.all(torch.isinf(lse[t]) & (lse[t] > 0))
+
+
+def test_shared_window_paged_topk_bad_inputs(device):
+    a = _paged_case(device, rec=584, H=3)
+    with pytest.raises(TypeError, match="topk_indices"):
+        sparse_mla_prefill_shared_window(**dict(a, topk_indices=a["topk_indices"].long()))
+    with pytest.raises((TypeError, ValueError), match="topk_cache"):
+        sparse_mla_prefill_shared_window(**dict(a, topk_cache=a["topk_cache"].float()))
+    with pytest.raises(ValueError, match="topk_cache"):
+        sparse_mla_prefill_shared_window(**dict(a, topk_cache=a["topk_cache"][..., :500]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rec", [584, 528, 288])
+@pytest.mark.parametrize("H", [1, 8, 16])
+def test_shared_window_paged_topk_v41_gpu(device, rec, H):
+    """V4.1 sizes; on sm_90 the top-k records run on the Gluon decode kernel with its prior
+    (584 / 528 records; 288 alone: the ``tl`` kernel)."""
+    from dsv41_triton.attention import gluon as gluon_pkg
+    from dsv41_triton.attention.gluon import launch as dl
+    a = _paged_case(device, rec=rec, page=64, blocks=64, H=H, seed=rec + H,
+                    qlens=(700, 1, 300), extra=3, W=128, K=512, S=8192)
+    dl.LAST_LAUNCH.clear()
+    _check_paged(a)
+    gluon = (gluon_pkg.AVAILABLE and torch.cuda.get_device_capability() == (9, 0)
+             and rec != 288)
+    got = dl.LAST_LAUNCH.get("fwd", (None, ()))[1]
+    assert (bool(got) and got[-1] == "few_ws" and got[1] == 1) == gluon, got
+
+
+@pytest.mark.gpu
+def test_shared_window_paged_topk_cuda_graph_gpu(device):
+    a = _paged_case(device, rec=584, page=64, blocks=64, H=8, qlens=(200, 77), extra=0, W=128,
+                    K=512, S=4096)
+    out = torch.empty_like(a["q"])
+    o1, l1 = sparse_mla_prefill_shared_window(**a)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        _, lse = sparse_mla_prefill_shared_window(**a, out=out)
+    poison_(out)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, o1) and torch.equal(lse, l1)
