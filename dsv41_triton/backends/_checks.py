@@ -12,7 +12,8 @@ from .._contract import (INT_DTYPES, check_decode_args, check_lens, check_out, c
 
 FLASHMLA_INDEX_DTYPES = (torch.int32,)
 
-__all__ = ["check_q", "check_rows", "check_sink", "check_out", "check_decode", "check_prefill"]
+__all__ = ["check_q", "check_rows", "check_sink", "check_out", "check_decode", "check_prefill",
+           "check_window_rows"]
 
 
 def check_rows(name: str, t: Optional[torch.Tensor], T, *, ndims=2) -> None:
@@ -42,3 +43,11 @@ def check_prefill(q, kv, indices, lens, attn_sink, out, *, index_dtypes=FLASHMLA
 
 #: what the torch backend accepts (the same as the Triton kernels)
 TORCH_INDEX_DTYPES = INT_DTYPES
+
+
+def check_window_rows(window_rows, q) -> None:
+    """``window_rows [3, T]`` int32 (the key-sharing hint of the prefill entry points)."""
+    from .._contract import check_shape, check_tensor
+
+    check_tensor("window_rows", window_rows, dtypes=(torch.int32,), ndims=2)
+    check_shape("window_rows", window_rows, [3, q.shape[0]])

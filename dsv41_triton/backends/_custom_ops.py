@@ -104,6 +104,26 @@ def _(backend, q, kv, indices, lens, window_rows, query_start_loc, attn_sink, so
     return None
 
 
+@torch.library.custom_op("dsv41::backend_sparse_mla_prefill_paged_window",
+                         mutates_args=("out", "lse"))
+def backend_sparse_mla_prefill_paged_window(
+        backend: str, q: torch.Tensor, kv: torch.Tensor, window_rows: torch.Tensor,
+        query_start_loc: torch.Tensor, topk_cache: torch.Tensor, topk_slots: torch.Tensor,
+        topk_lens: Optional[torch.Tensor], attn_sink: Optional[torch.Tensor],
+        softmax_scale: Optional[float], out: torch.Tensor, lse: torch.Tensor) -> None:
+    o, l = get_backend(backend).sparse_mla_prefill_paged_window(
+        q, kv, window_rows, query_start_loc, topk_cache, topk_slots, topk_lens,
+        attn_sink=attn_sink, softmax_scale=softmax_scale, out=out)
+    _fill(out, o)
+    lse.copy_(l)
+
+
+@backend_sparse_mla_prefill_paged_window.register_fake
+def _(backend, q, kv, window_rows, query_start_loc, topk_cache, topk_slots, topk_lens,
+      attn_sink, softmax_scale, out, lse) -> None:
+    return None
+
+
 @torch.library.custom_op("dsv41::backend_sparse_mla_decode_fused",
                          mutates_args=("data", "scale", "lse"))
 def backend_sparse_mla_decode_fused(

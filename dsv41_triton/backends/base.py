@@ -97,6 +97,26 @@ class AttentionBackend:
         return self.sparse_mla_prefill(q, kv, indices, lens, attn_sink=attn_sink,
                                        softmax_scale=softmax_scale, out=out)
 
+    def supports_paged_window(self, heads: int) -> bool:
+        """Whether ``sparse_mla_prefill_paged_window`` runs ``heads`` query heads (the layer's
+        paged prefill uses it then, else slot ids for the window keys too)."""
+        return False
+
+    def sparse_mla_prefill_paged_window(self, q, kv, window_rows, query_start_loc, topk_cache,
+                                        topk_slots, topk_lens, attn_sink=None,
+                                        softmax_scale=None, out=None
+                                        ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Prefill whose window keys are rows of a bf16 window workspace and whose top-k keys
+        are records of a paged cache.
+
+        ``kv [S, 512]`` bf16: the window rows; ``window_rows [3, T]`` int32: token ``t`` reads
+        rows ``window_rows[0, t] ..`` (``window_rows[1, t]`` of them; row 2 unused);
+        ``query_start_loc [B + 1]``: which tokens form one request; ``topk_cache`` uint8
+        ``[blocks, page, 584 | 528 | 288]``, ``topk_slots [T, K]`` int32 slot ids into it
+        (``< 0`` skipped), ``topk_lens [T]`` columns read. One softmax over both key sets (a
+        key in both counts twice). Returns ``(out [T, H, 512] bf16, lse [T, H] fp32)``."""
+        raise NotImplementedError(f"{self.name}: paged-window prefill")
+
     def sparse_mla_decode_fused(self, q, positions, cos_sin_cache, swa_cache, swa_indices,
                                 swa_lens, extra_cache=None, extra_indices=None, extra_lens=None,
                                 attn_sink=None, softmax_scale=None, q_norm_eps=None,

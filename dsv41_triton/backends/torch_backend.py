@@ -67,3 +67,22 @@ class TorchBackend(ComposedFusedMixin, AttentionBackend):
                                           softmax_scale=softmax_scale)
         return _write_out(res, q, out), lse.float()
 
+    def supports_paged_window(self, heads: int) -> bool:
+        return True
+
+    def sparse_mla_prefill_paged_window(self, q, kv, window_rows, query_start_loc, topk_cache,
+                                        topk_slots, topk_lens, attn_sink=None,
+                                        softmax_scale=None, out=None
+                                        ) -> Tuple[torch.Tensor, torch.Tensor]:
+        from ..attention.prefill_shared import check_shared_window_args
+        from ..attention.prefill_shared_ref import sparse_mla_prefill_shared_window_ref
+
+        _checks.check_window_rows(window_rows, q)
+        check_shared_window_args(q, kv, window_rows[0], window_rows[1], topk_slots, topk_lens,
+                                 query_start_loc, attn_sink, softmax_scale, out, topk_cache,
+                                 max_heads=None)
+        res, lse = sparse_mla_prefill_shared_window_ref(
+            q, kv, window_rows[0], window_rows[1], topk_slots, topk_lens, query_start_loc,
+            attn_sink, softmax_scale, topk_cache)
+        return _write_out(res, q, out), lse.float()
+

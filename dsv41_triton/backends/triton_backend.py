@@ -11,7 +11,7 @@ from typing import Tuple
 
 import torch
 
-from .._contract import check_shape, check_tensor
+from ._checks import check_window_rows
 from .base import (
     Availability,
     AttentionBackend,
@@ -95,11 +95,27 @@ class TritonBackend(AttentionBackend):
                                            softmax_scale=softmax_scale, out=out)
         from ..attention.prefill_shared import sparse_mla_prefill_shared_window
 
-        check_tensor("window_rows", window_rows, dtypes=(torch.int32,), ndims=2)
-        check_shape("window_rows", window_rows, [3, q.shape[0]])
+        check_window_rows(window_rows, q)
         return sparse_mla_prefill_shared_window(
             q, kv, window_rows[0], window_rows[1], indices, window_rows[2], query_start_loc,
             attn_sink=attn_sink, softmax_scale=softmax_scale, out=out)
+
+    def supports_paged_window(self, heads: int) -> bool:
+        return heads <= SHARED_WINDOW_MAX_HEADS
+
+    def sparse_mla_prefill_paged_window(self, q, kv, window_rows, query_start_loc, topk_cache,
+                                        topk_slots, topk_lens, attn_sink=None,
+                                        softmax_scale=None, out=None
+                                        ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``attention.prefill_shared`` with ``topk_cache``: the window partial per tile of
+        consecutive tokens, then the top-k records (on sm_90 the Gluon decode kernel) merged
+        with it."""
+        from ..attention.prefill_shared import sparse_mla_prefill_shared_window
+
+        check_window_rows(window_rows, q)
+        return sparse_mla_prefill_shared_window(
+            q, kv, window_rows[0], window_rows[1], topk_slots, topk_lens, query_start_loc,
+            attn_sink=attn_sink, softmax_scale=softmax_scale, out=out, topk_cache=topk_cache)
 
     # ---------------------------------------------------------------------------------------
     @staticmethod
