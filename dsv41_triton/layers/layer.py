@@ -14,7 +14,11 @@ tensor-parallel shard of the layer's weights (checkpoint names) and runs one ste
 
 Attention goes through the selected backend (``dsv41_triton.backends``): decode tokens (first
 ``num_decode_tokens``) read the paged caches directly; so do prefill tokens with
-``prefill_path="paged"`` (memory independent of the context); with ``"workspace"`` prefill
+``prefill_path="paged"`` (memory independent of the context: window and top-k keys as slot
+ids, like decode tokens; with ``paged_window_rows``, where the backend supports
+``sparse_mla_prefill_paged_window``, only the chunk's window rows are gathered into a small
+bf16 workspace, shared by consecutive tokens, and the top-k records read as slot ids); with
+``"workspace"`` prefill
 requests are processed in chunks of at most 4 requests whose compressed and window keys are
 gathered into a bf16 workspace (SPEC §5); ``"auto"`` (the default) picks one of the two per
 chunk, by the workspace's size. On the bf16 workspace path the backend also gets each token's
@@ -66,8 +70,9 @@ from .weights import (
 
 DEFAULT_MAX_MODEL_LEN = 131072
 PREFILL_CHUNK_SIZE = 4
-#: prefill paths: "paged" (slot ids into the paged caches, records dequantized in the
-#: attention kernel, no workspace), "workspace" (gather + bf16 workspace, chunks of requests)
+#: prefill paths: "paged" (top-k slot ids into the paged compressed cache, records dequantized
+#: in the attention kernel; the window rows of the chunk's tokens only in a bf16 workspace, or
+#: as slot ids too), "workspace" (gather + bf16 workspace, chunks of requests)
 PREFILL_PATHS = ("paged", "workspace")
 #: prefill_path="auto", per chunk of requests: the paged path when the chunk's workspace would
 #: hold more than this many rows per chunk token and local head, else the workspace. H200 GPU
@@ -76,6 +81,12 @@ PREFILL_PATHS = ("paged", "workspace")
 #: 2048 tokens the workspace wins at 8K / 128K context, the paged path at 1M (and uses 5 MiB
 #: instead of 263).
 AUTO_PAGED_ROWS_PER_TOKEN_HEAD = 4
+#: the layer's default ``paged_window_rows``: whether the paged prefill gathers the chunk's
+#: window rows into a small bf16 workspace (read once per tile of consecutive tokens) and reads
+#: only the top-k records as slot ids (the backend's ``sparse_mla_prefill_paged_window``).
+#: False until it measures faster than the slot-id path on the H200 (perf/NOTES.md,
+#: "Session 21": predicted ~290 against 320 us per 2048-token chunk at 8 heads).
+PAGED_WINDOW_ROWS = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -267,6 +278,9 @@ class DeepseekV41Attention(nn.Module):
         #: (``sparse_mla_prefill_shared_window``), so that it may load a window key once for
         #: consecutive tokens; False: the plain ``sparse_mla_prefill`` call
         self.share_window_keys = True
+        #: paged prefill: the chunk's window rows from a small bf16 workspace, the top-k records
+        #: as slot ids (where the backend supports it); False: both as slot ids
+        self.paged_window_rows = PAGED_WINDOW_ROWS
         dev = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
 
@@ -278,6 +292,8 @@ class DeepseekV41Attention(nn.Module):
         self._ops = _Ops(reference=self.backend.name == "torch")
         # backends that share per-step state (FlashMLA's schedule) across the step's layers
         self._step_cache_ok = bool(getattr(self.backend, "accepts_step_cache", False))
+        # asked once here: Dynamo would break the graph on a call into backends/
+        self._backend_paged_window = self.backend.supports_paged_window(self.n_local_heads)
         # a registered backend is called through its torch.library op (the dispatcher stays
         # out of torch.compile's tracing); an unregistered instance directly
         self._backend_op = (self.backend.name if self.backend.name in list_backends()
@@ -780,8 +796,58 @@ class DeepseekV41Attention(nn.Module):
         extra = (self.compressed_cache, ei, el) if r > 0 else (None, None, None)
         self._attend_paged(q[a:b], positions[a:b], si, sl, extra, output, a, b, md)
 
+    def _paged_window(self) -> bool:
+        """Whether the paged prefill takes its window keys from a small bf16 workspace of the
+        chunk's window rows (shared by consecutive tokens) and only the top-k keys as slot
+        ids (the backend's ``sparse_mla_prefill_paged_window``)."""
+        return self.paged_window_rows and not self.fused and self._backend_paged_window
+
+    def _forward_prefill_paged_window(self, q, positions, output: AttnOut, md: StepMetadata,
+                                      topk_indices, ch) -> None:
+        """The chunk ``ch``'s tokens over the paged caches, their window rows gathered into a
+        ``[requests, max gather_len, 512]`` bf16 workspace (memory independent of the context)
+        and read once per tile of consecutive tokens, their top-k entries as slot ids."""
+        r = self.compress_ratio
+        a, b = ch.tok_start, ch.tok_end
+        nreq = ch.req_end - ch.req_start
+        pr = slice(ch.req_start - md.num_decodes, ch.req_end - md.num_decodes)
+        seq = md.prefill_seq_lens[pr]
+        glen = md.prefill_gather_lens[pr]
+        G = ch.M - ch.N
+        dev = q.device
+        ws = torch.empty((nreq, G, self.head_dim), dtype=torch.bfloat16, device=dev)
+        self._ops.gather(ws, self.swa_cache, seq, glen,
+                         md.swa_block_table[ch.req_start:ch.req_end], md.swa_page_size, 0)
+        qsl = md.query_start_loc[ch.req_start:ch.req_end + 1]
+        qsl = qsl - qsl[0]
+        win = torch.empty((3, b - a), dtype=torch.int32, device=dev)
+        none = torch.full((b - a, 1), -1, dtype=torch.int32, device=dev)
+        idx, lens = self._ops.combine(none, qsl, seq, glen, self.window_size, 0, 0, G, 0, None,
+                                      win)
+        kv = ws.view(-1, self.head_dim)
+        if r == 0:
+            self._attend_workspace(q[a:b], positions[a:b], kv, idx, lens, output, a, b,
+                                   (win, qsl))
+            return
+        cm = md.compressed[r]
+        _, _, ei, el = self._ops.prefill_slots(
+            positions[a:b], md.token_to_req[a:b], md.seq_lens, md.swa_block_table,
+            md.swa_page_size, self.window_size, topk_indices[a:b], cm.block_table,
+            cm.page_size, r)
+        qa = q[a:b]
+        lse = torch.empty(qa.shape[:2], dtype=torch.float32, device=dev)
+        if self._backend_op is not None:
+            call_op(_custom_ops.backend_sparse_mla_prefill_paged_window,
+                self._backend_op, qa, kv, win, qsl, self.compressed_cache, ei, el,
+                self._sink(), self.scale, output[a:b], lse)
+        else:
+            self.backend.sparse_mla_prefill_paged_window(
+                qa, kv, win, qsl, self.compressed_cache, ei, el, attn_sink=self._sink(),
+                softmax_scale=self.scale, out=output[a:b])
+
     def _forward_prefill(self, q, positions, output: AttnOut, md: StepMetadata, topk_indices):
-        if self.prefill_path == "paged":
+        paged_window = self._paged_window()
+        if self.prefill_path == "paged" and not paged_window:
             return self._forward_prefill_paged(q, positions, output, md, topk_indices,
                                                md.num_decode_tokens, md.num_tokens)
         r = self.compress_ratio
@@ -792,8 +858,13 @@ class DeepseekV41Attention(nn.Module):
             a, b = ch.tok_start, ch.tok_end
             if b == a:
                 continue
-            if self.prefill_path == "auto" and self.prefers_paged(nreq * ch.M, b - a):
-                self._forward_prefill_paged(q, positions, output, md, topk_indices, a, b)
+            if self.prefill_path == "paged" or (self.prefill_path == "auto"
+                                                and self.prefers_paged(nreq * ch.M, b - a)):
+                if paged_window:
+                    self._forward_prefill_paged_window(q, positions, output, md, topk_indices,
+                                                       ch)
+                else:
+                    self._forward_prefill_paged(q, positions, output, md, topk_indices, a, b)
                 continue
             pr = slice(ch.req_start - nd, ch.req_end - nd)
             seq = md.prefill_seq_lens[pr]

@@ -196,10 +196,13 @@ def _gather_oracle(orc, owners):
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("layer_id", [0, 1, 2], ids=["ratio0", "ratio1", "ratio2"])
 @pytest.mark.parametrize("chunk_size", [4, 1])
-@pytest.mark.parametrize("prefill_path", ["paged", "workspace"])
+@pytest.mark.parametrize("prefill_path", ["paged", "paged-window", "workspace"])
 def test_multistep_torch_backend_equals_oracle(layer_id, chunk_size, prefill_path):
+    """``paged``: window and top-k as slot ids; ``paged-window``: window rows from a small
+    workspace, top-k as slot ids (``paged_window_rows``)."""
     sd = random_attention_state_dict(CFG, seed=layer_id)
-    layer = make_layer(CFG, layer_id, "torch", sd, prefill_path=prefill_path)
+    layer = make_layer(CFG, layer_id, "torch", sd, prefill_path=prefill_path.split("-")[0])
+    layer.paged_window_rows = prefill_path == "paged-window"
     sc, results = run_scenario([layer], CFG, layer_id, chunk_size=chunk_size)
     orc = sc.oracle(sd)
     for md, owners, [(a, y)] in results:
@@ -368,12 +371,12 @@ def _triton_ok():
 
 
 @pytest.mark.skipif(not _triton_ok(), reason="the triton backend is not available here")
-@pytest.mark.parametrize("prefill_path,share", [("paged", False), ("workspace", False),
-                                                ("workspace", True)])
+@pytest.mark.parametrize("prefill_path,share", [("paged", False), ("paged", True),
+                                                ("workspace", False), ("workspace", True)])
 def test_multistep_triton_backend_equals_oracle(device, prefill_path, share, monkeypatch):
-    """One small configuration through the Triton kernels (the interpreter on CPU); the
-    workspace path with and without the window hint (which must reach the shared-window
-    kernel)."""
+    """One small configuration through the Triton kernels (the interpreter on CPU); both paths
+    with and without the window hint (which must reach the shared-window kernel: on the paged
+    path with the top-k records as ``topk_cache``)."""
     if device != "cpu":
         pytest.skip("covered by the GPU variant")
     import dsv41_triton.attention.prefill_shared as shared
@@ -389,6 +392,7 @@ def test_multistep_triton_backend_equals_oracle(device, prefill_path, share, mon
     sd = random_attention_state_dict(CFG, seed=21)
     layer = make_layer(CFG, 2, "triton", sd, prefill_path=prefill_path)
     layer.share_window_keys = share
+    layer.paged_window_rows = share
     steps = [([("C", 1), ("A", 6), ("B", 3)], 0), ([("A", 1), ("C", 1), ("B", 4)], 0)]
     sc, results = run_scenario([layer], CFG, 2, steps=steps)
     orc = sc.oracle(sd)
@@ -396,17 +400,20 @@ def test_multistep_triton_backend_equals_oracle(device, prefill_path, share, mon
         o_ref, y_ref = _gather_oracle(orc, owners)
         assert rel_err(a[: len(owners)], o_ref) <= 1e-2
         assert rel_err(y[: len(owners)], y_ref) <= 1e-2
-    assert bool(calls) == (prefill_path == "workspace" and share), calls
+    assert bool(calls) == share, calls
 
 
 @pytest.mark.skipif(not _triton_ok(), reason="the triton backend is not available here")
-def test_auto_prefill_path_picks_per_chunk(device, monkeypatch):
+@pytest.mark.parametrize("window_rows", [False, True])
+def test_auto_prefill_path_picks_per_chunk(device, window_rows, monkeypatch):
     """``prefill_path="auto"``: chunks whose workspace is large for their tokens go paged, the
-    others through the workspace, in one step; the outputs match the oracle either way."""
+    others through the workspace, in one step; the outputs match the oracle either way (the
+    paged chunks with and without ``paged_window_rows``)."""
     if device != "cpu":
         pytest.skip("covered by the GPU variant")
     sd = random_attention_state_dict(CFG, seed=22)
     layer = make_layer(CFG, 1, "triton", sd)  # ratio 1: a prefix of 30 is 30 workspace rows
+    layer.paged_window_rows = window_rows
     assert layer.prefill_path == "auto"
     picks = []
     real = layer.prefers_paged
@@ -470,6 +477,46 @@ def test_gpu_multistep_equals_oracle(backend, layer_id, prefill_path):
         assert rel_err(a[:n], o_ref) <= 1e-2, (layer.selection.name, rel_err(a[:n], o_ref))
         assert rel_err(y[:n], y_ref) <= 1e-2
         assert (a[n:] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("records", [(584, 584), (528, 288)], ids=["584", "528-288"])
+@pytest.mark.parametrize("layer_id", [0, 1, 2], ids=["ratio0", "ratio1", "ratio2"])
+@pytest.mark.parametrize("share", [True, False])
+def test_gpu_paged_prefill_window_rows_equal_oracle(records, layer_id, share, monkeypatch):
+    """8 local heads, ``prefill_path="paged"`` on the triton backend: the window rows from the
+    chunk's small workspace and the top-k records as slot ids (``paged_window_rows``), or both
+    as slot ids;
+    both equal the oracle, and ``share`` reaches ``sparse_mla_prefill_paged_window`` on the
+    layers with a compressed cache."""
+    from dsv41_triton.backends.triton_backend import TritonBackend
+
+    calls = []
+    real = TritonBackend.sparse_mla_prefill_paged_window
+
+    def spy(self, q, *args, **kw):
+        calls.append(q.shape[0])
+        return real(self, q, *args, **kw)
+
+    monkeypatch.setattr(TritonBackend, "sparse_mla_prefill_paged_window", spy)
+    cfg = GPU_CFG.replace(name="gpu-small8", num_attention_heads=8, o_groups=1)
+    sd = random_attention_state_dict(cfg, seed=30 + layer_id, device="cuda")
+    layer = make_layer(cfg, layer_id, "triton", sd, device="cuda", page=64, cpage=64,
+                       num_blocks=128, max_len=1024, prefill_path="paged",
+                       swa_record=records[0], compressed_record=records[1])
+    layer.paged_window_rows = share
+    sc, results = run_scenario([layer], cfg, layer_id, steps=GPU_STEPS, device="cuda",
+                               page=64, cpage=64, blocks_per_req=8, num_blocks=128, max_len=1024)
+    orc = {n: oracle_request(sd, cfg, layer_id, torch.cat(st["hidden"]), torch.cat(st["ckv"]),
+                             torch.cat(st["topk"]), records[0], records[1], max_len=1024)
+           for n, st in sc.req.items()}
+    for md, owners, [(a, y)] in results:
+        n = len(owners)
+        o_ref, y_ref = _gather_oracle(orc, owners)
+        assert rel_err(a[:n], o_ref) <= 1e-2, rel_err(a[:n], o_ref)
+        assert rel_err(y[:n], y_ref) <= 1e-2
+        assert (a[n:] == 0).all()
+    assert bool(calls) == (share and cfg.compress_ratio(layer_id) > 0), calls
 
 
 @pytest.mark.gpu
