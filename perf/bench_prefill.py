@@ -18,7 +18,10 @@ Kernels: 4096 query tokens of one request x 640 keys each (the V4.1 pattern: the
 * ``paged``: ``sparse_mla_prefill_paged`` over 584-byte record caches (``--paged-records
   528,288``: V4.1's window and compressed records; 131072-position request, pages of 64: slot
   rows + the decode kernel); ``paged-attn``: its attention launch alone (slot rows
-  precomputed).
+  precomputed); ``paged-window`` (<= 16 heads): the layer's paged path, the tokens' window
+  rows gathered into a small bf16 workspace (``T + W - 1`` rows) and shared by consecutive
+  tokens, the top-k records as slot ids (``sparse_mla_prefill_shared_window(...,
+  topk_cache=)``; gather + slot rows + attention); ``paged-window-attn``: its attention alone.
 
 Each is captured as a CUDA graph of one call and replayed 15 times; a 512 MB buffer is
 written before every replay (outside the timed events) so that L2 starts cold. Median us,
@@ -26,9 +29,12 @@ TFLOP/s of ``4 * H * 640 * 512`` per token.
 
 Layer chunk: ``DeepseekV41Attention.forward_mqa`` of one prefill chunk (2048 new tokens of a
 request at 8K / 128K / 1M context; V4-flash ratio-4 layer, TP 8 = 8 local heads, top-k 512),
-``prefill_path="paged"`` vs ``"workspace"`` (gather + bf16 workspace, window rows shared by
-consecutive tokens) vs ``workspace-general`` (the same with ``share_window_keys = False``) vs
-``auto`` (the layer's default: one of the first two per chunk):
+``prefill_path="paged"`` (window and top-k as slot ids) vs ``paged-window`` (the same with
+``paged_window_rows = True``: the chunk's window rows in a small bf16 workspace, shared by
+consecutive tokens, the top-k records as slot ids) vs ``"workspace"`` (gather +
+bf16 workspace, window rows shared by consecutive tokens) vs ``workspace-general`` (the same
+with ``share_window_keys = False``) vs ``auto`` (the layer's default: paged or workspace per
+chunk):
 peak memory allocated during the call (above what was allocated before it), eager time
 (median of 9, L2 flushed before each; the host's launch work is part of it) and the GPU time
 of the call captured as a CUDA graph (as the kernels).
@@ -58,6 +64,7 @@ from dsv41_triton.attention.decode import sparse_mla_decode  # noqa: E402
 from dsv41_triton.attention.prefill import sparse_mla_prefill  # noqa: E402
 from dsv41_triton.attention.prefill_paged import sparse_mla_prefill_paged  # noqa: E402
 from dsv41_triton.attention.prefill_shared import sparse_mla_prefill_shared_window  # noqa: E402
+from dsv41_triton.ops.kv_cache import dequantize_and_gather_k_cache  # noqa: E402
 from dsv41_triton.ops.prefill_indices import prefill_slot_indices  # noqa: E402
 from dsv41_triton.testing import random_k_cache, rel_err  # noqa: E402
 
@@ -171,9 +178,15 @@ def build_kernel_inputs(H: int, device="cuda", seed=0) -> Dict[str, object]:
                  compressed_block_table=cbt, topk_indices=local, compress_ratio=RATIO,
                  attn_sink=sink)
     slots = prefill_slot_indices(pos, ttr, seq_lens, sbt, PAGE, W, local, cbt, PAGE, RATIO)
+    # the paged path's window workspace: positions P - W + 1 .. seq - 1 (token i: rows i ..)
+    glen = torch.tensor([T + W - 1], dtype=torch.int32, device=device)
+    wws = torch.empty(1, T + W - 1, 512, dtype=torch.bfloat16, device=device)
+    dequantize_and_gather_k_cache(wws, swa, seq_lens, glen, sbt, PAGE, 0)
     return dict(H=H, q=q, sink=sink, kv=kv, idx=idx, local=local, win_start=win_start,
                 qsl=torch.tensor([0, T], dtype=torch.int32, device=device), paged=paged,
-                slots=slots, out=torch.empty(T, H, 512, dtype=torch.bfloat16, device=device))
+                slots=slots, glen=glen, wws=wws,
+                wrow=torch.arange(T, dtype=torch.int32, device=device),
+                out=torch.empty(T, H, 512, dtype=torch.bfloat16, device=device))
 
 
 def _gluon_fn(inp, variant: str):
@@ -251,6 +264,22 @@ def kernel_fns(inp) -> List[tuple]:
     fns.append(("paged-attn", lambda: sparse_mla_decode(q, pg["swa_cache"], si, sl,
                                                         pg["compressed_cache"], ei, el,
                                                         inp["sink"], None, out)))
+    if H <= 16:
+        wws, wrow, qsl, sink = inp["wws"], inp["wrow"], inp["qsl"], inp["sink"]
+
+        def paged_window():
+            dequantize_and_gather_k_cache(wws, pg["swa_cache"], pg["seq_lens"], inp["glen"],
+                                          pg["swa_block_table"], PAGE, 0)
+            _, _, e_i, e_l = prefill_slot_indices(
+                pg["positions"], pg["token_to_req"], pg["seq_lens"], pg["swa_block_table"],
+                PAGE, W, pg["topk_indices"], pg["compressed_block_table"], PAGE, RATIO)
+            return sparse_mla_prefill_shared_window(q, wws.view(-1, 512), wrow, wl, e_i, e_l,
+                                                    qsl, sink, None, out,
+                                                    topk_cache=pg["compressed_cache"])
+        fns.append(("paged-window", paged_window))
+        fns.append(("paged-window-attn", lambda: sparse_mla_prefill_shared_window(
+            q, wws.view(-1, 512), wrow, wl, ei, el, qsl, sink, None, out,
+            topk_cache=pg["compressed_cache"])))
     if PAGED_CANDIDATES:
         for shape in (PAGED_SHAPES_FEW if H <= 16 else PAGED_SHAPES_MANY):
             _, bh, bn, warps, stages, lazy = shape
@@ -321,8 +350,9 @@ def build_layer_case(ctx: int, device="cuda", seed=0):
     ncb = -(-(ctx // r) // PAGE)
     layers = {p: DeepseekV41Attention(cfg, layer_id, tp_size=8, backend="triton", device=device,
                                       max_model_len=ctx + 64, prefill_path=p.split("-")[0])
-              for p in ("paged", "workspace", "workspace-general", "auto")}
+              for p in ("paged", "paged-window", "workspace", "workspace-general", "auto")}
     layers["workspace-general"].share_window_keys = False
+    layers["paged-window"].paged_window_rows = True
     swa = random_k_cache(nb, PAGE, 584, device)
     comp = random_k_cache(ncb, PAGE, 584, device)
     for lay in layers.values():
@@ -369,7 +399,7 @@ def run_layer(lines: List[str], contexts=CONTEXTS):
             lines.append(f"layer ctx={ctx:<8d} {path:17s} eager {us:7.1f} us  graph {gus:7.1f} us  "
                          f"peak +{peak / 2**20:8.1f} MiB  (chunk {CHUNK} tokens, {q.shape[1]} heads)")
             print(lines[-1], flush=True)
-        for other in ("paged", "workspace-general", "auto"):
+        for other in ("paged", "paged-window", "workspace-general", "auto"):
             if other in outs and "workspace" in outs:
                 lines.append(f"layer ctx={ctx:<8d} {other} vs workspace out rel "
                              f"{rel_err(outs[other], outs['workspace']):.1e}")

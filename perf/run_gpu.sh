@@ -106,7 +106,7 @@ if part sanitize; then
              "test_decode_gluon.py|few_ws_edges and 528-288-512" \
              "test_decode_gluon_heads.py|gpu and (hostile or empty_rows)" \
              "test_prefill_gluon.py|gpu and (hostile or empty_rows)" \
-             "test_prefill_shared.py|empty_rows_and_hostile or v41"; do
+             "test_prefill_shared.py|empty_rows or v41"; do
     f=${grp%%|*}; k=${grp#*|}
     compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 $PY -m pytest \
       "tests/attention/$f" -q -p no:cacheprovider -k "$k" > "$OUTDIR/sanitize.log.tmp" 2>&1
