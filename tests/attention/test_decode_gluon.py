@@ -167,6 +167,23 @@ def test_gluon_picks_compile_at_launch_values(entry, shape):
         assert 0 < r["regs"] <= 255 and r["stack"] == 0, (case, r)
 
 
+@pytest.mark.parametrize("T,H,src", [(512, 8, 584), (512, 8, 528), (7, 16, 584), (1, 3, 528),
+                                     (300, 40, 584)])
+def test_gluon_prior_launch_compiles(T, H, src):
+    """``launch.launch(..., prior=True)`` over one key set (the shared-window prefill's top-k
+    records) starts the warp-specialized few-heads kernel once, unsplit (one CTA per token and
+    head tile), with ``PRIOR``; compiled as the GPU builds it, nothing spills."""
+    if not gluon_pkg.AVAILABLE:
+        pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
+    import json
+    rows = _compile_facts("launch", json.dumps(dict(T=T, H=H, src_a=src, src_b=0, prior=True)))
+    bh = 8 if H <= 8 else 16
+    assert [r["kernel"].split(".")[0] for r in rows] == ["decode_few_ws"], rows
+    r = rows[0]
+    assert r["prior"] is True and r["split"] is False and r["grid"] == [T * -(-H // bh)], r
+    assert 0 < r["regs"] <= 255 and r["stack"] == 0, r
+
+
 #: launch shapes the wiring test forces beside the pick table's (every kernel family and its
 #: variants)
 WIRING_SHAPES = ("4:0:3", "4:0:3:h", "4:8:3:h", "4:0:1", "8:16:3", "8:32:3", "8:64:2",

@@ -124,12 +124,13 @@ def _recording(kernels, sms: int, run) -> list:
 
 
 def capture_decode(T: int, H: int, src_a: int, src_b: int, shape: str = "", W: int = 128,
-                   K: int = 512, page: int = 64, sms: int = 132) -> list:
+                   K: int = 512, page: int = 64, sms: int = 132, prior: bool = False) -> list:
     """The kernel launches ``launch.launch`` makes for a decode of ``T`` tokens x ``H`` heads
     (``W`` window slot ids of ``src_a`` records, ``K`` extra ones of ``src_b`` (0: none), lens
     and a sink; caches of ``perf/bench_decode_hopper.py``'s sizes) on an sm_90 GPU of ``sms``
-    SMs, at launch shape ``shape`` (empty: the pick table's). Runs on the CPU (``_recording``).
-    Each launch: ``{kernel, real, grid, args, kwargs}``."""
+    SMs, at launch shape ``shape`` (empty: the pick table's), merging a prior partial with
+    ``prior``. Runs on the CPU (``_recording``). Each launch: ``{kernel, real, grid, args,
+    kwargs}``."""
     import torch
 
     from ...ops.records import allocate_k_cache
@@ -150,7 +151,8 @@ def capture_decode(T: int, H: int, src_a: int, src_b: int, shape: str = "", W: i
             b = keys(max(2048, 8 * T), src_b, K) if src_b else None
             q = torch.empty(T, H, 512, dtype=torch.bfloat16)
             lse = torch.empty(T, H, dtype=torch.float32)
-            gl_launch.launch(q, a, b, torch.zeros(H), 512 ** -0.5, torch.empty_like(q), lse)
+            gl_launch.launch(q, a, b, torch.zeros(H), 512 ** -0.5, torch.empty_like(q), lse,
+                             prior=prior)
         finally:
             gl_launch.OVERRIDE.clear()
             gl_launch.OVERRIDE.update(over)
@@ -487,19 +489,21 @@ if __name__ == "__main__":
     import json
     if len(sys.argv) == 3 and sys.argv[1] == "launch":
         # python -m ...compile_check launch JSON -> JSON line: the launches of a decode
-        # {"T", "H", "src_a", "src_b", "shape"} (``capture_decode``) or of a prefill {"kind":
+        # {"T", "H", "src_a", "src_b", "shape", "prior"} (``capture_decode``) or of a prefill {"kind":
         # "prefill", "T", "H", "S", "K", "variant"} (``capture_prefill``) compiled as the GPU
         # builds them: kernel, grid, registers and stack bytes of each
         c = json.loads(sys.argv[2])
         if c.get("kind") == "prefill":
             recs = capture_prefill(c["T"], c["H"], c["S"], c["K"], c.get("variant", ""))
         else:
-            recs = capture_decode(c["T"], c["H"], c["src_a"], c["src_b"], c.get("shape", ""))
+            recs = capture_decode(c["T"], c["H"], c["src_a"], c["src_b"], c.get("shape", ""),
+                                  prior=bool(c.get("prior", False)))
         rows = []
         for rec in recs:
             regs, stack = _regs_stack(compile_launch(rec))
             rows.append({"kernel": rec["kernel"], "grid": list(rec["grid"]), "regs": regs,
-                         "stack": stack})
+                         "stack": stack, "prior": rec["kwargs"].get("PRIOR", False),
+                         "split": rec["kwargs"].get("SPLIT")})
         print(json.dumps(rows))
         sys.exit(0)
     if len(sys.argv) in (3, 4) and sys.argv[1] == "prefill":

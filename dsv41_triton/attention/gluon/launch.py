@@ -329,6 +329,10 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
     width = a.indices.shape[1] + (b.indices.shape[1] if b is not None else 0)
     over = (OVERRIDE or parse_shape(os.environ.get("DSV41_GLUON_SHAPE", ""))
             or parse_shape(table_shape(T, H, a, b, q.device) or ""))
+    if prior and not over.get("few_ws") and b is None:
+        # one key set: the few-heads shape picked for a pair of the same records
+        pair = parse_shape(table_shape(T, H, a, a, q.device) or "")
+        over = pair if pair.get("few_ws") else over
     nw = num_warps or over.get("num_warps") or 4
     stages = stages or over.get("stages") or 3
     bh = block_h or over.get("block_h") or default_block_h(H, nw)
