@@ -6,7 +6,8 @@
 #
 # PARTS (default "tests harness decode prefill"; "sanitize" adds compute-sanitizer memcheck
 # of the Gluon kernels' hostile-id, empty-row and edge tests; "few" the few-heads prefill probe
-# and its ncu pass) picks the parts to run and
+# and its ncu pass; "paged" the paged prefill with window rows: its GPU tests, then the 8-head
+# kernel rows and the layer's memory table) picks the parts to run and
 # TESTS_K narrows the GPU tests to a pytest -k expression, so a short device call can run only
 # what changed, e.g.
 #   PARTS="tests prefill" TESTS_K=wsp BENCH_GLUON_VARIANTS=ws,wsp bash perf/run_gpu.sh
@@ -80,6 +81,18 @@ if part few; then
   timeout ${T_NCU:-240} bash perf/ncu_prefill_few.sh > "$OUTDIR/ncu_prefill_few.log" 2>&1
   grep -E "few|window|Duration|Throughput|bank_conflicts|pipe_tensor|Warp Cycles Per Issued|stalled_(long|short|barrier|mio|math|wait|tex|lg)" \
     "$OUTDIR/ncu_prefill_few.log" | head -80
+fi
+
+echo "== paged prefill with window rows (sparse_mla_prefill_paged_window): tests, 8 h rows, layer table"
+if part paged; then
+  $PY -m pytest tests/attention/test_prefill_shared.py tests/layers/test_layer.py \
+    tests/attention/test_decode_gluon.py -m gpu -q -p no:cacheprovider \
+    $($PY -c "import xdist" 2>/dev/null && echo "-n ${PYTEST_WORKERS:-8}") \
+    -k "paged or shared or (gpu_multistep and triton) or few_ws" > "$OUTDIR/pytest_paged.log" 2>&1
+  echo "paged tests rc=$?"; tail -n 8 "$OUTDIR/pytest_paged.log"
+  BENCH_GLUON_VARIANTS=few timeout ${T_PAGED:-300} $PY perf/bench_prefill.py --heads 8 \
+    > "$OUTDIR/prefill_paged.log" 2>&1
+  sed -n '/summary/,$p' "$OUTDIR/prefill_paged.log" | head -40
 fi
 
 echo "== Hopper prefill (tl vs Gluon vs FlashMLA's flash_mla_sparse_fwd, issue 11's table)"
