@@ -36,6 +36,14 @@ def _prior_group(prow, pm, grp: gl.constexpr):
 
 
 @gluon.jit
+def _prior_tiles(prow, pm):
+    """The 8 ``[64 dims, heads]`` fp32 tiles (dims ``64 g ..``) of a prior output."""
+    return (_prior_group(prow, pm, 0), _prior_group(prow, pm, 1), _prior_group(prow, pm, 2),
+            _prior_group(prow, pm, 3), _prior_group(prow, pm, 4), _prior_group(prow, pm, 5),
+            _prior_group(prow, pm, 6), _prior_group(prow, pm, 7))
+
+
+@gluon.jit
 def _merge_prior(l_i, m_i, lp, o0, o1, o2, o3, o4, o5, o6, o7, p0, p1, p2, p3, p4, p5, p6, p7):
     """The online state (log2-domain max ``m_i``, sum ``l_i``, ``O^T`` tiles ``o*``) merged with
     a normalized prior (natural lse ``lp``, ``+inf``: none; its output tiles ``p*``)."""

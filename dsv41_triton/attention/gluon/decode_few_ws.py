@@ -25,7 +25,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from .common import _merge_prior, _prior_group
+from .common import _merge_prior, _prior_tiles
 from .decode import _acc_layout, _few_heads_epilogue, _online_softmax, _pv, _q_rows, _qk, _store_q
 from .dequant import _convert_group, _dequant_group, _load_group
 from .gather import _alloc_rings, _key_ranges, _program_ids, _put
@@ -115,14 +115,7 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
         prow = out_ptr + t_tok * stride_ot + hp64[None, :] * stride_oh + dp[:, None]
         pm = hpm[None, :] & (dp >= 0)[:, None]
         lp = gl.load(lse_ptr + t_tok * stride_lt + hp64 * stride_lh, mask=hpm, other=float("inf"))
-        p0 = _prior_group(prow, pm, 0)
-        p1 = _prior_group(prow, pm, 1)
-        p2 = _prior_group(prow, pm, 2)
-        p3 = _prior_group(prow, pm, 3)
-        p4 = _prior_group(prow, pm, 4)
-        p5 = _prior_group(prow, pm, 5)
-        p6 = _prior_group(prow, pm, 6)
-        p7 = _prior_group(prow, pm, 7)
+        p0, p1, p2, p3, p4, p5, p6, p7 = _prior_tiles(prow, pm)
     qrow, hq, dq = _q_rows(q_ptr, t_tok, stride_qt, stride_qh, ht, BH, LQ)
     _store_q(qrow, hq, dq, H, q_smem)
     fence_async_shared()

@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .common import _finish_rows, _merge_prior, _prior_group
+from .common import _finish_rows, _merge_prior, _prior_group, _prior_tiles
 
 __all__ = ["NUM_WARPS", "MAX_HEADS", "MAX_WIDTH", "NS", "index_blocks",
            "_sparse_mla_prefill_gluon_few_kernel"]
@@ -208,14 +208,7 @@ def _consumer(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink_ptr,
         if PRIOR:  # issued before the key loop, merged after it
             lp = gl.load(lse_ptr + t * stride_lt + h64 * stride_lh, mask=hmask,
                          other=float("inf"))
-            p0 = _prior_group(orow, om, 0)
-            p1 = _prior_group(orow, om, 1)
-            p2 = _prior_group(orow, om, 2)
-            p3 = _prior_group(orow, om, 3)
-            p4 = _prior_group(orow, om, 4)
-            p5 = _prior_group(orow, om, 5)
-            p6 = _prior_group(orow, om, 6)
-            p7 = _prior_group(orow, om, 7)
+            p0, p1, p2, p3, p4, p5, p6, p7 = _prior_tiles(orow, om)
         m_i = gl.full([8], float("-inf"), gl.float32, layout=HM)
         l_i = gl.full([8], 0.0, gl.float32, layout=HM)
         o0 = zero
