@@ -818,12 +818,12 @@ class DeepseekV41Attention(nn.Module):
         ws = torch.empty((nreq, G, self.head_dim), dtype=torch.bfloat16, device=dev)
         self._ops.gather(ws, self.swa_cache, seq, glen,
                          md.swa_block_table[ch.req_start:ch.req_end], md.swa_page_size, 0)
+        # both the index op and the tiles count tokens from query_start_loc[0]
         qsl = md.query_start_loc[ch.req_start:ch.req_end + 1]
-        qsl = qsl - qsl[0]
         win = torch.empty((3, b - a), dtype=torch.int32, device=dev)
-        none = torch.full((b - a, 1), -1, dtype=torch.int32, device=dev)
-        idx, lens = self._ops.combine(none, qsl, seq, glen, self.window_size, 0, 0, G, 0, None,
-                                      win)
+        # compress ratio 0, top-k 0: only the window (its top-k argument is not read)
+        idx, lens = self._ops.combine(positions[a:b, None], qsl, seq, glen, self.window_size, 0,
+                                      0, G, 0, None, win)
         kv = ws.view(-1, self.head_dim)
         if r == 0:
             self._attend_workspace(q[a:b], positions[a:b], kv, idx, lens, output, a, b,
