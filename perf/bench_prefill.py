@@ -21,7 +21,8 @@ Kernels: 4096 query tokens of one request x 640 keys each (the V4.1 pattern: the
   precomputed); ``paged-window`` (<= 16 heads): the layer's paged path, the tokens' window
   rows gathered into a small bf16 workspace (``T + W - 1`` rows) and shared by consecutive
   tokens, the top-k records as slot ids (``sparse_mla_prefill_shared_window(...,
-  topk_cache=)``; gather + slot rows + attention); ``paged-window-attn``: its attention alone.
+  topk_cache=)``; gather + slot rows + attention); ``paged-window-attn``: its attention alone;
+  ``-persist``: the same with the few-heads decode kernel on its persistent grid (sm_90).
 
 Each is captured as a CUDA graph of one call and replayed 15 times; a 512 MB buffer is
 written before every replay (outside the timed events) so that L2 starts cold. Median us,
@@ -31,7 +32,8 @@ Layer chunk: ``DeepseekV41Attention.forward_mqa`` of one prefill chunk (2048 new
 request at 8K / 128K / 1M context; V4-flash ratio-4 layer, TP 8 = 8 local heads, top-k 512),
 ``prefill_path="paged"`` (window and top-k as slot ids) vs ``paged-window`` (the same with
 ``paged_window_rows = True``: the chunk's window rows in a small bf16 workspace, shared by
-consecutive tokens, the top-k records as slot ids) vs ``"workspace"`` (gather +
+consecutive tokens, the top-k records as slot ids), both also ``-persist`` (the few-heads
+decode kernel on its persistent grid) vs ``"workspace"`` (gather +
 bf16 workspace, window rows shared by consecutive tokens) vs ``workspace-general`` (the same
 with ``share_window_keys = False``) vs ``auto`` (the layer's default: paged or workspace per
 chunk):
@@ -237,6 +239,25 @@ def _flashmla_fn(inp):
     return fn
 
 
+def persistent(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with the Gluon few-heads decode kernel on its persistent grid (sm_90): the prior
+    launches of the paged-window path (``PRIOR_PERSIST``) and the decode launches (the picked
+    shape plus ``persist``)."""
+    def run():
+        from dsv41_triton.attention.gluon import launch as dl
+        old_p, old_o = dl.PRIOR_PERSIST, dict(dl.OVERRIDE)
+        dl.PRIOR_PERSIST = True
+        dl.OVERRIDE.clear()
+        dl.OVERRIDE.update(dl.parse_shape(dl.FEW_WS_PRELOAD_PREFETCH_SHAPE), persist=True)
+        try:
+            return fn()
+        finally:
+            dl.PRIOR_PERSIST = old_p
+            dl.OVERRIDE.clear()
+            dl.OVERRIDE.update(old_o)
+    return run
+
+
 def kernel_fns(inp) -> List[tuple]:
     """[(label, fn)] for one head count."""
     H, q, out = inp["H"], inp["q"], inp["out"]
@@ -276,10 +297,17 @@ def kernel_fns(inp) -> List[tuple]:
             return sparse_mla_prefill_shared_window(q, wws.view(-1, 512), wrow, wl, e_i, e_l,
                                                     qsl, sink, None, out,
                                                     topk_cache=pg["compressed_cache"])
+        def paged_window_attn():
+            return sparse_mla_prefill_shared_window(q, wws.view(-1, 512), wrow, wl, ei, el, qsl,
+                                                    sink, None, out,
+                                                    topk_cache=pg["compressed_cache"])
         fns.append(("paged-window", paged_window))
-        fns.append(("paged-window-attn", lambda: sparse_mla_prefill_shared_window(
-            q, wws.view(-1, 512), wrow, wl, ei, el, qsl, sink, None, out,
-            topk_cache=pg["compressed_cache"])))
+        fns.append(("paged-window-attn", paged_window_attn))
+        fns.append(("paged-window-persist", persistent(paged_window)))
+        fns.append(("paged-window-attn-persist", persistent(paged_window_attn)))
+        fns.append(("paged-attn-persist", persistent(
+            lambda: sparse_mla_decode(q, pg["swa_cache"], si, sl, pg["compressed_cache"], ei, el,
+                                      inp["sink"], None, out))))
     if PAGED_CANDIDATES:
         for shape in (PAGED_SHAPES_FEW if H <= 16 else PAGED_SHAPES_MANY):
             _, bh, bn, warps, stages, lazy = shape
@@ -350,9 +378,11 @@ def build_layer_case(ctx: int, device="cuda", seed=0):
     ncb = -(-(ctx // r) // PAGE)
     layers = {p: DeepseekV41Attention(cfg, layer_id, tp_size=8, backend="triton", device=device,
                                       max_model_len=ctx + 64, prefill_path=p.split("-")[0])
-              for p in ("paged", "paged-window", "workspace", "workspace-general", "auto")}
+              for p in ("paged", "paged-persist", "paged-window", "paged-window-persist",
+                        "workspace", "workspace-general", "auto")}
     layers["workspace-general"].share_window_keys = False
     layers["paged-window"].paged_window_rows = True
+    layers["paged-window-persist"].paged_window_rows = True
     swa = random_k_cache(nb, PAGE, 584, device)
     comp = random_k_cache(ncb, PAGE, 584, device)
     for lay in layers.values():
@@ -380,6 +410,9 @@ def run_layer(lines: List[str], contexts=CONTEXTS):
             def fn(lay=lay, out=out, q=q, md=md, tk=tk):
                 lay.forward_mqa(q, None, md.positions, out, metadata=md, topk_indices=tk)
 
+            if path.endswith("-persist"):
+                fn = persistent(fn)
+
             try:
                 fn()
                 torch.cuda.synchronize()
@@ -399,7 +432,8 @@ def run_layer(lines: List[str], contexts=CONTEXTS):
             lines.append(f"layer ctx={ctx:<8d} {path:17s} eager {us:7.1f} us  graph {gus:7.1f} us  "
                          f"peak +{peak / 2**20:8.1f} MiB  (chunk {CHUNK} tokens, {q.shape[1]} heads)")
             print(lines[-1], flush=True)
-        for other in ("paged", "paged-window", "workspace-general", "auto"):
+        for other in ("paged", "paged-persist", "paged-window", "paged-window-persist",
+                      "workspace-general", "auto"):
             if other in outs and "workspace" in outs:
                 lines.append(f"layer ctx={ctx:<8d} {other} vs workspace out rel "
                              f"{rel_err(outs[other], outs['workspace']):.1e}")

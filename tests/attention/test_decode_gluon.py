@@ -167,20 +167,26 @@ def test_gluon_picks_compile_at_launch_values(entry, shape):
         assert 0 < r["regs"] <= 255 and r["stack"] == 0, (case, r)
 
 
-@pytest.mark.parametrize("T,H,src", [(512, 8, 584), (512, 8, 528), (7, 16, 584), (1, 3, 528),
-                                     (300, 40, 584)])
-def test_gluon_prior_launch_compiles(T, H, src):
+@pytest.mark.parametrize("T,H,src,persist", [(512, 8, 584, False), (512, 8, 528, False),
+                                             (7, 16, 584, False), (1, 3, 528, False),
+                                             (300, 40, 584, False), (512, 8, 584, True),
+                                             (7, 16, 528, True), (300, 40, 584, True)])
+def test_gluon_prior_launch_compiles(T, H, src, persist):
     """``launch.launch(..., prior=True)`` over one key set (the shared-window prefill's top-k
     records) starts the warp-specialized few-heads kernel once, unsplit (one CTA per token and
-    head tile), with ``PRIOR``; compiled as the GPU builds it, nothing spills."""
+    head tile, or with ``persist`` at most one per SM: 132 here), with ``PRIOR``; compiled as
+    the GPU builds it, nothing spills."""
     if not gluon_pkg.AVAILABLE:
         pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
     import json
-    rows = _compile_facts("launch", json.dumps(dict(T=T, H=H, src_a=src, src_b=0, prior=True)))
+    rows = _compile_facts("launch", json.dumps(dict(T=T, H=H, src_a=src, src_b=0, prior=True,
+                                                    persist=persist)))
     bh = 8 if H <= 8 else 16
+    items = T * -(-H // bh)
     assert [r["kernel"].split(".")[0] for r in rows] == ["decode_few_ws"], rows
     r = rows[0]
-    assert r["prior"] is True and r["split"] is False and r["grid"] == [T * -(-H // bh)], r
+    assert r["prior"] is True and r["split"] is False and r["persist"] is persist, r
+    assert r["grid"] == [min(132, items) if persist else items], r
     assert 0 < r["regs"] <= 255 and r["stack"] == 0, r
 
 
@@ -629,6 +635,32 @@ def test_gluon_few_ws_edges_gpu(device, monkeypatch, shape, H, T, swa_rec, extra
     if T < 512:
         _check_empty_rows(_empty_rows_case(device, T, H, swa_rec, extra_rec, sink="-inf"))
     _check(_v41(device, T, H, swa_rec, extra_rec))
+    static = _v41(device, T, H, swa_rec, extra_rec)
+    out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=device)
+    fresh = _v41(device, T, H, swa_rec, extra_rec)
+    assert_graph_replay(sparse_mla_decode, static, {n: fresh[n] for n in GRAPH_INPUTS}, out,
+                        sparse_mla_decode_ref, out_tol=OUT_TOL, lse_tol=LSE_TOL, _kernel="gluon")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["4:8:2:w", "4:16:2:w:0:p", "4:8:2:w:0:p"])
+@pytest.mark.parametrize("T", [1, 5, 300, 1000])
+@pytest.mark.parametrize("H", [3, 16])
+@pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, 288), (584, None)])
+def test_gluon_few_ws_persistent_gpu(device, monkeypatch, shape, T, H, swa_rec, extra_rec):
+    """The few-heads ws kernel on its persistent grid (``OVERRIDE["persist"]``: at most one CTA
+    per SM, each looping over items with its ring running on): ragged and empty rows (len 0,
+    only -1, only slots past the cache) among more items than SMs (T = 300, 1000; a CTA's
+    items of different block counts back to back), split keys at T <= 5, a CUDA-graph
+    replay."""
+    _need_gluon_gpu()
+    from dsv41_triton.attention.gluon import launch as gl_launch
+    monkeypatch.setattr(gl_launch, "OVERRIDE", dict(gl_launch.parse_shape(shape), persist=True))
+    _check_empty_rows(_empty_rows_case(device, T, H, swa_rec, extra_rec))
+    assert gl_launch.LAST_LAUNCH["persist"] is True
+    assert gl_launch.LAST_LAUNCH["fwd"][1][4] == "few_ws"
+    if extra_rec is None:
+        return
     static = _v41(device, T, H, swa_rec, extra_rec)
     out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=device)
     fresh = _v41(device, T, H, swa_rec, extra_rec)

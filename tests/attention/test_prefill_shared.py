@@ -360,11 +360,14 @@ def test_shared_window_paged_topk_bad_inputs(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rec", [584, 528, 288])
 @pytest.mark.parametrize("H", [1, 8, 16])
-def test_shared_window_paged_topk_v41_gpu(device, rec, H):
+@pytest.mark.parametrize("persist", [False, True])
+def test_shared_window_paged_topk_v41_gpu(device, monkeypatch, rec, H, persist):
     """V4.1 sizes; on sm_90 the top-k records run on the Gluon decode kernel with its prior
-    (584 / 528 records; 288 alone: the ``tl`` kernel)."""
+    (584 / 528 records; 288 alone: the ``tl`` kernel), on its per-token or persistent grid
+    (``PRIOR_PERSIST``)."""
     from dsv41_triton.attention import gluon as gluon_pkg
     from dsv41_triton.attention.gluon import launch as dl
+    monkeypatch.setattr(dl, "PRIOR_PERSIST", persist)
     a = _paged_case(device, rec=rec, page=64, blocks=64, H=H, seed=rec + H,
                     qlens=(700, 1, 300), extra=3, W=128, K=512, S=8192)
     dl.LAST_LAUNCH.clear()
@@ -373,6 +376,7 @@ def test_shared_window_paged_topk_v41_gpu(device, rec, H):
              and rec != 288)
     got = dl.LAST_LAUNCH.get("fwd", (None, ()))[1]
     assert (bool(got) and got[-1] == "few_ws" and got[1] == 1) == gluon, got
+    assert dl.LAST_LAUNCH.get("persist", False) == (gluon and persist)
 
 
 @pytest.mark.gpu

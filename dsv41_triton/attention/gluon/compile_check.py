@@ -37,11 +37,11 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
                    has_b: bool = True, ns: int = 3, arch: int = 90, nw: int = 4,
                    overlap: bool = True, f16: bool = False, ws: bool = False, nt: int = 0,
                    ahead: int = 1, deq_prefetch: bool = False, values: dict | None = None,
-                   prior: bool = False):
+                   prior: bool = False, persist: bool = False):
     """``nt > 0`` with ``bh < 64``: the warp-specialized few-heads kernel (decode_few_ws.py)
     with ``nt`` key tiles and ``ns`` ring stages; ``ahead``: the warp-specialized kernels'
-    ``IDX_AHEAD`` (their producer's slot-id lead in blocks); ``deq_prefetch`` / ``prior``: the
-    few-heads ws kernel's ``DEQ_PREFETCH`` / ``PRIOR``; ``values`` (argument name -> int): specialized on a
+    ``IDX_AHEAD`` (their producer's slot-id lead in blocks); ``deq_prefetch`` / ``prior`` /
+    ``persist``: the few-heads ws kernel's ``DEQ_PREFETCH`` / ``PRIOR`` / ``PERSIST``; ``values`` (argument name -> int): specialized on a
     launch's integer arguments, as on the GPU (``_specialize``; ``compile_launch`` compiles
     what ``launch.launch`` actually passes)."""
     consts = dict(SRC_A=src_a, SRC_B=src_b, HAS_B=has_b, HAS_LEN_A=True, HAS_LEN_B=True,
@@ -60,7 +60,9 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
         from .decode_few_ws import MMA_WARPS, _sparse_mla_decode_few_ws_kernel as kern
         nw = MMA_WARPS.value
         consts.update(BH=bh, NS=ns, NT=nt, IDX_AHEAD=ahead, DEQ_PREFETCH=deq_prefetch,
-                      PRIOR=prior)
+                      PRIOR=prior, PERSIST=persist)
+        return _compile(kern, _decode_args() + [("num_items", "i32")], _DECODE_ALIGNED, values,
+                        consts, nw, arch)
     else:
         from .decode import _sparse_mla_decode_gluon_kernel as kern
         consts.update(BH=bh, NS=ns, NW=nw, F16=f16)
@@ -124,12 +126,13 @@ def _recording(kernels, sms: int, run) -> list:
 
 
 def capture_decode(T: int, H: int, src_a: int, src_b: int, shape: str = "", W: int = 128,
-                   K: int = 512, page: int = 64, sms: int = 132, prior: bool = False) -> list:
+                   K: int = 512, page: int = 64, sms: int = 132, prior: bool = False,
+                   persist: bool = False) -> list:
     """The kernel launches ``launch.launch`` makes for a decode of ``T`` tokens x ``H`` heads
     (``W`` window slot ids of ``src_a`` records, ``K`` extra ones of ``src_b`` (0: none), lens
     and a sink; caches of ``perf/bench_decode_hopper.py``'s sizes) on an sm_90 GPU of ``sms``
     SMs, at launch shape ``shape`` (empty: the pick table's), merging a prior partial with
-    ``prior``. Runs on the CPU (``_recording``). Each launch: ``{kernel, real, grid, args,
+    ``prior``, on the few-heads ws kernel's persistent grid with ``persist``. Runs on the CPU (``_recording``). Each launch: ``{kernel, real, grid, args,
     kwargs}``."""
     import torch
 
@@ -147,6 +150,8 @@ def capture_decode(T: int, H: int, src_a: int, src_b: int, shape: str = "", W: i
         try:
             gl_launch.OVERRIDE.clear()
             gl_launch.OVERRIDE.update(gl_launch.parse_shape(shape))
+            if persist:
+                gl_launch.OVERRIDE["persist"] = True
             a = keys(3 * T + 8, src_a, W)
             b = keys(max(2048, 8 * T), src_b, K) if src_b else None
             q = torch.empty(T, H, 512, dtype=torch.bfloat16)
@@ -489,7 +494,8 @@ if __name__ == "__main__":
     import json
     if len(sys.argv) == 3 and sys.argv[1] == "launch":
         # python -m ...compile_check launch JSON -> JSON line: the launches of a decode
-        # {"T", "H", "src_a", "src_b", "shape", "prior"} (``capture_decode``) or of a prefill {"kind":
+        # {"T", "H", "src_a", "src_b", "shape", "prior", "persist"} (``capture_decode``) or of a
+        # prefill {"kind":
         # "prefill", "T", "H", "S", "K", "variant"} (``capture_prefill``) compiled as the GPU
         # builds them: kernel, grid, registers and stack bytes of each
         c = json.loads(sys.argv[2])
@@ -497,12 +503,14 @@ if __name__ == "__main__":
             recs = capture_prefill(c["T"], c["H"], c["S"], c["K"], c.get("variant", ""))
         else:
             recs = capture_decode(c["T"], c["H"], c["src_a"], c["src_b"], c.get("shape", ""),
-                                  prior=bool(c.get("prior", False)))
+                                  prior=bool(c.get("prior", False)),
+                                  persist=bool(c.get("persist", False)))
         rows = []
         for rec in recs:
             regs, stack = _regs_stack(compile_launch(rec))
             rows.append({"kernel": rec["kernel"], "grid": list(rec["grid"]), "regs": regs,
                          "stack": stack, "prior": rec["kwargs"].get("PRIOR", False),
+                         "persist": rec["kwargs"].get("PERSIST", False),
                          "split": rec["kwargs"].get("SPLIT")})
         print(json.dumps(rows))
         sys.exit(0)

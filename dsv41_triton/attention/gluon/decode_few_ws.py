@@ -18,6 +18,11 @@ across blocks instead of running as one serial chain:
 
 Shared memory (8-head tiles, ``NS = NT = 2``): the ring 2 x 37 KB (584) + two key tiles of
 64 KB + Q 8 KB: ~217 KB, one CTA per SM.
+
+``PERSIST``: a grid of at most one CTA per SM whose three partitions loop over the same items
+(token x split x head tile) with their ring and key-tile positions running on from item to
+item, so that the producer gathers an item's first blocks while the MMA warpgroup finishes the
+previous one (without it each item's CTA starts with an empty pipeline).
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from .common import _merge_prior, _prior_tiles
 from .decode import _acc_layout, _few_heads_epilogue, _online_softmax, _pv, _q_rows, _qk, _store_q
 from .dequant import _convert_group, _dequant_group, _load_group
-from .gather import _alloc_rings, _key_ranges, _program_ids, _put
+from .gather import _alloc_rings, _item_ids, _key_ranges, _program_ids, _put
 from .decode_heads_ws import PRODUCER_REGS, PRODUCER_WARPS, _alloc_ids_pre, _producer
 
 #: warps of the dequant partition (8: one key row of 64 dims per thread and group)
@@ -71,14 +76,15 @@ def _dequant_block(s, t, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k0,
 def _dequant_part(nblk_a, nblk, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
                   idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, ready, free, tready, tfree,
                   SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
-                  NS: gl.constexpr, NT: gl.constexpr, PREFETCH: gl.constexpr):
-    """Every block's raw records -> bf16 key tile ``j % NT`` (and its slot ids)."""
+                  NS: gl.constexpr, NT: gl.constexpr, PREFETCH: gl.constexpr, g0=0):
+    """Every block's raw records -> bf16 key tile ``(g0 + j) % NT`` (and its slot ids);
+    ``g0``: blocks before this token's."""
     LI: gl.constexpr = gl.BlockedLayout([1], [32], [DEQUANT_WARPS], [0])
     for j in range(nblk):
-        s = j % NS
-        t = j % NT
-        mbarrier.wait(ready.index(s), (j // NS) & 1)
-        mbarrier.wait(tfree.index(t), ((j // NT) & 1) ^ 1)
+        s = (g0 + j) % NS
+        t = (g0 + j) % NT
+        mbarrier.wait(ready.index(s), ((g0 + j) // NS) & 1)
+        mbarrier.wait(tfree.index(t), (((g0 + j) // NT) & 1) ^ 1)
         scale_s = scale_ring.index(s)
         if HAS_B and SRC_A != SRC_B:
             if j < nblk_a:
@@ -102,9 +108,9 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
               sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
               po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid, q_smem, p_smem, tready,
               tfree, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BH: gl.constexpr,
-              NT: gl.constexpr, PRIOR: gl.constexpr):
-    """One warpgroup: Q, then both swap-AB wgmmas and the softmax of every block, then the
-    epilogue."""
+              NT: gl.constexpr, PRIOR: gl.constexpr, g0=0):
+    """One warpgroup: Q, then both swap-AB wgmmas and the softmax of every block (key tile
+    ``(g0 + j) % NT``), then the epilogue."""
     ACC: gl.constexpr = _acc_layout(BH, MMA_WARPS)
     LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [MMA_WARPS, 1], [1, 0])
     if PRIOR:  # issued before the key loop, merged after it
@@ -133,8 +139,8 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
     o6 = zero
     o7 = zero
     for j in range(nblk):
-        t = j % NT
-        mbarrier.wait(tready.index(t), (j // NT) & 1)
+        t = (g0 + j) % NT
+        mbarrier.wait(tready.index(t), ((g0 + j) // NT) & 1)
         kt0 = k0.index(t)
         kt1 = k1.index(t)
         kt2 = k2.index(t)
@@ -165,6 +171,73 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
 
 
 @gluon.jit
+def _producer_items(num_items, num_ht, num_splits, a_ptr, a_idx_ptr, a_idx_st, a_len_ptr,
+                    a_len_st, a_width, a_bstride, a_page, a_rows, b_ptr, b_idx_ptr, b_idx_st,
+                    b_len_ptr, b_len_st, b_width, b_bstride, b_page, b_rows, r0, r1, r2, r3, r4,
+                    r5, r6, r7, rope_ring, scale_ring, idx_ring, ids_pre, ready, free,
+                    SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
+                    HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, SPLIT: gl.constexpr,
+                    NS: gl.constexpr, IDX_AHEAD: gl.constexpr):
+    """``PERSIST``: the producer over this CTA's items, its ring position running on (the next
+    item's first blocks are gathered while the MMA warpgroup finishes this one)."""
+    g = 0
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        ht, split, t = _item_ids(item, num_ht, num_splits)
+        lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _key_ranges(
+            t, split, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr, b_len_st, b_width,
+            HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT)
+        _producer(a_ptr, a_idx_ptr + t * a_idx_st, a_bstride, a_page, a_rows, b_ptr,
+                  b_idx_ptr + t * b_idx_st, b_bstride, b_page, b_rows, lo_a, hi_a, lo_b, hi_b,
+                  nblk_a, nblk, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring,
+                  ids_pre, ready, free, SRC_A, SRC_B, HAS_B, NS, IDX_AHEAD, g)
+        g += nblk
+
+
+@gluon.jit
+def _dequant_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
+                   b_len_st, b_width, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
+                   idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, ready, free, tready, tfree,
+                   SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
+                   HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, SPLIT: gl.constexpr,
+                   NS: gl.constexpr, NT: gl.constexpr, PREFETCH: gl.constexpr):
+    """``PERSIST``: the dequant partition over this CTA's items."""
+    g = 0
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        ht, split, t = _item_ids(item, num_ht, num_splits)
+        lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _key_ranges(
+            t, split, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr, b_len_st, b_width,
+            HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT)
+        _dequant_part(nblk_a, nblk, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
+                      idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, ready, free, tready, tfree,
+                      SRC_A, SRC_B, HAS_B, NS, NT, PREFETCH, g)
+        g += nblk
+
+
+@gluon.jit
+def _mma_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
+               b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, qk_scale, sink_ptr, sink_st,
+               out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, po_ptr, pl_ptr, k0,
+               k1, k2, k3, k4, k5, k6, k7, kid, q_smem, p_smem, tready, tfree,
+               HAS_B: gl.constexpr, HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr,
+               HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BH: gl.constexpr,
+               NT: gl.constexpr, PRIOR: gl.constexpr):
+    """``PERSIST``: the MMA warpgroup over this CTA's items (Q stored again per item: the last
+    item's products that read it were waited)."""
+    g = 0
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        ht, split, t = _item_ids(item, num_ht, num_splits)
+        lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _key_ranges(
+            t, split, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr, b_len_st, b_width,
+            HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT)
+        _mma_part(q_ptr, stride_qt, stride_qh, t, split, ht, H, qk_scale, num_splits, nblk,
+                  sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
+                  stride_lh, po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid, q_smem,
+                  p_smem, tready, tfree, HAS_SINK, SPLIT, BH, NT, PRIOR, g)
+        gl.thread_barrier()  # every warp's Q and P reads precede the next item's stores
+        g += nblk
+
+
+@gluon.jit
 def _sparse_mla_decode_few_ws_kernel(
     q_ptr, stride_qt, stride_qh,
     a_ptr, a_idx_ptr, a_idx_st, a_len_ptr, a_len_st, a_width, a_bstride, a_page, a_rows,
@@ -172,18 +245,21 @@ def _sparse_mla_decode_few_ws_kernel(
     sink_ptr, sink_st,
     out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
     po_ptr, pl_ptr,
-    H, qk_scale, num_splits, num_ht,
+    H, qk_scale, num_splits, num_ht, num_items,
     SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
     HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, HAS_SINK: gl.constexpr,
     SPLIT: gl.constexpr, BH: gl.constexpr, NS: gl.constexpr, NT: gl.constexpr,
     IDX_AHEAD: gl.constexpr = 1, DEQ_PREFETCH: gl.constexpr = False,
-    PRIOR: gl.constexpr = False,
+    PRIOR: gl.constexpr = False, PERSIST: gl.constexpr = False,
 ):
     """Grid ``T * num_splits * num_ht`` (head tile fastest, then split, then token); launch with
     ``num_warps=MMA_WARPS``. Arguments as ``decode._sparse_mla_decode_gluon_kernel``'s; ``NS``
     byte-ring stages, ``NT`` bf16 key tiles, slot ids loaded one block ahead (``IDX_AHEAD``
     1) or 8 blocks at once (0); ``DEQ_PREFETCH``: the dequant partition loads each group's
-    bytes one group ahead; ``PRIOR`` (not with ``SPLIT``): merge the partial out / lse hold."""
+    bytes one group ahead; ``PRIOR`` (not with ``SPLIT``): merge the partial out / lse hold;
+    ``PERSIST``: a grid of at most one CTA per SM, each looping over items ``pid, pid + grid,
+    ..`` of the ``num_items = T * num_splits * num_ht`` (the ring and key tiles run on across
+    items, so an item's first gathers overlap the previous item's last products)."""
     ht, split, t = _program_ids(num_ht, num_splits)
 
     USE_288: gl.constexpr = SRC_A == 288 or (HAS_B and SRC_B == 288)
@@ -215,6 +291,28 @@ def _sparse_mla_decode_few_ws_kernel(
     for i in gl.static_range(NT):
         mbarrier.init(tready.index(i), count=1)
         mbarrier.init(tfree.index(i), count=1)
+
+    if PERSIST:
+        gl.warp_specialize([
+            (_mma_items, (num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width,
+                          b_len_ptr, b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, qk_scale,
+                          sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
+                          stride_lh, po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid,
+                          q_smem, p_smem, tready, tfree, HAS_B, HAS_LEN_A, HAS_LEN_B, HAS_SINK,
+                          SPLIT, BH, NT, PRIOR)),
+            (_producer_items, (num_items, num_ht, num_splits, a_ptr, a_idx_ptr, a_idx_st,
+                               a_len_ptr, a_len_st, a_width, a_bstride, a_page, a_rows, b_ptr,
+                               b_idx_ptr, b_idx_st, b_len_ptr, b_len_st, b_width, b_bstride,
+                               b_page, b_rows, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring,
+                               scale_ring, idx_ring, ids_pre, ready, free, SRC_A, SRC_B, HAS_B,
+                               HAS_LEN_A, HAS_LEN_B, SPLIT, NS, IDX_AHEAD)),
+            (_dequant_items, (num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width,
+                              b_len_ptr, b_len_st, b_width, r0, r1, r2, r3, r4, r5, r6, r7,
+                              rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6, k7,
+                              kid, ready, free, tready, tfree, SRC_A, SRC_B, HAS_B, HAS_LEN_A,
+                              HAS_LEN_B, SPLIT, NS, NT, DEQ_PREFETCH)),
+        ], [PRODUCER_WARPS, DEQUANT_WARPS], [PRODUCER_REGS, DEQUANT_REGS])
+        return
 
     lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _key_ranges(
         t, split, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr, b_len_st, b_width,

@@ -86,7 +86,7 @@ def _producer_preload(a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_
                       b_page, b_rows, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk,
                       r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, ids_pre,
                       ready, free, SRC_A: gl.constexpr, SRC_B: gl.constexpr,
-                      HAS_B: gl.constexpr, NS: gl.constexpr):
+                      HAS_B: gl.constexpr, NS: gl.constexpr, g0=0):
     """``_producer`` with the checked slot ids of ``PRELOAD_BLOCKS`` blocks loaded in one pass
     (one global-load latency per chunk, not one per block) into ``ids_pre``."""
     LI: gl.constexpr = gl.SliceLayout(1, _copy_layout(16, PRODUCER_WARPS))
@@ -94,7 +94,7 @@ def _producer_preload(a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_
     rows = ids_pre._reinterpret(gl.int32, [PRELOAD_BLOCKS, 64],
                                 gl.SwizzledSharedLayout(1, 1, 1, [0]))
     for j in range(nblk):
-        s = j % NS
+        s = (g0 + j) % NS
         c = j % PRELOAD_BLOCKS
         if c == 0:
             chunk = _load_idx_chunk(j, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row,
@@ -103,7 +103,7 @@ def _producer_preload(a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_
             ids_pre.store(chunk)
             gl.thread_barrier()
         idx = rows.index(c).load(LI)
-        mbarrier.wait(free.index(s), ((j // NS) & 1) ^ 1)
+        mbarrier.wait(free.index(s), (((g0 + j) // NS) & 1) ^ 1)
         _fill_stage(j, s, idx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
                     r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, ready,
                     SRC_A, SRC_B, HAS_B)
@@ -114,24 +114,25 @@ def _producer(a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_row, b_b
               b_rows, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk,
               r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, ids_pre, ready,
               free, SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
-              NS: gl.constexpr, AHEAD: gl.constexpr = 1):
-    """Every block's slot ids and raw records into ring stage ``j % NS`` once it is free; a
-    block's ids are loaded one block before it (``AHEAD = 1``), or (``AHEAD = 0``) those of
-    ``PRELOAD_BLOCKS`` blocks at once into ``ids_pre``."""
+              NS: gl.constexpr, AHEAD: gl.constexpr = 1, g0=0):
+    """Every block's slot ids and raw records into ring stage ``(g0 + j) % NS`` once it is
+    free (``g0``: blocks the ring took before this token's); a block's ids are loaded one block
+    before it (``AHEAD = 1``), or (``AHEAD = 0``) those of ``PRELOAD_BLOCKS`` blocks at once
+    into ``ids_pre``."""
     gl.static_assert(AHEAD == 0 or AHEAD == 1, "AHEAD: 0 (preload) or 1 block")
     LI: gl.constexpr = gl.SliceLayout(1, _copy_layout(16, PRODUCER_WARPS))
     if AHEAD == 0:
         _producer_preload(a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_row,
                           b_bstride, b_page, b_rows, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk,
                           r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring,
-                          ids_pre, ready, free, SRC_A, SRC_B, HAS_B, NS)
+                          ids_pre, ready, free, SRC_A, SRC_B, HAS_B, NS, g0)
         return
     # block j's raw ids (checked only when the block is issued)
     a0, b0 = _load_idx_raw(0, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b, hi_b,
                            HAS_B, LI)
     for j in range(nblk):
-        s = j % NS
-        mbarrier.wait(free.index(s), ((j // NS) & 1) ^ 1)
+        s = (g0 + j) % NS
+        mbarrier.wait(free.index(s), (((g0 + j) // NS) & 1) ^ 1)
         idx = _check_idx(a0, b0, a_rows, b_rows, HAS_B)
         _fill_stage(j, s, idx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
                     r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, ready,

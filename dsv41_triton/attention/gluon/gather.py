@@ -28,9 +28,15 @@ def _copy_layout(vec, nw):
 def _program_ids(num_ht, num_splits):
     """This CTA's (head tile, key split, token) of a grid ``T * num_splits * num_ht`` (head
     tile fastest, then split, then token; the token as int64)."""
-    pid = gl.program_id(0)
-    rest = pid // num_ht
-    return pid % num_ht, rest % num_splits, (rest // num_splits).to(gl.int64)
+    return _item_ids(gl.program_id(0), num_ht, num_splits)
+
+
+@gluon.jit
+def _item_ids(item, num_ht, num_splits):
+    """(head tile, key split, token as int64) of work item ``item`` of ``T * num_splits *
+    num_ht`` (head tile fastest, then split, then token)."""
+    rest = item // num_ht
+    return item % num_ht, rest % num_splits, (rest // num_splits).to(gl.int64)
 
 
 @gluon.jit

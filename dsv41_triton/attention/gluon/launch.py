@@ -222,9 +222,14 @@ def pick(T: int, H: int, a, b, device: torch.device) -> bool:
 
 
 #: launch-shape override for benchmarks: keys block_h, num_warps, stages, f16 and variant
-#: (absent = default); DSV41_GLUON_SHAPE="num_warps:block_h:stages[:x]" (0 = default) sets it
-#: from the environment
+#: (absent = default), and ``persist`` (the few-heads ws kernel's persistent grid);
+#: DSV41_GLUON_SHAPE="num_warps:block_h:stages[:x]" (0 = default) sets it from the environment
 OVERRIDE = {}
+
+#: whether ``launch(prior=True)`` runs the few-heads ws kernel on a persistent grid (at most
+#: one CTA per SM looping over tokens: a token's first gathers overlap the previous token's
+#: last products); off until measured faster on the H200 (perf/NOTES.md, "Session 21")
+PRIOR_PERSIST = False
 
 
 def parse_shape(text: str) -> dict:
@@ -332,7 +337,7 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
     if prior and not over.get("few_ws") and b is None:
         # one key set: the few-heads shape picked for a pair of the same records
         pair = parse_shape(table_shape(T, H, a, a, q.device) or "")
-        over = pair if pair.get("few_ws") else over
+        over = {**pair, **over} if pair.get("few_ws") else over
     nw = num_warps or over.get("num_warps") or 4
     stages = stages or over.get("stages") or 3
     bh = block_h or over.get("block_h") or default_block_h(H, nw)
@@ -355,11 +360,15 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
         n_ht = cdiv(H, bh)
         ns = num_splits or default_splits(T, n_ht, width, _sms(q.device))
         args, po, pl, sink_arg, sink_st = kernel_args(q, a, b, sink, out, lse, ns)
-        k = _sparse_mla_decode_few_ws_kernel[(T * ns * n_ht,)](
-            *args, H, qk_scale, ns, n_ht, **flags, SPLIT=ns > 1, BH=bh, NS=stages, NT=nt,
-            IDX_AHEAD=ahead, DEQ_PREFETCH=over.get("deq_prefetch", DEQ_PREFETCH), PRIOR=prior,
-            num_warps=MMA_WARPS.value)
+        items = T * ns * n_ht
+        persist = bool(over.get("persist", PRIOR_PERSIST if prior else False))
+        grid = (min(_sms(q.device), items),) if persist else (items,)
+        k = _sparse_mla_decode_few_ws_kernel[grid](
+            *args, H, qk_scale, ns, n_ht, items, **flags, SPLIT=ns > 1, BH=bh, NS=stages,
+            NT=nt, IDX_AHEAD=ahead, DEQ_PREFETCH=over.get("deq_prefetch", DEQ_PREFETCH),
+            PRIOR=prior, PERSIST=persist, num_warps=MMA_WARPS.value)
         LAST_LAUNCH["fwd"] = (k, (bh, ns, MMA_WARPS.value, stages, "few_ws"))
+        LAST_LAUNCH["persist"] = persist
     elif bh == 64:
         # the many-heads kernel: 64-head tiles, two warpgroups (the warp-specialized variant: a
         # producer partition besides), two ring stages (shared memory)
@@ -403,4 +412,4 @@ __all__ = ["PICK", "ENV", "OVERRIDE", "usable", "pick", "launch", "default_block
            "default_shape", "default_splits", "HEADS_SHAPE", "HEADS_WS_SHAPE", "FEW_WS_SHAPE",
            "FEW_WS16_SHAPE", "few_ws_block_h", "HEADS_OVERLAP", "IDX_AHEAD", "DEQ_PREFETCH",
            "HEADS_VARIANTS", "f16_supported", "heads_bucket", "tokens_bucket", "table_shape",
-           "parse_shape", "TESTED_SHAPES", "ctas_per_sm"]
+           "parse_shape", "TESTED_SHAPES", "ctas_per_sm", "PRIOR_PERSIST"]
