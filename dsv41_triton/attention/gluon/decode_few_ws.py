@@ -221,8 +221,9 @@ def _mma_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_le
                HAS_B: gl.constexpr, HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr,
                HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BH: gl.constexpr,
                NT: gl.constexpr, PRIOR: gl.constexpr):
-    """``PERSIST``: the MMA warpgroup over this CTA's items (Q stored again per item: the last
-    item's products that read it were waited)."""
+    """``PERSIST``: the MMA warpgroup over this CTA's items (Q stored again per item: the
+    previous item's products that read it were waited before its last block's warpgroup
+    barrier; an item without blocks reads no Q)."""
     g = 0
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         ht, split, t = _item_ids(item, num_ht, num_splits)
@@ -233,7 +234,6 @@ def _mma_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_le
                   sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
                   stride_lh, po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid, q_smem,
                   p_smem, tready, tfree, HAS_SINK, SPLIT, BH, NT, PRIOR, g)
-        gl.thread_barrier()  # every warp's Q and P reads precede the next item's stores
         g += nblk
 
 

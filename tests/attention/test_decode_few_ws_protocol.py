@@ -1,0 +1,112 @@
+"""A random-interleaving model of the warp-specialized few-heads decode's mbarrier protocol
+(``attention/gluon/decode_few_ws.py``) on its persistent grid (``PERSIST``): one CTA's
+producer, dequant and MMA partitions over a list of items (tokens) of random block counts,
+their ring stages ``g % NS`` and key tiles ``g % NT`` running on from item to item, the MMA
+warpgroup storing each item's Q into the one Q buffer. Scheduled by
+``mbarrier_model.schedule``; the model is hand-kept beside the kernel: change both together.
+
+Agents: ``PW`` producer warps (each arrives on ``ready``: the kernel's per-thread cp.async
+arrive), the dequant partition as warpgroup 0 and the MMA partition as warpgroup 1 of ``GW``
+warps each (one elected arrive after a warpgroup barrier).
+"""
+import random
+
+import pytest
+from mbarrier_model import Bar, rd, schedule
+
+#: producer warps, warps per dequant / MMA partition (the kernel: 4, 8 and 4; 2 keep it small)
+PW, GW = 2, 2
+
+
+def run(nblks, seed, ns=2, nt=2, no_block_barrier=False, free_before_read=False):
+    """One CTA over items of ``nblks[k]`` blocks. The flags break the protocol on purpose
+    (the mutation test): ``no_block_barrier`` (the MMA warps' elected thread frees a key tile
+    without the warpgroup barrier after the block's O products; that barrier also orders an
+    item's Q reads before the next item's Q store), ``free_before_read`` (the dequant
+    partition frees a ring stage before reading it)."""
+    bars = {}
+    for s in range(ns):
+        bars[f"ready{s}"] = Bar(PW)
+        bars[f"free{s}"] = Bar(1)
+    for t in range(nt):
+        bars[f"tready{t}"] = Bar(1)
+        bars[f"tfree{t}"] = Bar(1)
+
+    def producer(w):
+        g = 0
+        for nblk in nblks:
+            for _ in range(nblk):
+                s = g % ns
+                yield ("wait", f"free{s}", g // ns - 1)
+                yield ("write", ("ring", s, w), g)
+                yield ("arrive", f"ready{s}")
+                g += 1
+
+    def dequant(w):
+        g = 0
+        for nblk in nblks:
+            for _ in range(nblk):
+                s, t = g % ns, g % nt
+                yield ("wait", f"ready{s}", g // ns)
+                yield ("wait", f"tfree{t}", g // nt - 1)
+                if free_before_read:
+                    yield ("tb", 0)
+                    yield ("arrive", f"free{s}")
+                yield from rd(("ring", s), g, PW)
+                yield ("write", ("tile", t, w), g)
+                yield ("tb", 0)
+                if not free_before_read:
+                    yield ("arrive", f"free{s}")
+                yield ("arrive", f"tready{t}")
+                g += 1
+
+    def mma(w):
+        g = 0
+        for k, nblk in enumerate(nblks):
+            yield ("write", ("Q", w), k)
+            yield ("tb", 1)
+            for _ in range(nblk):
+                t = g % nt
+                yield ("wait", f"tready{t}", g // nt)
+                yield from rd(("tile", t), g, GW)  # S
+                yield from rd(("Q",), k, GW)
+                yield ("tb", 1)  # P stored
+                yield from rd(("tile", t), g, GW)  # O
+                if not no_block_barrier:
+                    yield ("tb", 1)
+                yield ("arrive", f"tfree{t}")
+                g += 1
+
+    agents = {("P", w): producer(w) for w in range(PW)}
+    for w in range(GW):
+        agents[("C", 0, w)] = dequant(w)
+        agents[("C", 1, w)] = mma(w)
+    schedule(agents, bars, seed, GW)
+    total = sum(nblks)
+    assert bars[f"tready{0}"].done == -(-total // nt) if total else True
+
+
+def _items(rnd):
+    return [rnd.choice([0, 0, 1, 2, 3, 5, 8, 10]) for _ in range(rnd.randint(1, 9))]
+
+
+@pytest.mark.parametrize("ns,nt", [(2, 2), (1, 2), (3, 2)])
+def test_few_ws_persistent_protocol_random_schedules(ns, nt):
+    rnd = random.Random(ns * 10 + nt)
+    for seed in range(300):
+        run(_items(rnd), seed, ns=ns, nt=nt)
+    run([0] * 9, 1, ns=ns, nt=nt)  # only empty items
+    run([1] * 9, 2, ns=ns, nt=nt)  # one block per item: the ring turns over at every item
+    run([10, 0, 10, 0, 1], 3, ns=ns, nt=nt)
+
+
+@pytest.mark.parametrize("flags,what", [(dict(no_block_barrier=True), "stale"),
+                                        (dict(free_before_read=True), "stale")])
+def test_few_ws_persistent_protocol_model_catches_mutations(flags, what):
+    """The model fails for a key tile freed while a lagging MMA warp may still read it (or the
+    next item's Q stored under a lagging warp's read of this item's), and for a ring stage
+    freed before the dequant read it."""
+    rnd = random.Random(5)
+    with pytest.raises(AssertionError, match=what):
+        for seed in range(3000):
+            run(_items(rnd), seed, **flags)
