@@ -248,7 +248,7 @@ def persistent(fn: Callable[[], object]) -> Callable[[], object]:
         old_p, old_o = dl.PRIOR_PERSIST, dict(dl.OVERRIDE)
         dl.PRIOR_PERSIST = True
         dl.OVERRIDE.clear()
-        dl.OVERRIDE.update(dl.parse_shape(dl.FEW_WS_PRELOAD_PREFETCH_SHAPE), persist=True)
+        dl.OVERRIDE.update(dl.parse_shape("4:8:2:W:0:p"))
         try:
             return fn()
         finally:

@@ -194,7 +194,7 @@ def test_gluon_prior_launch_compiles(T, H, src, persist):
 #: variants)
 WIRING_SHAPES = ("4:0:3", "4:0:3:h", "4:8:3:h", "4:0:1", "8:16:3", "8:32:3", "8:64:2",
                  "8:64:2:1", "8:64:2:2", "8:64:2:3", "8:64:2:3:0", "4:8:2:w", "4:16:2:w:0:p",
-                 "4:8:2:w:1:p", "")
+                 "4:8:2:w:1:p", "4:8:2:W:0:p", "4:16:2:W", "")
 
 
 @pytest.mark.parametrize("shape", WIRING_SHAPES)
@@ -248,7 +248,8 @@ def test_gluon_pick_table():
             assert shape in gl_launch.TESTED_SHAPES, shape
             assert set(gl_launch.parse_shape(shape)) <= {"num_warps", "block_h", "stages",
                                                          "f16", "variant", "few_ws",
-                                                         "idx_ahead", "deq_prefetch"}
+                                                         "idx_ahead", "deq_prefetch",
+                                                         "persist"}
     assert gl_launch.heads_bucket(8) == 8 and gl_launch.heads_bucket(9) == 16
     assert gl_launch.tokens_bucket(1) == 1 and gl_launch.tokens_bucket(2) == 7
     assert gl_launch.tokens_bucket(7) == 7 and gl_launch.tokens_bucket(8) == 32
@@ -260,6 +261,11 @@ def test_gluon_pick_table():
     assert gl_launch.parse_shape(gl_launch.FEW_WS_SHAPE) == {"num_warps": 4, "block_h": 8,
                                                              "stages": 2, "few_ws": True}
     assert gl_launch.parse_shape(gl_launch.FEW_WS16_SHAPE)["block_h"] == 16
+    assert gl_launch.parse_shape("4:8:2:W:0:p") == {"num_warps": 4, "block_h": 8, "stages": 2,
+                                                    "few_ws": True, "persist": True,
+                                                    "idx_ahead": 0, "deq_prefetch": True}
+    with pytest.raises(ValueError, match="launch shape"):
+        gl_launch.parse_shape("4:8:2:h:0")
     assert gl_launch.parse_shape("4:8:2:w:0") == {"num_warps": 4, "block_h": 8, "stages": 2,
                                                   "few_ws": True, "idx_ahead": 0}
     assert gl_launch.parse_shape("8:64:2:3:0")["idx_ahead"] == 0
@@ -648,14 +654,14 @@ def test_gluon_few_ws_edges_gpu(device, monkeypatch, shape, H, T, swa_rec, extra
 @pytest.mark.parametrize("H", [3, 16])
 @pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, 288), (584, None)])
 def test_gluon_few_ws_persistent_gpu(device, monkeypatch, shape, T, H, swa_rec, extra_rec):
-    """The few-heads ws kernel on its persistent grid (``OVERRIDE["persist"]``: at most one CTA
+    """The few-heads ws kernel on its persistent grid (shape field ``W``: at most one CTA
     per SM, each looping over items with its ring running on): ragged and empty rows (len 0,
     only -1, only slots past the cache) among more items than SMs (T = 300, 1000; a CTA's
     items of different block counts back to back), split keys at T <= 5, a CUDA-graph
     replay."""
     _need_gluon_gpu()
     from dsv41_triton.attention.gluon import launch as gl_launch
-    monkeypatch.setattr(gl_launch, "OVERRIDE", dict(gl_launch.parse_shape(shape), persist=True))
+    monkeypatch.setenv("DSV41_GLUON_SHAPE", shape.replace(":w", ":W"))
     _check_empty_rows(_empty_rows_case(device, T, H, swa_rec, extra_rec))
     assert gl_launch.LAST_LAUNCH["persist"] is True
     assert gl_launch.LAST_LAUNCH["fwd"][1][4] == "few_ws"

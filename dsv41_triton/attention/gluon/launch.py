@@ -235,11 +235,13 @@ PRIOR_PERSIST = False
 def parse_shape(text: str) -> dict:
     """``"8:16:3"`` -> ``{num_warps: 8, block_h: 16, stages: 3}`` (0 or empty = default);
     a 4th field ``h`` adds ``f16: True`` (fp16 wgmma operands), ``b`` ``f16: False``, ``w``
-    ``few_ws: True`` (the warp-specialized few-heads kernel); ``1`` / ``2``
-    / ``3`` is the many-heads kernel's variant (``HEADS_VARIANTS``); after ``w`` or ``3`` a 5th
-    field 0 or 1 is the producer's ``idx_ahead`` (``IDX_AHEAD``; 0: the ids of 8 blocks at once
-    into shared memory, 1: one block ahead); after ``w`` and a 5th field, a 6th ``p`` adds
-    ``deq_prefetch: True`` (the dequant partition loads each group's bytes one group ahead)."""
+    ``few_ws: True`` (the warp-specialized few-heads kernel), ``W`` the same on its persistent
+    grid (``persist: True``); ``1`` / ``2``
+    / ``3`` is the many-heads kernel's variant (``HEADS_VARIANTS``); after ``w`` / ``W`` or ``3``
+    a 5th field 0 or 1 is the producer's ``idx_ahead`` (``IDX_AHEAD``; 0: the ids of 8 blocks
+    at once into shared memory, 1: one block ahead); after ``w`` / ``W`` and a 5th field, a 6th
+    ``p`` adds ``deq_prefetch: True`` (the dequant partition loads each group's bytes one group
+    ahead)."""
     if not text:
         return {}
     parts = text.split(":")
@@ -247,20 +249,22 @@ def parse_shape(text: str) -> dict:
     ahead = parts[4] if len(parts) >= 5 else None
     prefetch = parts[5] if len(parts) == 6 else None
     if (len(parts) not in (3, 4, 5, 6)
-            or extra not in (None, "h", "b", "w", *map(str, HEADS_VARIANTS))
+            or extra not in (None, "h", "b", "w", "W", *map(str, HEADS_VARIANTS))
             or (ahead is not None
-                and (extra not in ("w", "3") or ahead not in ("0", "1")))
-            or (prefetch is not None and (extra != "w" or prefetch != "p"))):
+                and (extra not in ("w", "W", "3") or ahead not in ("0", "1")))
+            or (prefetch is not None and (extra not in ("w", "W") or prefetch != "p"))):
         raise ValueError(f"launch shape {text!r}: expected num_warps:block_h:stages"
-                         "[:h|:b|:w|:1|:2|:3] (after :w or :3 optionally :0|:1, the slot-id "
-                         "lead, 0 = preloaded; after :w and a lead optionally :p, the dequant "
-                         "prefetch)")
+                         "[:h|:b|:w|:W|:1|:2|:3] (after :w, :W or :3 optionally :0|:1, the "
+                         "slot-id lead, 0 = preloaded; after :w / :W and a lead optionally :p, "
+                         "the dequant prefetch)")
     nw, bh, st = (int(x) for x in parts[:3])
     out = {k: v for k, v in (("num_warps", nw), ("block_h", bh), ("stages", st)) if v}
     if extra in ("h", "b"):
         out["f16"] = extra == "h"
-    elif extra == "w":
+    elif extra in ("w", "W"):
         out["few_ws"] = True
+        if extra == "W":
+            out["persist"] = True
     elif extra is not None:
         out["variant"] = int(extra)
     if ahead is not None:
