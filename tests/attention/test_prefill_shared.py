@@ -392,3 +392,18 @@ def test_shared_window_paged_topk_cuda_graph_gpu(device):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, o1) and torch.equal(lse, l1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("persist", [False, True])
+def test_shared_window_paged_topk_int64_offsets_gpu(device, monkeypatch, persist):
+    """Top-k records at byte offsets past 2**31 (a > 2 GiB 584 cache whose slots all lie in its
+    last blocks) merged with window rows of a small workspace: the reference's result."""
+    from dsv41_triton.attention.gluon import launch as dl
+    from dsv41_triton.testing import large_offset_decode_case
+    monkeypatch.setattr(dl, "PRIOR_PERSIST", persist)
+    d = large_offset_decode_case(device, T=300, H=8, W=96)
+    a = _case(device, qlens=(200, 100), extra=0, H=8, W=128, K=96, S=600, seed=11)
+    a.update(q=d["q"], topk_indices=d["swa_indices"], topk_lens=d["swa_lens"],
+             topk_cache=d["swa_cache"], attn_sink=d["attn_sink"])
+    _check_paged(a)
