@@ -171,6 +171,18 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
 
 
 @gluon.jit
+def _item_keys(item, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr, b_len_st,
+               b_width, HAS_B: gl.constexpr, HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr,
+               SPLIT: gl.constexpr):
+    """Item ``item``'s (head tile, split, token) and its key ranges (``gather._key_ranges``)."""
+    ht, split, t = _item_ids(item, num_ht, num_splits)
+    lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _key_ranges(
+        t, split, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr, b_len_st, b_width,
+        HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT)
+    return ht, split, t, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk
+
+
+@gluon.jit
 def _producer_items(num_items, num_ht, num_splits, a_ptr, a_idx_ptr, a_idx_st, a_len_ptr,
                     a_len_st, a_width, a_bstride, a_page, a_rows, b_ptr, b_idx_ptr, b_idx_st,
                     b_len_ptr, b_len_st, b_width, b_bstride, b_page, b_rows, r0, r1, r2, r3, r4,
@@ -182,10 +194,9 @@ def _producer_items(num_items, num_ht, num_splits, a_ptr, a_idx_ptr, a_idx_st, a
     item's first blocks are gathered while the MMA warpgroup finishes this one)."""
     g = 0
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        ht, split, t = _item_ids(item, num_ht, num_splits)
-        lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _key_ranges(
-            t, split, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr, b_len_st, b_width,
-            HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT)
+        ht, split, t, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _item_keys(
+            item, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr, b_len_st,
+            b_width, HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT)
         _producer(a_ptr, a_idx_ptr + t * a_idx_st, a_bstride, a_page, a_rows, b_ptr,
                   b_idx_ptr + t * b_idx_st, b_bstride, b_page, b_rows, lo_a, hi_a, lo_b, hi_b,
                   nblk_a, nblk, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring,
@@ -203,10 +214,9 @@ def _dequant_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, 
     """``PERSIST``: the dequant partition over this CTA's items."""
     g = 0
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        ht, split, t = _item_ids(item, num_ht, num_splits)
-        lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _key_ranges(
-            t, split, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr, b_len_st, b_width,
-            HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT)
+        ht, split, t, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _item_keys(
+            item, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr, b_len_st,
+            b_width, HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT)
         _dequant_part(nblk_a, nblk, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
                       idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, ready, free, tready, tfree,
                       SRC_A, SRC_B, HAS_B, NS, NT, PREFETCH, g)
@@ -226,10 +236,9 @@ def _mma_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_le
     barrier; an item without blocks reads no Q)."""
     g = 0
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        ht, split, t = _item_ids(item, num_ht, num_splits)
-        lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _key_ranges(
-            t, split, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr, b_len_st, b_width,
-            HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT)
+        ht, split, t, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _item_keys(
+            item, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr, b_len_st,
+            b_width, HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT)
         _mma_part(q_ptr, stride_qt, stride_qh, t, split, ht, H, qk_scale, num_splits, nblk,
                   sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
                   stride_lh, po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid, q_smem,
