@@ -93,6 +93,12 @@ if part paged; then
   BENCH_GLUON_VARIANTS=few timeout ${T_PAGED:-300} $PY perf/bench_prefill.py --heads 8 \
     > "$OUTDIR/prefill_paged.log" 2>&1
   sed -n '/summary/,$p' "$OUTDIR/prefill_paged.log" | head -40
+  # the few-heads decode on its per-token and persistent (W) grids at decode batch sizes
+  timeout 200 $PY perf/bench_decode_hopper.py --no-table --reps 20 \
+    --sweep "4:8:2:w:0:p,4:8:2:W:0:p,4:16:2:w:0:p,4:16:2:W:0:p,4:8:2:w,4:8:2:W" \
+    --sweep-rows "8,128,584,584;8,512,584,584;8,2048,584,584;16,512,584,584;8,512,528,288" \
+    > "$OUTDIR/decode_persist_sweep.log" 2>&1
+  grep "^| [0-9]" "$OUTDIR/decode_persist_sweep.log"
 fi
 
 echo "== Hopper prefill (tl vs Gluon vs FlashMLA's flash_mla_sparse_fwd, issue 11's table)"
