@@ -83,7 +83,7 @@ if part few; then
     "$OUTDIR/ncu_prefill_few.log" | head -80
 fi
 
-echo "== paged prefill with window rows (sparse_mla_prefill_paged_window): tests, 8 h rows, layer table"
+echo "== paged prefill with window rows: GPU tests, 8-head rows, layer table, decode sweep"
 if part paged; then
   $PY -m pytest tests/attention/test_prefill_shared.py tests/layers/test_layer.py \
     tests/attention/test_decode_gluon.py -m gpu -q -p no:cacheprovider \

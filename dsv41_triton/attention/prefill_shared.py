@@ -266,4 +266,5 @@ def _shared_window_fake(q, kv, win_start, win_len, topk_indices, topk_lens, quer
     return None
 
 
-__all__ = ["sparse_mla_prefill_shared_window", "check_shared_window_args", "shared_window_tiles", "shared_window_tiles_ref"]
+__all__ = ["sparse_mla_prefill_shared_window", "check_shared_window_args", "shared_window_tiles",
+           "shared_window_tiles_ref"]

@@ -9,7 +9,7 @@ import torch
 
 from .._utils import HEAD_DIM
 from ..ops.records import check_k_cache, read_slots_ref
-from .ref import _attend, _column_mask, _empty, sparse_mla_prefill_ref
+from .ref import _attend, _chunks, _column_mask, _empty, sparse_mla_prefill_ref
 
 
 def sparse_mla_prefill_shared_window_ref(
@@ -45,12 +45,18 @@ def sparse_mla_prefill_shared_window_ref(
     scale = HEAD_DIM ** -0.5 if softmax_scale is None else float(softmax_scale)
     _, c3 = check_k_cache("topk_cache", topk_cache)
     tmask = _column_mask(idx, None, c3.shape[0] * c3.shape[1])
-    tkeys = read_slots_ref(c3, torch.where(tmask, idx, -1), torch.float32).double()
     kv2 = kv.reshape(kv.shape[0], HEAD_DIM)
     wmask = _column_mask(win, None, kv2.shape[0])
-    wkeys = (kv2[torch.where(wmask, win, 0)].double() if kv2.shape[0] else
-             torch.zeros(T, width, HEAD_DIM, dtype=torch.float64, device=dev))
-    return _attend(q.double(), [tkeys, wkeys], [tmask, wmask], attn_sink, scale)
+    outs, lses = [], []
+    for a, b in _chunks(T, K + width):
+        tkeys = read_slots_ref(c3, torch.where(tmask[a:b], idx[a:b], -1), torch.float32)
+        wkeys = (kv2[torch.where(wmask[a:b], win[a:b], 0)] if kv2.shape[0] else
+                 torch.zeros(b - a, width, HEAD_DIM, device=dev))
+        o, l = _attend(q[a:b].double(), [tkeys.double(), wkeys.double()],
+                       [tmask[a:b], wmask[a:b]], attn_sink, scale)
+        outs.append(o)
+        lses.append(l)
+    return torch.cat(outs, 0), torch.cat(lses, 0)
 
 
 __all__ = ["sparse_mla_prefill_shared_window_ref"]

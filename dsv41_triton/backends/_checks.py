@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from .._contract import (INT_DTYPES, check_decode_args, check_lens, check_out, check_prefill_args,
-                         check_q, check_sink)
+                         check_q, check_shape, check_sink, check_tensor)
 
 FLASHMLA_INDEX_DTYPES = (torch.int32,)
 
@@ -47,7 +47,5 @@ TORCH_INDEX_DTYPES = INT_DTYPES
 
 def check_window_rows(window_rows, q) -> None:
     """``window_rows [3, T]`` int32 (the key-sharing hint of the prefill entry points)."""
-    from .._contract import check_shape, check_tensor
-
     check_tensor("window_rows", window_rows, dtypes=(torch.int32,), ndims=2)
     check_shape("window_rows", window_rows, [3, q.shape[0]])

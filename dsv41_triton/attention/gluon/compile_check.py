@@ -41,9 +41,10 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
     """``nt > 0`` with ``bh < 64``: the warp-specialized few-heads kernel (decode_few_ws.py)
     with ``nt`` key tiles and ``ns`` ring stages; ``ahead``: the warp-specialized kernels'
     ``IDX_AHEAD`` (their producer's slot-id lead in blocks); ``deq_prefetch`` / ``prior`` /
-    ``persist``: the few-heads ws kernel's ``DEQ_PREFETCH`` / ``PRIOR`` / ``PERSIST``; ``values`` (argument name -> int): specialized on a
-    launch's integer arguments, as on the GPU (``_specialize``; ``compile_launch`` compiles
-    what ``launch.launch`` actually passes)."""
+    ``persist``: the few-heads ws kernel's ``DEQ_PREFETCH`` / ``PRIOR`` / ``PERSIST``;
+    ``values`` (argument name -> int): specialized on a launch's integer arguments, as on the
+    GPU (``_specialize``; ``compile_launch`` compiles what ``launch.launch`` actually
+    passes)."""
     consts = dict(SRC_A=src_a, SRC_B=src_b, HAS_B=has_b, HAS_LEN_A=True, HAS_LEN_B=True,
                   HAS_SINK=True, SPLIT=split)
     if bh == 64 and ws:
@@ -132,8 +133,8 @@ def capture_decode(T: int, H: int, src_a: int, src_b: int, shape: str = "", W: i
     (``W`` window slot ids of ``src_a`` records, ``K`` extra ones of ``src_b`` (0: none), lens
     and a sink; caches of ``perf/bench_decode_hopper.py``'s sizes) on an sm_90 GPU of ``sms``
     SMs, at launch shape ``shape`` (empty: the pick table's), merging a prior partial with
-    ``prior``, on the few-heads ws kernel's persistent grid with ``persist``. Runs on the CPU (``_recording``). Each launch: ``{kernel, real, grid, args,
-    kwargs}``."""
+    ``prior``, on the few-heads ws kernel's persistent grid with ``persist``. Runs on the CPU
+    (``_recording``). Each launch: ``{kernel, real, grid, args, kwargs}``."""
     import torch
 
     from ...ops.records import allocate_k_cache
@@ -495,9 +496,8 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "launch":
         # python -m ...compile_check launch JSON -> JSON line: the launches of a decode
         # {"T", "H", "src_a", "src_b", "shape", "prior", "persist"} (``capture_decode``) or of a
-        # prefill {"kind":
-        # "prefill", "T", "H", "S", "K", "variant"} (``capture_prefill``) compiled as the GPU
-        # builds them: kernel, grid, registers and stack bytes of each
+        # prefill {"kind": "prefill", "T", "H", "S", "K", "variant"} (``capture_prefill``)
+        # compiled as the GPU builds them: kernel, grid, registers and stack bytes of each
         c = json.loads(sys.argv[2])
         if c.get("kind") == "prefill":
             recs = capture_prefill(c["T"], c["H"], c["S"], c["K"], c.get("variant", ""))

@@ -324,8 +324,9 @@ def _sparse_mla_prefill_gluon_few_kernel(
         T, H, qk_scale, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, PRIOR: gl.constexpr,
         NS: gl.constexpr, WB: gl.constexpr, MODE: gl.constexpr):
     """Grid ``min(SMs, T)``. q ``[T, H <= 8, 512]`` bf16 (rows 16-byte aligned); kv ``[rows,
-    512]`` bf16; idx ``[T, width]`` int32 (``< 0`` or ``>= rows`` skipped); lens ``[T]`` int; sink ``[H]`` fp32; out ``[T, H, 512]`` bf16, lse ``[T, H]``
-    fp32 (read first with ``PRIOR``); ``qk_scale`` = scale * log2(e); ``WB`` =
+    512]`` bf16; idx ``[T, width]`` int32 (``< 0`` or ``>= rows`` skipped); lens ``[T]`` int;
+    sink ``[H]`` fp32; out ``[T, H, 512]`` bf16, lse ``[T, H]`` fp32 (read first with
+    ``PRIOR``); ``qk_scale`` = scale * log2(e); ``WB`` =
     ``index_blocks(width)``."""
     PL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 8], gl.bfloat16)
     pid = gl.program_id(0)
