@@ -33,10 +33,9 @@ request at 8K / 128K / 1M context; V4-flash ratio-4 layer, TP 8 = 8 local heads,
 ``prefill_path="paged"`` (window and top-k as slot ids) vs ``paged-window`` (the same with
 ``paged_window_rows = True``: the chunk's window rows in a small bf16 workspace, shared by
 consecutive tokens, the top-k records as slot ids), both also ``-persist`` (the few-heads
-decode kernel on its persistent grid) vs ``"workspace"`` (gather +
-bf16 workspace, window rows shared by consecutive tokens) vs ``workspace-general`` (the same
-with ``share_window_keys = False``) vs ``auto`` (the layer's default: paged or workspace per
-chunk):
+decode kernel on its persistent grid) vs ``"workspace"`` (gather + bf16 workspace, window rows
+shared by consecutive tokens) vs ``workspace-general`` (the same with ``share_window_keys =
+False``) vs ``auto`` (the layer's default: paged or workspace per chunk):
 peak memory allocated during the call (above what was allocated before it), eager time
 (median of 9, L2 flushed before each; the host's launch work is part of it) and the GPU time
 of the call captured as a CUDA graph (as the kernels).
@@ -288,19 +287,18 @@ def kernel_fns(inp) -> List[tuple]:
     if H <= 16:
         wws, wrow, qsl, sink = inp["wws"], inp["wrow"], inp["qsl"], inp["sink"]
 
+        def paged_window_attn(e_i=ei, e_l=el):
+            return sparse_mla_prefill_shared_window(q, wws.view(-1, 512), wrow, wl, e_i, e_l,
+                                                    qsl, sink, None, out,
+                                                    topk_cache=pg["compressed_cache"])
+
         def paged_window():
             dequantize_and_gather_k_cache(wws, pg["swa_cache"], pg["seq_lens"], inp["glen"],
                                           pg["swa_block_table"], PAGE, 0)
             _, _, e_i, e_l = prefill_slot_indices(
                 pg["positions"], pg["token_to_req"], pg["seq_lens"], pg["swa_block_table"],
                 PAGE, W, pg["topk_indices"], pg["compressed_block_table"], PAGE, RATIO)
-            return sparse_mla_prefill_shared_window(q, wws.view(-1, 512), wrow, wl, e_i, e_l,
-                                                    qsl, sink, None, out,
-                                                    topk_cache=pg["compressed_cache"])
-        def paged_window_attn():
-            return sparse_mla_prefill_shared_window(q, wws.view(-1, 512), wrow, wl, ei, el, qsl,
-                                                    sink, None, out,
-                                                    topk_cache=pg["compressed_cache"])
+            return paged_window_attn(e_i, e_l)
         fns.append(("paged-window", paged_window))
         fns.append(("paged-window-attn", paged_window_attn))
         fns.append(("paged-window-persist", persistent(paged_window)))
