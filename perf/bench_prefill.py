@@ -21,8 +21,8 @@ Kernels: 4096 query tokens of one request x 640 keys each (the V4.1 pattern: the
   precomputed); ``paged-window`` (<= 16 heads): the layer's paged path, the tokens' window
   rows gathered into a small bf16 workspace (``T + W - 1`` rows) and shared by consecutive
   tokens, the top-k records as slot ids (``sparse_mla_prefill_shared_window(...,
-  topk_cache=)``; gather + slot rows + attention); ``paged-window-attn``: its attention alone;
-  ``-persist``: the same with the few-heads decode kernel on its persistent grid (sm_90).
+  topk_cache=)``; gather + window rows and slot ids in one launch + attention);
+  ``paged-window-attn``: its attention alone; ``-persist``: the same with the few-heads decode kernel on its persistent grid (sm_90).
 
 Each is captured as a CUDA graph of one call and replayed 15 times; a 512 MB buffer is
 written before every replay (outside the timed events) so that L2 starts cold. Median us,
@@ -66,7 +66,8 @@ from dsv41_triton.attention.prefill import sparse_mla_prefill  # noqa: E402
 from dsv41_triton.attention.prefill_paged import sparse_mla_prefill_paged  # noqa: E402
 from dsv41_triton.attention.prefill_shared import sparse_mla_prefill_shared_window  # noqa: E402
 from dsv41_triton.ops.kv_cache import dequantize_and_gather_k_cache  # noqa: E402
-from dsv41_triton.ops.prefill_indices import prefill_slot_indices  # noqa: E402
+from dsv41_triton.ops.prefill_indices import (  # noqa: E402
+    prefill_slot_indices, prefill_window_slot_indices)
 from dsv41_triton.testing import random_k_cache, rel_err  # noqa: E402
 
 T, W, TOPK, NCOMP, PAGE, RATIO = 4096, 128, 512, 32768, 64, 4
@@ -287,18 +288,18 @@ def kernel_fns(inp) -> List[tuple]:
     if H <= 16:
         wws, wrow, qsl, sink = inp["wws"], inp["wrow"], inp["qsl"], inp["sink"]
 
-        def paged_window_attn(e_i=ei, e_l=el):
-            return sparse_mla_prefill_shared_window(q, wws.view(-1, 512), wrow, wl, e_i, e_l,
+        def paged_window_attn(e_i=ei, e_l=el, w_s=wrow, w_l=wl):
+            return sparse_mla_prefill_shared_window(q, wws.view(-1, 512), w_s, w_l, e_i, e_l,
                                                     qsl, sink, None, out,
                                                     topk_cache=pg["compressed_cache"])
 
         def paged_window():
             dequantize_and_gather_k_cache(wws, pg["swa_cache"], pg["seq_lens"], inp["glen"],
                                           pg["swa_block_table"], PAGE, 0)
-            _, _, e_i, e_l = prefill_slot_indices(
-                pg["positions"], pg["token_to_req"], pg["seq_lens"], pg["swa_block_table"],
-                PAGE, W, pg["topk_indices"], pg["compressed_block_table"], PAGE, RATIO)
-            return paged_window_attn(e_i, e_l)
+            w, e_i, e_l = prefill_window_slot_indices(
+                pg["positions"], pg["token_to_req"], pg["seq_lens"], inp["glen"], 0,
+                wws.shape[1], W, pg["topk_indices"], pg["compressed_block_table"], PAGE, RATIO)
+            return paged_window_attn(e_i, e_l, w[0], w[1])
         fns.append(("paged-window", paged_window))
         fns.append(("paged-window-attn", paged_window_attn))
         fns.append(("paged-window-persist", persistent(paged_window)))

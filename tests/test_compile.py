@@ -265,9 +265,14 @@ _LAYER_STEPS = [([("A", 6), ("B", 3), ("C", 5), ("D", 4)], 0), ([("A", 1), ("B",
                 ([("A", 1), ("B", 1), ("C", 1)], 0), ([("A", 1), ("B", 1), ("C", 1), ("D", 1)], 0)]
 
 
-@pytest.mark.parametrize("layer_id,backend", [(1, "torch"), (2, "triton")])
-def test_layer_forward_compiles_without_breaks_or_recompiles(layer_id, backend, device):
-    tl, layer, ref, sc = _layer_setup(layer_id, backend, device)
+@pytest.mark.parametrize("layer_id,backend,kw", [
+    (1, "torch", {}), (2, "triton", {}),
+    # the paged prefill with its window rows in a small workspace
+    (2, "triton", dict(prefill_path="paged", paged_window_rows=True))])
+def test_layer_forward_compiles_without_breaks_or_recompiles(layer_id, backend, kw, device):
+    window_rows = kw.pop("paged_window_rows", False)
+    tl, layer, ref, sc = _layer_setup(layer_id, backend, device, **kw)
+    layer.paged_window_rows = ref.paged_window_rows = window_rows
     cnt = dt.CompileCounterWithBackend("eager")
     compiled = torch.compile(_layer_fwd, fullgraph=True, dynamic=True, backend=cnt)
     frames = []

@@ -194,6 +194,13 @@ class _Ops:
             from ..ops.prefill_indices import prefill_slot_indices as f
         return f(*args)
 
+    def prefill_window_slots(self, *args):
+        if self.reference:
+            from ..ops.prefill_indices_ref import prefill_window_slot_indices_ref as f
+        else:
+            from ..ops.prefill_indices import prefill_window_slot_indices as f
+        return f(*args)
+
 
 # --------------------------------------------------------------------------------------------
 # the layer
@@ -821,20 +828,20 @@ class DeepseekV41Attention(nn.Module):
                          md.swa_block_table[ch.req_start:ch.req_end], md.swa_page_size, 0)
         # both the index op and the tiles count tokens from query_start_loc[0]
         qsl = md.query_start_loc[ch.req_start:ch.req_end + 1]
-        win = torch.empty((3, b - a), dtype=torch.int32, device=dev)
-        # compress ratio 0, top-k 0: only the window (its top-k argument is not read)
-        idx, lens = self._ops.combine(positions[a:b, None], qsl, seq, glen, self.window_size, 0,
-                                      0, G, 0, None, win)
         kv = ws.view(-1, self.head_dim)
         if r == 0:
+            win = torch.empty((3, b - a), dtype=torch.int32, device=dev)
+            # compress ratio 0, top-k 0: only the window (its top-k argument is not read)
+            idx, lens = self._ops.combine(positions[a:b, None], qsl, seq, glen,
+                                          self.window_size, 0, 0, G, 0, None, win)
             self._attend_workspace(q[a:b], positions[a:b], kv, idx, lens, output, a, b,
                                    (win, qsl))
             return
         cm = md.compressed[r]
-        _, _, ei, el = self._ops.prefill_slots(
-            positions[a:b], md.token_to_req[a:b], md.seq_lens, md.swa_block_table,
-            md.swa_page_size, self.window_size, topk_indices[a:b], cm.block_table,
-            cm.page_size, r)
+        # one launch: the window row ranges of ws and the top-k slot ids
+        win, ei, el = self._ops.prefill_window_slots(
+            positions[a:b], md.token_to_req[a:b], md.seq_lens, glen, ch.req_start, G,
+            self.window_size, topk_indices[a:b], cm.block_table, cm.page_size, r)
         qa = q[a:b]
         lse = torch.empty(qa.shape[:2], dtype=torch.float32, device=dev)
         if self._backend_op is not None:

@@ -33,17 +33,21 @@ def _map_slots(local, ok, bt_row_ptr, bt_st_c, MB, PAGE: tl.constexpr):
     return tl.where(good, blk * PAGE + (local - col * PAGE), -1)
 
 
-@triton.jit(do_not_specialize=["T", "B", "R_s", "MB_s", "R_c", "MB_c", "K"])
+@triton.jit(do_not_specialize=["T", "B", "R_s", "MB_s", "R_c", "MB_c", "K", "NG", "req0",
+                               "G"])
 def _prefill_slot_kernel(
-    pos_ptr, req_ptr, seq_ptr, sbt_ptr, cbt_ptr, topk_ptr,
+    pos_ptr, req_ptr, seq_ptr, sbt_ptr, cbt_ptr, topk_ptr, glen_ptr,
     swa_ptr, swa_len_ptr, ext_ptr, ext_len_ptr,
-    T, B, R_s, MB_s, R_c, MB_c, K,
-    st_pos, st_req, st_seq, sbt_r, sbt_c, cbt_r, cbt_c, tk_t, tk_k, so_s, so_e,
+    T, B, R_s, MB_s, R_c, MB_c, K, NG, req0, G,
+    st_pos, st_req, st_seq, sbt_r, sbt_c, cbt_r, cbt_c, tk_t, tk_k, so_s, so_e, st_glen,
     W: tl.constexpr, WP: tl.constexpr, SPAGE: tl.constexpr, CPAGE: tl.constexpr,
-    RATIO: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    RATIO: tl.constexpr, WIN_ROWS: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
-    """BLOCK_T tokens per program: the whole window row ``[BLOCK_T, WP]``, then the top-k row
-    in ``BLOCK_K``-column steps. Writes only its tokens' rows (every column of them)."""
+    """BLOCK_T tokens per program: the whole window row ``[BLOCK_T, WP]`` (``WIN_ROWS``: the
+    window as a row range of the window workspace instead, rows 0 / 1 / 2 of ``swa_ptr``,
+    stride ``so_s``), then the top-k row in ``BLOCK_K``-column steps. Writes only its tokens'
+    rows (every column of them)."""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = tok < T
     t64 = tok.to(tl.int64)
@@ -53,18 +57,38 @@ def _prefill_slot_kernel(
     rq = tl.where(ok, req, 0)
     start = tl.maximum(pos - (W - 1), 0)
     wlen = tl.where(ok, pos - start + 1, 0)
-    cw = tl.arange(0, WP)
-    in_w = cw[None, :] < wlen[:, None]
-    srow = sbt_ptr + (rq * sbt_r)[:, None]
-    slots = _map_slots(start[:, None] + cw[None, :], in_w & (rq < R_s)[:, None], srow, sbt_c,
-                       MB_s, SPAGE)
-    tl.store(swa_ptr + t64[:, None] * so_s + cw[None, :], slots.to(tl.int32),
-             mask=tm[:, None] & (cw[None, :] < W))
-    tl.store(swa_len_ptr + t64, wlen.to(tl.int32), mask=tm)
-    if RATIO > 0:
+    if RATIO > 0 or WIN_ROWS:
         seq = tl.load(seq_ptr + rq * st_seq, mask=ok, other=0).to(tl.int64)
-        nent = seq // RATIO
+    if RATIO > 0:
         tlen = tl.where(ok, tl.minimum((pos + 1) // RATIO, K), 0)
+    else:
+        tlen = wlen * 0
+    if WIN_ROWS:
+        # request rq's gathered window rows: positions seq - glen .. seq - 1 at rows
+        # (rq - req0) * G + 0 .. glen - 1 (glen clamped to G); the window clipped to them
+        lr = rq - req0
+        inw = ok & (lr >= 0) & (lr < NG)
+        glen = tl.load(glen_ptr + lr * st_glen, mask=inw, other=0).to(tl.int64)
+        glen = tl.minimum(tl.maximum(glen, 0), G)
+        gs = seq - glen
+        s0 = tl.maximum(start, gs)
+        e0 = tl.minimum(pos, seq - 1)
+        wl = tl.where(inw, tl.maximum(e0 - s0 + 1, 0), 0)
+        row = tl.where(wl > 0, lr * G + s0 - gs, 0)
+        tl.store(swa_ptr + t64, row.to(tl.int32), mask=tm)
+        tl.store(swa_ptr + so_s + t64, wl.to(tl.int32), mask=tm)
+        tl.store(swa_ptr + 2 * so_s + t64, tlen.to(tl.int32), mask=tm)
+    else:
+        cw = tl.arange(0, WP)
+        in_w = cw[None, :] < wlen[:, None]
+        srow = sbt_ptr + (rq * sbt_r)[:, None]
+        slots = _map_slots(start[:, None] + cw[None, :], in_w & (rq < R_s)[:, None], srow,
+                           sbt_c, MB_s, SPAGE)
+        tl.store(swa_ptr + t64[:, None] * so_s + cw[None, :], slots.to(tl.int32),
+                 mask=tm[:, None] & (cw[None, :] < W))
+        tl.store(swa_len_ptr + t64, wlen.to(tl.int32), mask=tm)
+    if RATIO > 0:
+        nent = seq // RATIO
         crow = cbt_ptr + (rq * cbt_r)[:, None]
         for c0 in range(0, K, BLOCK_K):
             ck = c0 + tl.arange(0, BLOCK_K)
@@ -75,6 +99,47 @@ def _prefill_slot_kernel(
             s = _map_slots(e, good, crow, cbt_c, MB_c, CPAGE)
             tl.store(ext_ptr + t64[:, None] * so_e + ck[None, :], s.to(tl.int32), mask=cm)
         tl.store(ext_len_ptr + t64, tlen.to(tl.int32), mask=tm)
+
+
+def _check_common(positions, token_to_req, seq_lens, window_size, topk_indices,
+                  compressed_block_table, compressed_page_size, compress_ratio, **tables):
+    """The checks both entries share; returns ``(T, device)``."""
+    check_tensor("positions", positions, dtypes=INT_DTYPES, ndims=1, contiguous_last=False)
+    T = positions.shape[0]
+    check_tensor("token_to_req", token_to_req, dtypes=INT_DTYPES, ndims=1,
+                 contiguous_last=False)
+    if token_to_req.shape[0] < T:
+        raise ValueError(f"token_to_req: expected at least {T} entries (one per token), got "
+                         f"{token_to_req.shape[0]}")
+    check_tensor("seq_lens", seq_lens, dtypes=INT_DTYPES, ndims=1, contiguous_last=False)
+    for name, t in tables.items():
+        check_tensor(name, t, dtypes=INT_DTYPES, ndims=2 if name.endswith("table") else 1,
+                     contiguous_last=False)
+    check_int("window_size", window_size, lo=1)
+    check_int("compress_ratio", compress_ratio, lo=0)
+    check_int("compressed_page_size", compressed_page_size, lo=1)
+    if compress_ratio > 0:
+        check_tensor("topk_indices", topk_indices, dtypes=INT_DTYPES, ndims=2,
+                     contiguous_last=False)
+        if topk_indices.shape[0] != T:
+            raise ValueError(f"topk_indices: expected {T} rows (one per token), got "
+                             f"{tuple(topk_indices.shape)}")
+        check_tensor("compressed_block_table", compressed_block_table, dtypes=INT_DTYPES,
+                     ndims=2, contiguous_last=False)
+    dev = check_same_device(positions=positions, token_to_req=token_to_req, seq_lens=seq_lens,
+                            topk_indices=topk_indices if compress_ratio > 0 else None,
+                            compressed_block_table=(compressed_block_table
+                                                    if compress_ratio > 0 else None),
+                            **tables)
+    return T, dev
+
+
+def _extra_outputs(T, topk_indices, compress_ratio, dev):
+    """``(extra_indices [T, K], extra_lens [T])`` int32, or ``(None, None)`` for ratio 0."""
+    if compress_ratio <= 0:
+        return None, None
+    return (torch.empty(T, topk_indices.shape[1], dtype=torch.int32, device=dev),
+            torch.empty(T, dtype=torch.int32, device=dev))
 
 
 def prefill_slot_indices(
@@ -113,48 +178,101 @@ def prefill_slot_indices(
     extra_lens [T] int32)`` (the last two None when ``compress_ratio == 0``), the inputs of
     ``sparse_mla_decode``.
     """
-    check_tensor("positions", positions, dtypes=INT_DTYPES, ndims=1, contiguous_last=False)
-    T = positions.shape[0]
-    check_tensor("token_to_req", token_to_req, dtypes=INT_DTYPES, ndims=1,
-                 contiguous_last=False)
-    if token_to_req.shape[0] < T:
-        raise ValueError(f"token_to_req: expected at least {T} entries (one per token), got "
-                         f"{token_to_req.shape[0]}")
-    check_tensor("seq_lens", seq_lens, dtypes=INT_DTYPES, ndims=1, contiguous_last=False)
-    check_tensor("swa_block_table", swa_block_table, dtypes=INT_DTYPES, ndims=2,
-                 contiguous_last=False)
+    T, dev = _check_common(positions, token_to_req, seq_lens, window_size, topk_indices,
+                           compressed_block_table, compressed_page_size, compress_ratio,
+                           swa_block_table=swa_block_table)
     check_int("swa_page_size", swa_page_size, lo=1)
-    check_int("window_size", window_size, lo=1)
-    check_int("compress_ratio", compress_ratio, lo=0)
-    check_int("compressed_page_size", compressed_page_size, lo=1)
-    if compress_ratio > 0:
-        check_tensor("topk_indices", topk_indices, dtypes=INT_DTYPES, ndims=2,
-                     contiguous_last=False)
-        if topk_indices.shape[0] != T:
-            raise ValueError(f"topk_indices: expected {T} rows (one per token), got "
-                             f"{tuple(topk_indices.shape)}")
-        check_tensor("compressed_block_table", compressed_block_table, dtypes=INT_DTYPES,
-                     ndims=2, contiguous_last=False)
-    dev = check_same_device(positions=positions, token_to_req=token_to_req, seq_lens=seq_lens,
-                            swa_block_table=swa_block_table,
-                            topk_indices=topk_indices if compress_ratio > 0 else None,
-                            compressed_block_table=(compressed_block_table
-                                                    if compress_ratio > 0 else None))
-    W = window_size
-    swa = torch.empty(T, W, dtype=torch.int32, device=dev)
+    swa = torch.empty(T, window_size, dtype=torch.int32, device=dev)
     swa_lens = torch.empty(T, dtype=torch.int32, device=dev)
-    ext = ext_lens = None
-    K = 0
-    if compress_ratio > 0:
-        K = topk_indices.shape[1]
-        ext = torch.empty(T, K, dtype=torch.int32, device=dev)
-        ext_lens = torch.empty(T, dtype=torch.int32, device=dev)
+    ext, ext_lens = _extra_outputs(T, topk_indices, compress_ratio, dev)
     call_op(_prefill_slot_op,
         positions, token_to_req, seq_lens, swa_block_table, swa_page_size, window_size,
         topk_indices if compress_ratio > 0 else None,
         compressed_block_table if compress_ratio > 0 else None, compressed_page_size,
         compress_ratio, swa, swa_lens, ext, ext_lens)
     return swa, swa_lens, ext, ext_lens
+
+
+def prefill_window_slot_indices(
+    positions: torch.Tensor,
+    token_to_req: torch.Tensor,
+    seq_lens: torch.Tensor,
+    gather_lens: torch.Tensor,
+    first_request: int,
+    rows_per_request: int,
+    window_size: int,
+    topk_indices: Optional[torch.Tensor] = None,
+    compressed_block_table: Optional[torch.Tensor] = None,
+    compressed_page_size: int = 1,
+    compress_ratio: int = 0,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """A prefill chunk's window as row ranges of its window workspace and its top-k entries
+    as slot ids of the compressed cache, in one launch (what
+    ``sparse_mla_prefill_shared_window(..., topk_cache=)`` reads).
+
+    Args:
+        positions, token_to_req, seq_lens, window_size, topk_indices, compressed_block_table,
+            compressed_page_size, compress_ratio: as :func:`prefill_slot_indices`.
+        gather_lens: ``[NG]`` int: the window workspace holds request ``first_request + i``'s
+            positions ``seq_len - gather_lens[i] .. seq_len - 1`` at rows ``rows_per_request *
+            i + 0 ..`` (``gather_lens`` clamped to ``[0, rows_per_request]``), as
+            ``dequantize_and_gather_k_cache`` writes them.
+        first_request, rows_per_request: see ``gather_lens``.
+
+    Token ``t`` (request ``b``, position ``pos``): its window ``max(pos - W + 1, 0) .. pos``
+    clipped to the gathered positions of ``b`` (none when ``b`` is not one of the workspace's
+    requests) as ``window_rows[0, t]`` (first row), ``window_rows[1, t]`` (count; 0 / 0 when
+    empty) and ``window_rows[2, t]`` = the top-k length; the top-k columns exactly as
+    :func:`prefill_slot_indices`'s.
+
+    Returns ``(window_rows [3, T] int32, extra_indices [T, K] int32, extra_lens [T] int32)``
+    (the last two None when ``compress_ratio == 0``).
+    """
+    T, dev = _check_common(positions, token_to_req, seq_lens, window_size, topk_indices,
+                           compressed_block_table, compressed_page_size, compress_ratio,
+                           gather_lens=gather_lens)
+    check_int("first_request", first_request, lo=0)
+    check_int("rows_per_request", rows_per_request, lo=0)
+    if gather_lens.shape[0] * rows_per_request >= 2 ** 31:
+        raise ValueError(f"rows_per_request: the window workspace's rows must fit int32, got "
+                         f"{gather_lens.shape[0]} x {rows_per_request}")
+    win = torch.empty(3, T, dtype=torch.int32, device=dev)
+    ext, ext_lens = _extra_outputs(T, topk_indices, compress_ratio, dev)
+    call_op(_prefill_window_slot_op,
+        positions, token_to_req, seq_lens, gather_lens, first_request, rows_per_request,
+        window_size, topk_indices if compress_ratio > 0 else None,
+        compressed_block_table if compress_ratio > 0 else None, compressed_page_size,
+        compress_ratio, win, ext, ext_lens)
+    return win, ext, ext_lens
+
+
+def _launch(positions, token_to_req, seq_lens, swa_block_table, swa_page_size, window_size,
+            topk_indices, compressed_block_table, compressed_page_size, compress_ratio, swa,
+            swa_lens, ext, ext_lens, gather_lens=None, req0=0, G=0):
+    """``_prefill_slot_kernel`` (``gather_lens`` given: its ``WIN_ROWS`` form, ``swa`` the
+    ``[3, T]`` window rows)."""
+    T = positions.shape[0]
+    if T == 0:
+        return
+    K = ext.shape[1] if ext is not None else 0
+    win_rows = gather_lens is not None
+    sbt = swa_block_table if not win_rows else seq_lens.view(-1, 1)
+    cbt = compressed_block_table if compress_ratio > 0 else sbt
+    tk = topk_indices if compress_ratio > 0 else positions.view(-1, 1)
+    glen = gather_lens if win_rows else seq_lens
+    _prefill_slot_kernel[(triton.cdiv(T, SLOT_BLOCK_T),)](
+        positions, token_to_req, seq_lens, sbt, cbt, tk, glen,
+        swa, swa_lens, ext if ext is not None else swa, ext_lens if ext is not None else swa_lens,
+        T, seq_lens.shape[0], sbt.shape[0], sbt.shape[1], cbt.shape[0], cbt.shape[1], K,
+        glen.shape[0], req0, G,
+        positions.stride(0), token_to_req.stride(0), seq_lens.stride(0),
+        sbt.stride(0), sbt.stride(1), cbt.stride(0), cbt.stride(1),
+        tk.stride(0), tk.stride(1), swa.stride(0), ext.stride(0) if ext is not None else 0,
+        glen.stride(0),
+        W=window_size, WP=next_power_of_2(window_size), SPAGE=swa_page_size,
+        CPAGE=compressed_page_size, RATIO=compress_ratio, WIN_ROWS=win_rows,
+        BLOCK_T=SLOT_BLOCK_T, BLOCK_K=SLOT_BLOCK_K, num_warps=4,
+    )
 
 
 @torch.library.custom_op("dsv41::prefill_slot_indices",
@@ -173,29 +291,11 @@ def _prefill_slot_op(positions: torch.Tensor, token_to_req: torch.Tensor,
                                        swa_page_size, window_size, topk_indices,
                                        compressed_block_table, compressed_page_size,
                                        compress_ratio)
-        for dst, src in zip((swa, swa_lens, ext, ext_lens), res):
-            if dst is not None:
-                dst.copy_(src)
+        _copy_into((swa, swa_lens, ext, ext_lens), res)
         return
-    T = positions.shape[0]
-    W = window_size
-    K = ext.shape[1] if ext is not None else 0
-    if T == 0:
-        return
-    cbt = compressed_block_table if compress_ratio > 0 else swa_block_table
-    tk = topk_indices if compress_ratio > 0 else positions.view(-1, 1)
-    _prefill_slot_kernel[(triton.cdiv(T, SLOT_BLOCK_T),)](
-        positions, token_to_req, seq_lens, swa_block_table, cbt, tk,
-        swa, swa_lens, ext if ext is not None else swa, ext_lens if ext is not None else swa_lens,
-        T, seq_lens.shape[0], swa_block_table.shape[0], swa_block_table.shape[1],
-        cbt.shape[0], cbt.shape[1], K,
-        positions.stride(0), token_to_req.stride(0), seq_lens.stride(0),
-        swa_block_table.stride(0), swa_block_table.stride(1), cbt.stride(0), cbt.stride(1),
-        tk.stride(0), tk.stride(1), swa.stride(0), ext.stride(0) if ext is not None else 0,
-        W=W, WP=next_power_of_2(W), SPAGE=swa_page_size, CPAGE=compressed_page_size,
-        RATIO=compress_ratio, BLOCK_T=SLOT_BLOCK_T, BLOCK_K=SLOT_BLOCK_K,
-        num_warps=4,
-    )
+    _launch(positions, token_to_req, seq_lens, swa_block_table, swa_page_size, window_size,
+            topk_indices, compressed_block_table, compressed_page_size, compress_ratio, swa,
+            swa_lens, ext, ext_lens)
 
 
 @_prefill_slot_op.register_fake
@@ -205,4 +305,43 @@ def _prefill_slot_fake(positions, token_to_req, seq_lens, swa_block_table, swa_p
     return None
 
 
-__all__ = ["prefill_slot_indices"]
+@torch.library.custom_op("dsv41::prefill_window_slot_indices",
+                         mutates_args=("window_rows", "ext", "ext_lens"))
+def _prefill_window_slot_op(positions: torch.Tensor, token_to_req: torch.Tensor,
+                            seq_lens: torch.Tensor, gather_lens: torch.Tensor,
+                            first_request: int, rows_per_request: int, window_size: int,
+                            topk_indices: Optional[torch.Tensor],
+                            compressed_block_table: Optional[torch.Tensor],
+                            compressed_page_size: int, compress_ratio: int,
+                            window_rows: torch.Tensor, ext: Optional[torch.Tensor],
+                            ext_lens: Optional[torch.Tensor]) -> None:
+    """The op behind :func:`prefill_window_slot_indices` (outputs allocated by the caller)."""
+    if use_reference(positions.device, _prefill_slot_kernel):
+        from .prefill_indices_ref import prefill_window_slot_indices_ref
+
+        res = prefill_window_slot_indices_ref(positions, token_to_req, seq_lens, gather_lens,
+                                              first_request, rows_per_request, window_size,
+                                              topk_indices, compressed_block_table,
+                                              compressed_page_size, compress_ratio)
+        _copy_into((window_rows, ext, ext_lens), res)
+        return
+    _launch(positions, token_to_req, seq_lens, None, 1, window_size, topk_indices,
+            compressed_block_table, compressed_page_size, compress_ratio, window_rows,
+            window_rows, ext, ext_lens, gather_lens, first_request, rows_per_request)
+
+
+@_prefill_window_slot_op.register_fake
+def _prefill_window_slot_fake(positions, token_to_req, seq_lens, gather_lens, first_request,
+                              rows_per_request, window_size, topk_indices,
+                              compressed_block_table, compressed_page_size, compress_ratio,
+                              window_rows, ext, ext_lens) -> None:
+    return None
+
+
+def _copy_into(dsts, srcs) -> None:
+    for dst, src in zip(dsts, srcs):
+        if dst is not None:
+            dst.copy_(src)
+
+
+__all__ = ["prefill_slot_indices", "prefill_window_slot_indices"]

@@ -82,4 +82,57 @@ def prefill_slot_indices_ref(
     return swa_idx, wlen.to(torch.int32), ext.to(torch.int32), tlen.to(torch.int32)
 
 
-__all__ = ["prefill_slot_indices_ref"]
+def prefill_window_slot_indices_ref(
+    positions: torch.Tensor,
+    token_to_req: torch.Tensor,
+    seq_lens: torch.Tensor,
+    gather_lens: torch.Tensor,
+    first_request: int,
+    rows_per_request: int,
+    window_size: int,
+    topk_indices: Optional[torch.Tensor] = None,
+    compressed_block_table: Optional[torch.Tensor] = None,
+    compressed_page_size: int = 1,
+    compress_ratio: int = 0,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Reference of ``prefill_window_slot_indices`` (same signature and outputs).
+
+    Token ``t`` of request ``b`` at ``pos`` (``i = b - first_request``; no window when ``b`` is
+    invalid, ``pos < 0`` or ``i`` outside ``[0, len(gather_lens))``): with ``g =
+    clamp(gather_lens[i], 0, rows_per_request)`` and ``gs = seq_lens[b] - g``, the window
+    positions ``max(pos - W + 1, 0, gs) .. min(pos, seq_lens[b] - 1)`` as rows
+    ``rows_per_request * i + p - gs``: ``window_rows[0]`` the first (0 when none),
+    ``window_rows[1]`` their count, ``window_rows[2]`` the top-k length; the top-k part is
+    ``prefill_slot_indices_ref``'s.
+    """
+    T = positions.shape[0]
+    dev = positions.device
+    B = seq_lens.shape[0]
+    pos = positions.long()
+    req = token_to_req[:T].to(dev).long()
+    ok = (req >= 0) & (req < B) & (pos >= 0)
+    i = req - first_request
+    NG = gather_lens.shape[0]
+    inw = ok & (i >= 0) & (i < NG)
+    ic = i.clamp(0, max(NG - 1, 0))
+    g = gather_lens.to(dev).long()[ic] if NG else torch.zeros_like(pos)
+    g = g.clamp(0, rows_per_request)
+    seq = seq_lens.to(dev).long()[req.clamp(0, max(B - 1, 0))] if B else torch.zeros_like(pos)
+    gs = seq - g
+    first = torch.maximum((pos - window_size + 1).clamp_min(0), gs)
+    last = torch.minimum(pos, seq - 1)
+    count = torch.where(inw, (last - first + 1).clamp_min(0), 0)
+    row = torch.where(count > 0, rows_per_request * i + first - gs, 0)
+    ext = tlen = None
+    if compress_ratio > 0:
+        # the top-k part does not read the window-cache table: any [B, 1] table will do
+        _, _, ext, tlen = prefill_slot_indices_ref(
+            positions, token_to_req, seq_lens, torch.zeros(max(B, 1), 1, dtype=torch.int32,
+                                                           device=dev), 1, window_size,
+            topk_indices, compressed_block_table, compressed_page_size, compress_ratio)
+    k = tlen.long() if tlen is not None else torch.zeros_like(pos)
+    win = torch.stack([row, count, k]).to(torch.int32)
+    return win, ext, tlen
+
+
+__all__ = ["prefill_slot_indices_ref", "prefill_window_slot_indices_ref"]
