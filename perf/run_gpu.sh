@@ -90,6 +90,10 @@ if part paged; then
     $($PY -c "import xdist" 2>/dev/null && echo "-n ${PYTEST_WORKERS:-8}") \
     -k "paged or shared or (gpu_multistep and triton) or few_ws" > "$OUTDIR/pytest_paged.log" 2>&1
   echo "paged tests rc=$?"; tail -n 8 "$OUTDIR/pytest_paged.log"
+  # the paged prefill's index ops on the GPU (their tests take the GPU when there is one)
+  $PY -m pytest tests/ops/test_prefill_indices.py -q -p no:cacheprovider \
+    > "$OUTDIR/pytest_prefill_indices.log" 2>&1
+  echo "index op tests rc=$?"; tail -n 3 "$OUTDIR/pytest_prefill_indices.log"
   BENCH_GLUON_VARIANTS=few timeout ${T_PAGED:-300} $PY perf/bench_prefill.py --heads 8 \
     > "$OUTDIR/prefill_paged.log" 2>&1
   sed -n '/summary/,$p' "$OUTDIR/prefill_paged.log" | head -40

@@ -190,6 +190,25 @@ def test_gluon_prior_launch_compiles(T, H, src, persist):
     assert 0 < r["regs"] <= 255 and r["stack"] == 0, r
 
 
+@pytest.mark.parametrize("shape,H,src_a,src_b", [
+    ("4:8:2:W:0:p", 8, 584, 584), ("4:8:2:W", 8, 528, 288), ("4:8:2:W:0:p", 16, 584, 0),
+    ("4:16:2:W:0:p", 16, 584, 584), ("4:16:2:W", 40, 528, 288), ("4:16:2:W:0:p", 16, 528, 0)])
+def test_gluon_persistent_launch_compiles(shape, H, src_a, src_b):
+    """The few-heads ws kernel on its persistent grid (its producer carrying the next items'
+    lens and first slot ids, its MMA partition the next 8-head Q), launched for a decode of
+    one or two key sets and 8 / 16-head tiles, compiled as the GPU builds it: nothing spills
+    (the producer's and MMA partition's register split is tight at 16-head tiles)."""
+    if not gluon_pkg.AVAILABLE:
+        pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
+    import json
+    rows = _compile_facts("launch", json.dumps(dict(T=512, H=H, src_a=src_a, src_b=src_b,
+                                                    shape=shape)))
+    assert [r["kernel"].split(".")[0] for r in rows] == ["decode_few_ws"], rows
+    for r in rows:
+        assert r["persist"] is True and r["grid"] == [132], r
+        assert 0 < r["regs"] <= 255 and r["stack"] == 0, r
+
+
 #: launch shapes the wiring test forces beside the pick table's (every kernel family and its
 #: variants)
 WIRING_SHAPES = ("4:0:3", "4:0:3:h", "4:8:3:h", "4:0:1", "8:16:3", "8:32:3", "8:64:2",

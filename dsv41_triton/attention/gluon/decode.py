@@ -91,8 +91,13 @@ def _q_rows(q_ptr, t, stride_qt, stride_qh, ht, BH: gl.constexpr, LQ: gl.constex
 def _store_q(qrow, hq, dq, H, q_smem):
     """The bf16 Q rows (``_q_rows``; heads ``>= H`` as 0) into ``q_smem [8, BH, 64]``."""
     for g in gl.static_range(8):
-        qg = gl.load(qrow + (g * 64 + dq)[None, :], mask=(hq < H)[:, None], other=0.0)
-        q_smem.index(g).store(qg)
+        q_smem.index(g).store(_q_group(qrow, hq, dq, H, g))
+
+
+@gluon.jit
+def _q_group(qrow, hq, dq, H, g: gl.constexpr):
+    """64-dim group ``g`` of the Q rows (``_q_rows``; heads ``>= H`` as 0), ``[BH, 64]``."""
+    return gl.load(qrow + (g * 64 + dq)[None, :], mask=(hq < H)[:, None], other=0.0)
 
 
 @gluon.jit

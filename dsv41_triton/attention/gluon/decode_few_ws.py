@@ -31,10 +31,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from .common import _merge_prior, _prior_tiles
-from .decode import _acc_layout, _few_heads_epilogue, _online_softmax, _pv, _q_rows, _qk, _store_q
+from .decode import (_acc_layout, _few_heads_epilogue, _online_softmax, _pv, _q_group, _q_rows,
+                     _qk, _store_q)
 from .dequant import _convert_group, _dequant_group, _load_group
-from .gather import _alloc_rings, _item_ids, _key_ranges, _program_ids, _put
-from .decode_heads_ws import PRODUCER_REGS, PRODUCER_WARPS, _alloc_ids_pre, _producer
+from .gather import (_alloc_rings, _item_ids, _key_ranges, _lens_ranges, _load_lens,
+                     _program_ids, _put)
+from .decode_heads_ws import (PRODUCER_REGS, PRODUCER_WARPS, _alloc_ids_pre, _first_ids,
+                              _producer)
 
 #: warps of the dequant partition (8: one key row of 64 dims per thread and group)
 DEQUANT_WARPS = gl.constexpr(8)
@@ -42,6 +45,14 @@ DEQUANT_WARPS = gl.constexpr(8)
 DEQUANT_REGS = gl.constexpr(96)
 #: warps of the MMA partition (the kernel's ``num_warps``)
 MMA_WARPS = gl.constexpr(4)
+#: registers per producer thread on the persistent grid: it carries the next items' lens and
+#: first slot ids, and the MMA partition gets the rest (``(65536 - 128 * regs - 256 *
+#: DEQUANT_REGS) / 128``). 8-head tiles: 80 (MMA 240). 16-head tiles: 72 with two key sets
+#: (64 spills 8-16 bytes there; MMA 248), 64 with one (its MMA partition, with the prior,
+#: spills 8 bytes at 248)
+PERSIST_PRODUCER_REGS_8 = gl.constexpr(80)
+PERSIST_PRODUCER_REGS_16_AB = gl.constexpr(72)
+PERSIST_PRODUCER_REGS_16_A = gl.constexpr(64)
 
 
 @gluon.jit
@@ -108,9 +119,11 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
               sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
               po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid, q_smem, p_smem, tready,
               tfree, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BH: gl.constexpr,
-              NT: gl.constexpr, PRIOR: gl.constexpr, g0=0):
+              NT: gl.constexpr, PRIOR: gl.constexpr, g0=0, QREGS: gl.constexpr = False,
+              q0=0, q1=0, q2=0, q3=0, q4=0, q5=0, q6=0, q7=0):
     """One warpgroup: Q, then both swap-AB wgmmas and the softmax of every block (key tile
-    ``(g0 + j) % NT``), then the epilogue."""
+    ``(g0 + j) % NT``), then the epilogue. ``QREGS``: Q's eight 64-dim groups are ``q0..q7``
+    (``_load_q``, loaded by the caller ahead of time)."""
     ACC: gl.constexpr = _acc_layout(BH, MMA_WARPS)
     LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [MMA_WARPS, 1], [1, 0])
     if PRIOR:  # issued before the key loop, merged after it
@@ -122,8 +135,18 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
         pm = hpm[None, :] & (dp >= 0)[:, None]
         lp = gl.load(lse_ptr + t_tok * stride_lt + hp64 * stride_lh, mask=hpm, other=float("inf"))
         p0, p1, p2, p3, p4, p5, p6, p7 = _prior_tiles(prow, pm)
-    qrow, hq, dq = _q_rows(q_ptr, t_tok, stride_qt, stride_qh, ht, BH, LQ)
-    _store_q(qrow, hq, dq, H, q_smem)
+    if QREGS:
+        q_smem.index(0).store(q0)
+        q_smem.index(1).store(q1)
+        q_smem.index(2).store(q2)
+        q_smem.index(3).store(q3)
+        q_smem.index(4).store(q4)
+        q_smem.index(5).store(q5)
+        q_smem.index(6).store(q6)
+        q_smem.index(7).store(q7)
+    else:
+        qrow, hq, dq = _q_rows(q_ptr, t_tok, stride_qt, stride_qh, ht, BH, LQ)
+        _store_q(qrow, hq, dq, H, q_smem)
     fence_async_shared()
     gl.thread_barrier()
 
@@ -171,15 +194,38 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
 
 
 @gluon.jit
-def _item_keys(item, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr, b_len_st,
-               b_width, HAS_B: gl.constexpr, HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr,
-               SPLIT: gl.constexpr):
-    """Item ``item``'s (head tile, split, token) and its key ranges (``gather._key_ranges``)."""
+def _item_lens(item, num_items, num_ht, num_splits, a_len_ptr, a_len_st, b_len_ptr, b_len_st,
+               HAS_B: gl.constexpr, HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr):
+    """The raw lens (``gather._load_lens``) of item ``min(item, num_items - 1)``, loaded ahead:
+    a partition on the persistent grid loads an item's lens while it works on an earlier
+    item, so their latency is not paid at the item's start."""
+    ht, split, t = _item_ids(gl.minimum(item, num_items - 1), num_ht, num_splits)
+    return _load_lens(t, a_len_ptr, a_len_st, b_len_ptr, b_len_st, HAS_B, HAS_LEN_A, HAS_LEN_B)
+
+
+@gluon.jit
+def _item_ranges(item, la, lb, num_ht, num_splits, a_width, b_width, HAS_B: gl.constexpr,
+                 HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, SPLIT: gl.constexpr):
+    """Item ``item``'s (head tile, split, token) and its key ranges (``gather._key_ranges``)
+    from its lens ``la`` / ``lb`` (``_item_lens``)."""
     ht, split, t = _item_ids(item, num_ht, num_splits)
-    lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _key_ranges(
-        t, split, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr, b_len_st, b_width,
-        HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT)
+    lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _lens_ranges(
+        la, lb, split, num_splits, a_width, b_width, HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT)
     return ht, split, t, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk
+
+
+@gluon.jit
+def _load_q(q_ptr, item, num_items, num_ht, num_splits, stride_qt, stride_qh, H,
+            BH: gl.constexpr):
+    """Q of item ``min(item, num_items - 1)`` as eight ``[BH, 64]`` groups in registers (the
+    MMA partition's layout), loaded ahead for ``_mma_part(..., QREGS=True)``."""
+    LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [MMA_WARPS, 1], [1, 0])
+    ht, split, t = _item_ids(gl.minimum(item, num_items - 1), num_ht, num_splits)
+    qrow, hq, dq = _q_rows(q_ptr, t, stride_qt, stride_qh, ht, BH, LQ)
+    return (_q_group(qrow, hq, dq, H, 0), _q_group(qrow, hq, dq, H, 1),
+            _q_group(qrow, hq, dq, H, 2), _q_group(qrow, hq, dq, H, 3),
+            _q_group(qrow, hq, dq, H, 4), _q_group(qrow, hq, dq, H, 5),
+            _q_group(qrow, hq, dq, H, 6), _q_group(qrow, hq, dq, H, 7))
 
 
 @gluon.jit
@@ -191,17 +237,45 @@ def _producer_items(num_items, num_ht, num_splits, a_ptr, a_idx_ptr, a_idx_st, a
                     HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, SPLIT: gl.constexpr,
                     NS: gl.constexpr, IDX_AHEAD: gl.constexpr):
     """``PERSIST``: the producer over this CTA's items, its ring position running on (the next
-    item's first blocks are gathered while the MMA warpgroup finishes this one)."""
+    item's first blocks are gathered while the MMA warpgroup finishes this one). The lens
+    run two items ahead and the first slot ids one item ahead, so an item starts gathering
+    without waiting on a global load."""
+    pid = gl.program_id(0)
+    grid = gl.num_programs(0)
+    la, lb = _item_lens(pid, num_items, num_ht, num_splits, a_len_ptr, a_len_st, b_len_ptr,
+                        b_len_st, HAS_B, HAS_LEN_A, HAS_LEN_B)
+    la1, lb1 = _item_lens(pid + grid, num_items, num_ht, num_splits, a_len_ptr, a_len_st,
+                          b_len_ptr, b_len_st, HAS_B, HAS_LEN_A, HAS_LEN_B)
+    ht, split, t, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _item_ranges(
+        pid, la, lb, num_ht, num_splits, a_width, b_width, HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT)
+    fa, fb = _first_ids(nblk_a, nblk, a_idx_ptr + t * a_idx_st, lo_a, hi_a,
+                        b_idx_ptr + t * b_idx_st, lo_b, hi_b, HAS_B, IDX_AHEAD)
     g = 0
-    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        ht, split, t, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _item_keys(
-            item, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr, b_len_st,
-            b_width, HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT)
+    for item in range(pid, num_items, grid):
+        # the next item's ranges (its lens arrived during the previous item) and first ids,
+        # and the lens of the one after it
+        nxt = gl.minimum(item + grid, num_items - 1)
+        ht1, split1, t1, lo_a1, hi_a1, lo_b1, hi_b1, nblk_a1, nblk1 = _item_ranges(
+            nxt, la1, lb1, num_ht, num_splits, a_width, b_width, HAS_B, HAS_LEN_A, HAS_LEN_B,
+            SPLIT)
+        la1, lb1 = _item_lens(item + 2 * grid, num_items, num_ht, num_splits, a_len_ptr,
+                              a_len_st, b_len_ptr, b_len_st, HAS_B, HAS_LEN_A, HAS_LEN_B)
+        fa1, fb1 = _first_ids(nblk_a1, nblk1, a_idx_ptr + t1 * a_idx_st, lo_a1, hi_a1,
+                              b_idx_ptr + t1 * b_idx_st, lo_b1, hi_b1, HAS_B, IDX_AHEAD)
         _producer(a_ptr, a_idx_ptr + t * a_idx_st, a_bstride, a_page, a_rows, b_ptr,
                   b_idx_ptr + t * b_idx_st, b_bstride, b_page, b_rows, lo_a, hi_a, lo_b, hi_b,
                   nblk_a, nblk, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring,
-                  ids_pre, ready, free, SRC_A, SRC_B, HAS_B, NS, IDX_AHEAD, g)
+                  ids_pre, ready, free, SRC_A, SRC_B, HAS_B, NS, IDX_AHEAD, g, True, fa, fb)
         g += nblk
+        t = t1
+        lo_a = lo_a1
+        hi_a = hi_a1
+        lo_b = lo_b1
+        hi_b = hi_b1
+        nblk_a = nblk_a1
+        nblk = nblk1
+        fa = fa1
+        fb = fb1
 
 
 @gluon.jit
@@ -211,12 +285,18 @@ def _dequant_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, 
                    SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
                    HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, SPLIT: gl.constexpr,
                    NS: gl.constexpr, NT: gl.constexpr, PREFETCH: gl.constexpr):
-    """``PERSIST``: the dequant partition over this CTA's items."""
+    """``PERSIST``: the dequant partition over this CTA's items (lens one item ahead)."""
+    pid = gl.program_id(0)
+    grid = gl.num_programs(0)
+    la, lb = _item_lens(pid, num_items, num_ht, num_splits, a_len_ptr, a_len_st, b_len_ptr,
+                        b_len_st, HAS_B, HAS_LEN_A, HAS_LEN_B)
     g = 0
-    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        ht, split, t, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _item_keys(
-            item, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr, b_len_st,
-            b_width, HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT)
+    for item in range(pid, num_items, grid):
+        ht, split, t, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _item_ranges(
+            item, la, lb, num_ht, num_splits, a_width, b_width, HAS_B, HAS_LEN_A, HAS_LEN_B,
+            SPLIT)
+        la, lb = _item_lens(item + grid, num_items, num_ht, num_splits, a_len_ptr, a_len_st,
+                            b_len_ptr, b_len_st, HAS_B, HAS_LEN_A, HAS_LEN_B)
         _dequant_part(nblk_a, nblk, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
                       idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, ready, free, tready, tfree,
                       SRC_A, SRC_B, HAS_B, NS, NT, PREFETCH, g)
@@ -231,19 +311,53 @@ def _mma_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_le
                HAS_B: gl.constexpr, HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr,
                HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BH: gl.constexpr,
                NT: gl.constexpr, PRIOR: gl.constexpr):
-    """``PERSIST``: the MMA warpgroup over this CTA's items (Q stored again per item: the
-    previous item's products that read it were waited before its last block's warpgroup
-    barrier; an item without blocks reads no Q)."""
+    """``PERSIST``: the MMA warpgroup over this CTA's items, with the next item's lens (and,
+    for 8-head tiles, its Q) loaded into registers while it works on this one (Q stored
+    again per item: the previous item's products that read it were waited before its last
+    block's warpgroup barrier; an item without blocks reads no Q). A 16-head tile's next Q
+    (32 more registers) would spill the partition's 240 registers, so it loads Q per item."""
+    QAHEAD: gl.constexpr = BH <= 8
+    pid = gl.program_id(0)
+    grid = gl.num_programs(0)
+    la, lb = _item_lens(pid, num_items, num_ht, num_splits, a_len_ptr, a_len_st, b_len_ptr,
+                        b_len_st, HAS_B, HAS_LEN_A, HAS_LEN_B)
+    if QAHEAD:
+        q0, q1, q2, q3, q4, q5, q6, q7 = _load_q(q_ptr, pid, num_items, num_ht, num_splits,
+                                                 stride_qt, stride_qh, H, BH)
+    else:
+        q0 = 0
+        q1 = 0
+        q2 = 0
+        q3 = 0
+        q4 = 0
+        q5 = 0
+        q6 = 0
+        q7 = 0
     g = 0
-    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        ht, split, t, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _item_keys(
-            item, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr, b_len_st,
-            b_width, HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT)
+    for item in range(pid, num_items, grid):
+        ht, split, t, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _item_ranges(
+            item, la, lb, num_ht, num_splits, a_width, b_width, HAS_B, HAS_LEN_A, HAS_LEN_B,
+            SPLIT)
+        la, lb = _item_lens(item + grid, num_items, num_ht, num_splits, a_len_ptr, a_len_st,
+                            b_len_ptr, b_len_st, HAS_B, HAS_LEN_A, HAS_LEN_B)
+        if QAHEAD:
+            n0, n1, n2, n3, n4, n5, n6, n7 = _load_q(q_ptr, item + grid, num_items, num_ht,
+                                                     num_splits, stride_qt, stride_qh, H, BH)
         _mma_part(q_ptr, stride_qt, stride_qh, t, split, ht, H, qk_scale, num_splits, nblk,
                   sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
                   stride_lh, po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid, q_smem,
-                  p_smem, tready, tfree, HAS_SINK, SPLIT, BH, NT, PRIOR, g)
+                  p_smem, tready, tfree, HAS_SINK, SPLIT, BH, NT, PRIOR, g, QAHEAD, q0, q1,
+                  q2, q3, q4, q5, q6, q7)
         g += nblk
+        if QAHEAD:
+            q0 = n0
+            q1 = n1
+            q2 = n2
+            q3 = n3
+            q4 = n4
+            q5 = n5
+            q6 = n6
+            q7 = n7
 
 
 @gluon.jit
@@ -320,7 +434,10 @@ def _sparse_mla_decode_few_ws_kernel(
                               rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6, k7,
                               kid, ready, free, tready, tfree, SRC_A, SRC_B, HAS_B, HAS_LEN_A,
                               HAS_LEN_B, SPLIT, NS, NT, DEQ_PREFETCH)),
-        ], [PRODUCER_WARPS, DEQUANT_WARPS], [PRODUCER_REGS, DEQUANT_REGS])
+        ], [PRODUCER_WARPS, DEQUANT_WARPS],
+            [PERSIST_PRODUCER_REGS_8 if BH <= 8 else
+             (PERSIST_PRODUCER_REGS_16_AB if HAS_B else PERSIST_PRODUCER_REGS_16_A),
+             DEQUANT_REGS])
         return
 
     lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _key_ranges(

@@ -70,11 +70,32 @@ def _load_idx_chunk(j, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, l
                     b_rows, HAS_B: gl.constexpr, P: gl.constexpr, NWP: gl.constexpr):
     """Checked slot ids of blocks ``j .. j + P - 1`` as one ``[P, 64]`` int32 tile (``-1``
     where a key is not read): ``_load_idx`` of ``P`` blocks in one pass of vector loads."""
+    ia, ib = _load_idx_chunk_raw(j, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b, hi_b,
+                                 HAS_B, P, NWP)
+    return _check_idx(ia, ib, a_rows, b_rows, HAS_B)
+
+
+@gluon.jit
+def _load_idx_chunk_raw(j, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b, hi_b,
+                        HAS_B: gl.constexpr, P: gl.constexpr, NWP: gl.constexpr):
+    """``_load_idx_chunk``'s ids as stored (checked later, by ``_check_idx``)."""
     L2: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [NWP, 1], [1, 0])
     k = j + gl.arange(0, P, layout=gl.SliceLayout(1, L2))[:, None]
     r = gl.arange(0, 64, layout=gl.SliceLayout(0, L2))[None, :]
-    ia, ib = _idx_at(k, r, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b, hi_b, HAS_B)
-    return _check_idx(ia, ib, a_rows, b_rows, HAS_B)
+    return _idx_at(k, r, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b, hi_b, HAS_B)
+
+
+@gluon.jit
+def _first_ids(nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b, hi_b,
+               HAS_B: gl.constexpr, AHEAD: gl.constexpr):
+    """The raw ids ``_producer(..., FIRST=True)`` takes: block 0's (``AHEAD = 1``) or chunk
+    0's (``AHEAD = 0``)."""
+    if AHEAD == 0:
+        return _load_idx_chunk_raw(0, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b,
+                                   hi_b, HAS_B, PRELOAD_BLOCKS, PRODUCER_WARPS)
+    else:
+        return _load_idx_raw(0, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b, hi_b,
+                             HAS_B, gl.SliceLayout(1, _copy_layout(16, PRODUCER_WARPS)))
 
 
 #: blocks whose slot ids the producer loads at once into shared memory (``IDX_AHEAD = 0``)
@@ -86,22 +107,32 @@ def _producer_preload(a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_
                       b_page, b_rows, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk,
                       r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, ids_pre,
                       ready, free, SRC_A: gl.constexpr, SRC_B: gl.constexpr,
-                      HAS_B: gl.constexpr, NS: gl.constexpr, g0=0):
+                      HAS_B: gl.constexpr, NS: gl.constexpr, g0=0, FIRST: gl.constexpr = False,
+                      fa=0, fb=0):
     """``_producer`` with the checked slot ids of ``PRELOAD_BLOCKS`` blocks loaded in one pass
-    (one global-load latency per chunk, not one per block) into ``ids_pre``."""
+    (one global-load latency per chunk, not one per block) into ``ids_pre``; ``FIRST``: the
+    first chunk's raw ids are ``fa`` / ``fb`` (``_load_idx_chunk_raw``, loaded by the caller
+    ahead of time)."""
     LI: gl.constexpr = gl.SliceLayout(1, _copy_layout(16, PRODUCER_WARPS))
     # row views of the chunk (the same bytes: both layouts unswizzled row-major)
     rows = ids_pre._reinterpret(gl.int32, [PRELOAD_BLOCKS, 64],
                                 gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    if FIRST:  # chunk 0 stored before the loop (fa / fb not live in it)
+        chunk = _check_idx(fa, fb, a_rows, b_rows, HAS_B)
+        gl.thread_barrier()  # the last chunk's rows are read
+        ids_pre.store(chunk)
+        gl.thread_barrier()
     for j in range(nblk):
         s = (g0 + j) % NS
         c = j % PRELOAD_BLOCKS
         if c == 0:
-            chunk = _load_idx_chunk(j, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row,
-                                    lo_b, hi_b, b_rows, HAS_B, PRELOAD_BLOCKS, PRODUCER_WARPS)
-            gl.thread_barrier()  # the last chunk's rows are read
-            ids_pre.store(chunk)
-            gl.thread_barrier()
+            if FIRST:
+                if j > 0:
+                    _store_idx_chunk(j, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row,
+                                     lo_b, hi_b, b_rows, ids_pre, HAS_B)
+            else:
+                _store_idx_chunk(j, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row,
+                                 lo_b, hi_b, b_rows, ids_pre, HAS_B)
         idx = rows.index(c).load(LI)
         mbarrier.wait(free.index(s), (((g0 + j) // NS) & 1) ^ 1)
         _fill_stage(j, s, idx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
@@ -110,36 +141,54 @@ def _producer_preload(a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_
 
 
 @gluon.jit
+def _store_idx_chunk(j, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b, hi_b,
+                     b_rows, ids_pre, HAS_B: gl.constexpr):
+    """The checked ids of the ``PRELOAD_BLOCKS`` blocks from ``j`` into ``ids_pre``."""
+    chunk = _load_idx_chunk(j, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b,
+                            hi_b, b_rows, HAS_B, PRELOAD_BLOCKS, PRODUCER_WARPS)
+    gl.thread_barrier()  # the last chunk's rows are read
+    ids_pre.store(chunk)
+    gl.thread_barrier()
+
+
+@gluon.jit
 def _producer(a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_row, b_bstride, b_page,
               b_rows, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk,
               r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, ids_pre, ready,
               free, SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
-              NS: gl.constexpr, AHEAD: gl.constexpr = 1, g0=0):
+              NS: gl.constexpr, AHEAD: gl.constexpr = 1, g0=0, FIRST: gl.constexpr = False,
+              fa=0, fb=0):
     """Every block's slot ids and raw records into ring stage ``(g0 + j) % NS`` once it is
     free (``g0``: blocks the ring took before this token's); a block's ids are loaded one block
     before it (``AHEAD = 1``), or (``AHEAD = 0``) those of ``PRELOAD_BLOCKS`` blocks at once
-    into ``ids_pre``."""
+    into ``ids_pre``. ``FIRST``: the first block's (chunk's) raw ids are ``fa`` / ``fb``,
+    loaded by the caller ahead of time (``_first_ids``)."""
     gl.static_assert(AHEAD == 0 or AHEAD == 1, "AHEAD: 0 (preload) or 1 block")
     LI: gl.constexpr = gl.SliceLayout(1, _copy_layout(16, PRODUCER_WARPS))
     if AHEAD == 0:
         _producer_preload(a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_row,
                           b_bstride, b_page, b_rows, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk,
                           r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring,
-                          ids_pre, ready, free, SRC_A, SRC_B, HAS_B, NS, g0)
-        return
-    # block j's raw ids (checked only when the block is issued)
-    a0, b0 = _load_idx_raw(0, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b, hi_b,
-                           HAS_B, LI)
-    for j in range(nblk):
-        s = (g0 + j) % NS
-        mbarrier.wait(free.index(s), (((g0 + j) // NS) & 1) ^ 1)
-        idx = _check_idx(a0, b0, a_rows, b_rows, HAS_B)
-        _fill_stage(j, s, idx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride, b_page,
-                    r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, ready,
-                    SRC_A, SRC_B, HAS_B)
-        # block j + 1's ids: their latency passes under the next wait and this block's copies
-        a0, b0 = _load_idx_raw(j + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b,
-                               hi_b, HAS_B, LI)
+                          ids_pre, ready, free, SRC_A, SRC_B, HAS_B, NS, g0, FIRST, fa, fb)
+    else:
+        # block j's raw ids (checked only when the block is issued)
+        if FIRST:
+            a0 = fa
+            b0 = fb
+        else:
+            a0, b0 = _load_idx_raw(0, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b,
+                                   hi_b, HAS_B, LI)
+        for j in range(nblk):
+            s = (g0 + j) % NS
+            mbarrier.wait(free.index(s), (((g0 + j) // NS) & 1) ^ 1)
+            idx = _check_idx(a0, b0, a_rows, b_rows, HAS_B)
+            _fill_stage(j, s, idx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride,
+                        b_page, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring,
+                        ready, SRC_A, SRC_B, HAS_B)
+            # block j + 1's ids: their latency passes under the next wait and this block's
+            # copies
+            a0, b0 = _load_idx_raw(j + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b,
+                                   hi_b, HAS_B, LI)
 
 
 @gluon.jit

@@ -205,16 +205,40 @@ def _key_ranges(t, split, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr, b
     """Token ``t``'s columns read by key split ``split``: window ``[lo_a, hi_a)`` and extra
     ``[lo_b, hi_b)`` (lens clamped to ``[0, width]``; splits of whole 64-key blocks), and the
     block counts ``nblk_a`` (window) and ``nblk`` (all)."""
+    la, lb = _load_lens(t, a_len_ptr, a_len_st, b_len_ptr, b_len_st, HAS_B, HAS_LEN_A,
+                        HAS_LEN_B)
+    return _lens_ranges(la, lb, split, num_splits, a_width, b_width, HAS_B, HAS_LEN_A,
+                        HAS_LEN_B, SPLIT)
+
+
+@gluon.jit
+def _load_lens(t, a_len_ptr, a_len_st, b_len_ptr, b_len_st, HAS_B: gl.constexpr,
+               HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr):
+    """Token ``t``'s lens as stored (int32 0 where a part has none): no arithmetic on the
+    loaded values, so a caller can carry them an item ahead and pay their latency only at
+    ``_lens_ranges``."""
+    la = (t * 0).to(gl.int32)
+    lb = la
     if HAS_LEN_A:
-        len_a = gl.load(a_len_ptr + t * a_len_st).to(gl.int32)
-        len_a = gl.minimum(gl.maximum(len_a, 0), a_width)
+        la = gl.load(a_len_ptr + t * a_len_st)
+    if HAS_B:
+        if HAS_LEN_B:
+            lb = gl.load(b_len_ptr + t * b_len_st)
+    return la, lb
+
+
+@gluon.jit
+def _lens_ranges(la, lb, split, num_splits, a_width, b_width, HAS_B: gl.constexpr,
+                 HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, SPLIT: gl.constexpr):
+    """``_key_ranges`` of the lens ``_load_lens`` loaded."""
+    if HAS_LEN_A:
+        len_a = gl.minimum(gl.maximum(la.to(gl.int32), 0), a_width)
     else:
         len_a = a_width + 0
     len_b = len_a * 0
     if HAS_B:
         if HAS_LEN_B:
-            len_b = gl.load(b_len_ptr + t * b_len_st).to(gl.int32)
-            len_b = gl.minimum(gl.maximum(len_b, 0), b_width)
+            len_b = gl.minimum(gl.maximum(lb.to(gl.int32), 0), b_width)
         else:
             len_b = len_b + b_width
     total = len_a + len_b
