@@ -22,7 +22,9 @@ Shared memory (8-head tiles, ``NS = NT = 2``): the ring 2 x 37 KB (584) + two ke
 ``PERSIST``: a grid of at most one CTA per SM whose three partitions loop over the same items
 (token x split x head tile) with their ring and key-tile positions running on from item to
 item, so that the producer gathers an item's first blocks while the MMA warpgroup finishes the
-previous one (without it each item's CTA starts with an empty pipeline).
+previous one (without it each item's CTA starts with an empty pipeline). No partition starts
+an item on a global load: each loads the next item's lens ahead (the producer two items ahead,
+and the next item's first slot ids), the MMA partition also the next 8-head Q.
 """
 from __future__ import annotations
 
