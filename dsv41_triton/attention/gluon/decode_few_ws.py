@@ -217,6 +217,20 @@ def _item_ranges(item, la, lb, num_ht, num_splits, a_width, b_width, HAS_B: gl.c
 
 
 @gluon.jit
+def _item_step(item, grid, num_items, la, lb, num_ht, num_splits, a_len_ptr, a_len_st,
+               a_width, b_len_ptr, b_len_st, b_width, HAS_B: gl.constexpr,
+               HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, SPLIT: gl.constexpr):
+    """``_item_ranges`` of item ``item`` (its lens ``la`` / ``lb``, loaded ahead), then the
+    raw lens of item ``item + grid`` (the CTA's next), loaded now: ``(ht, split, t, lo_a,
+    hi_a, lo_b, hi_b, nblk_a, nblk, next la, next lb)``."""
+    ht, split, t, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _item_ranges(
+        item, la, lb, num_ht, num_splits, a_width, b_width, HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT)
+    la, lb = _item_lens(item + grid, num_items, num_ht, num_splits, a_len_ptr, a_len_st,
+                        b_len_ptr, b_len_st, HAS_B, HAS_LEN_A, HAS_LEN_B)
+    return ht, split, t, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk, la, lb
+
+
+@gluon.jit
 def _load_q(q_ptr, item, num_items, num_ht, num_splits, stride_qt, stride_qh, H,
             BH: gl.constexpr):
     """Q of item ``min(item, num_items - 1)`` as eight ``[BH, 64]`` groups in registers (the
@@ -294,11 +308,9 @@ def _dequant_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, 
                         b_len_st, HAS_B, HAS_LEN_A, HAS_LEN_B)
     g = 0
     for item in range(pid, num_items, grid):
-        ht, split, t, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _item_ranges(
-            item, la, lb, num_ht, num_splits, a_width, b_width, HAS_B, HAS_LEN_A, HAS_LEN_B,
-            SPLIT)
-        la, lb = _item_lens(item + grid, num_items, num_ht, num_splits, a_len_ptr, a_len_st,
-                            b_len_ptr, b_len_st, HAS_B, HAS_LEN_A, HAS_LEN_B)
+        ht, split, t, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk, la, lb = _item_step(
+            item, grid, num_items, la, lb, num_ht, num_splits, a_len_ptr, a_len_st, a_width,
+            b_len_ptr, b_len_st, b_width, HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT)
         _dequant_part(nblk_a, nblk, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
                       idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, ready, free, tready, tfree,
                       SRC_A, SRC_B, HAS_B, NS, NT, PREFETCH, g)
@@ -337,11 +349,9 @@ def _mma_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_le
         q7 = 0
     g = 0
     for item in range(pid, num_items, grid):
-        ht, split, t, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _item_ranges(
-            item, la, lb, num_ht, num_splits, a_width, b_width, HAS_B, HAS_LEN_A, HAS_LEN_B,
-            SPLIT)
-        la, lb = _item_lens(item + grid, num_items, num_ht, num_splits, a_len_ptr, a_len_st,
-                            b_len_ptr, b_len_st, HAS_B, HAS_LEN_A, HAS_LEN_B)
+        ht, split, t, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk, la, lb = _item_step(
+            item, grid, num_items, la, lb, num_ht, num_splits, a_len_ptr, a_len_st, a_width,
+            b_len_ptr, b_len_st, b_width, HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT)
         if QAHEAD:
             n0, n1, n2, n3, n4, n5, n6, n7 = _load_q(q_ptr, item + grid, num_items, num_ht,
                                                      num_splits, stride_qt, stride_qh, H, BH)
