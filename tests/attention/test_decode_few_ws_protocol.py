@@ -109,3 +109,50 @@ def test_few_ws_persistent_protocol_model_catches_mutations(flags, what):
     with pytest.raises(AssertionError, match=what):
         for seed in range(3000):
             run(_items(rnd), seed, **flags)
+
+
+# ---- the loads each partition makes an item (or two) ahead ---------------------------------
+def _ahead_walk(lens, pid, grid, two_ahead):
+    """The item loop of ``decode_few_ws._producer_items`` (``two_ahead``) or of
+    ``_dequant_items`` / ``_mma_items`` in Python, with the lens read as the kernel reads them
+    (``_item_lens``: item clamped to the last; ``_item_step``). Returns, per item the CTA runs,
+    ``(item, lens it used, lens its first ids were loaded with)``."""
+    n = len(lens)
+
+    def item_lens(i):
+        return lens[min(i, n - 1)]
+
+    out = []
+    if two_ahead:
+        la = item_lens(pid)
+        la1 = item_lens(pid + grid)
+        cur, first = la, la  # the first item's ranges and first ids, before the loop
+        for item in range(pid, n, grid):
+            nxt_ranges = la1  # _item_ranges(min(item + grid, n - 1), la1, ..)
+            la1 = item_lens(item + 2 * grid)
+            nxt_first = nxt_ranges  # _first_ids with the next item's ranges
+            out.append((item, cur, first))
+            cur, first = nxt_ranges, nxt_first
+    else:
+        la = item_lens(pid)
+        for item in range(pid, n, grid):
+            used, la = la, item_lens(item + grid)  # _item_step
+            out.append((item, used, used))
+    return out
+
+
+@pytest.mark.parametrize("two_ahead", [False, True])
+def test_few_ws_persistent_item_ahead_loads_reach_their_items(two_ahead):
+    """Every item a CTA runs uses its own lens (and, in the producer, first slot ids loaded
+    with them), though they were loaded one or two items earlier: any grid, item counts from
+    1 to past the grid, the CTA's last items included."""
+    rnd = random.Random(7)
+    for _ in range(200):
+        n = rnd.randint(1, 40)
+        grid = rnd.randint(1, min(n, 12))
+        lens = [(i, rnd.randint(0, 640)) for i in range(n)]  # tagged by their item
+        for pid in range(grid):
+            walk = _ahead_walk(lens, pid, grid, two_ahead)
+            assert [w[0] for w in walk] == list(range(pid, n, grid))
+            for item, used, first in walk:
+                assert used[0] == item and first[0] == item, (n, grid, pid, walk)
