@@ -7,7 +7,9 @@
 # PARTS (default "tests harness decode prefill"; "sanitize" adds compute-sanitizer memcheck
 # of the Gluon kernels' hostile-id, empty-row and edge tests; "few" the few-heads prefill probe
 # and its ncu pass; "paged" the paged prefill with window rows: its GPU tests, then the 8-head
-# kernel rows and the layer's memory table) picks the parts to run and
+# kernel rows and the layer's memory table, each step time-bounded so the part fits a 600 s
+# call; "persist" the few-heads decode on its per-token and persistent grids at decode batch
+# sizes) picks the parts to run and
 # TESTS_K narrows the GPU tests to a pytest -k expression, so a short device call can run only
 # what changed, e.g.
 #   PARTS="tests prefill" TESTS_K=wsp BENCH_GLUON_VARIANTS=ws,wsp bash perf/run_gpu.sh
@@ -83,21 +85,27 @@ if part few; then
     "$OUTDIR/ncu_prefill_few.log" | head -80
 fi
 
-echo "== paged prefill with window rows: GPU tests, 8-head rows, layer table, decode sweep"
+echo "== paged prefill with window rows: GPU tests, 8-head rows, layer table"
 if part paged; then
-  $PY -m pytest tests/attention/test_prefill_shared.py tests/layers/test_layer.py \
+  timeout ${T_PAGED_TESTS:-200} $PY -m pytest tests/attention/test_prefill_shared.py tests/layers/test_layer.py \
     tests/attention/test_decode_gluon.py -m gpu -q -p no:cacheprovider \
     $($PY -c "import xdist" 2>/dev/null && echo "-n ${PYTEST_WORKERS:-8}") \
-    -k "paged or shared or (gpu_multistep and triton) or few_ws" > "$OUTDIR/pytest_paged.log" 2>&1
+    -k "paged or shared or (gpu_multistep and triton) or few_ws_persistent" \
+    > "$OUTDIR/pytest_paged.log" 2>&1
   echo "paged tests rc=$?"; tail -n 8 "$OUTDIR/pytest_paged.log"
   # the paged prefill's index ops on the GPU (their tests take the GPU when there is one)
-  $PY -m pytest tests/ops/test_prefill_indices.py -q -p no:cacheprovider \
+  timeout 60 $PY -m pytest tests/ops/test_prefill_indices.py -q -p no:cacheprovider \
     > "$OUTDIR/pytest_prefill_indices.log" 2>&1
   echo "index op tests rc=$?"; tail -n 3 "$OUTDIR/pytest_prefill_indices.log"
   BENCH_GLUON_VARIANTS=few timeout ${T_PAGED:-300} $PY perf/bench_prefill.py --heads 8 \
     > "$OUTDIR/prefill_paged.log" 2>&1
-  sed -n '/summary/,$p' "$OUTDIR/prefill_paged.log" | head -40
-  # the few-heads decode on its per-token and persistent (W) grids at decode batch sizes
+  # (the rows as they were printed, when the time bound cut the summary off)
+  grep -q summary "$OUTDIR/prefill_paged.log" && sed -n '/summary/,$p' "$OUTDIR/prefill_paged.log" \
+    | head -40 || tail -n 40 "$OUTDIR/prefill_paged.log"
+fi
+
+echo "== the few-heads decode on its per-token (w) and persistent (W) grids at decode batch sizes"
+if part persist; then
   timeout 200 $PY perf/bench_decode_hopper.py --no-table --reps 20 \
     --sweep "4:8:2:w:0:p,4:8:2:W:0:p,4:16:2:w:0:p,4:16:2:W:0:p,4:8:2:w,4:8:2:W" \
     --sweep-rows "8,128,584,584;8,512,584,584;8,2048,584,584;16,512,584,584;8,512,528,288" \
