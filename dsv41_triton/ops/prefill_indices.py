@@ -102,8 +102,9 @@ def _prefill_slot_kernel(
 
 
 def _check_common(positions, token_to_req, seq_lens, window_size, topk_indices,
-                  compressed_block_table, compressed_page_size, compress_ratio, **tables):
-    """The checks both entries share; returns ``(T, device)``."""
+                  compressed_block_table, compressed_page_size, compress_ratio, **checked):
+    """The checks both entries share (``checked``: the entry's own tensors, already checked,
+    for the same-device check); returns ``(T, device)``."""
     check_tensor("positions", positions, dtypes=INT_DTYPES, ndims=1, contiguous_last=False)
     T = positions.shape[0]
     check_tensor("token_to_req", token_to_req, dtypes=INT_DTYPES, ndims=1,
@@ -112,9 +113,6 @@ def _check_common(positions, token_to_req, seq_lens, window_size, topk_indices,
         raise ValueError(f"token_to_req: expected at least {T} entries (one per token), got "
                          f"{token_to_req.shape[0]}")
     check_tensor("seq_lens", seq_lens, dtypes=INT_DTYPES, ndims=1, contiguous_last=False)
-    for name, t in tables.items():
-        check_tensor(name, t, dtypes=INT_DTYPES, ndims=2 if name.endswith("table") else 1,
-                     contiguous_last=False)
     check_int("window_size", window_size, lo=1)
     check_int("compress_ratio", compress_ratio, lo=0)
     check_int("compressed_page_size", compressed_page_size, lo=1)
@@ -130,7 +128,7 @@ def _check_common(positions, token_to_req, seq_lens, window_size, topk_indices,
                             topk_indices=topk_indices if compress_ratio > 0 else None,
                             compressed_block_table=(compressed_block_table
                                                     if compress_ratio > 0 else None),
-                            **tables)
+                            **checked)
     return T, dev
 
 
@@ -178,10 +176,12 @@ def prefill_slot_indices(
     extra_lens [T] int32)`` (the last two None when ``compress_ratio == 0``), the inputs of
     ``sparse_mla_decode``.
     """
+    check_tensor("swa_block_table", swa_block_table, dtypes=INT_DTYPES, ndims=2,
+                 contiguous_last=False)
+    check_int("swa_page_size", swa_page_size, lo=1)
     T, dev = _check_common(positions, token_to_req, seq_lens, window_size, topk_indices,
                            compressed_block_table, compressed_page_size, compress_ratio,
                            swa_block_table=swa_block_table)
-    check_int("swa_page_size", swa_page_size, lo=1)
     swa = torch.empty(T, window_size, dtype=torch.int32, device=dev)
     swa_lens = torch.empty(T, dtype=torch.int32, device=dev)
     ext, ext_lens = _extra_outputs(T, topk_indices, compress_ratio, dev)
@@ -228,6 +228,7 @@ def prefill_window_slot_indices(
     Returns ``(window_rows [3, T] int32, extra_indices [T, K] int32, extra_lens [T] int32)``
     (the last two None when ``compress_ratio == 0``).
     """
+    check_tensor("gather_lens", gather_lens, dtypes=INT_DTYPES, ndims=1, contiguous_last=False)
     T, dev = _check_common(positions, token_to_req, seq_lens, window_size, topk_indices,
                            compressed_block_table, compressed_page_size, compress_ratio,
                            gather_lens=gather_lens)
