@@ -9,23 +9,34 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
-def _finish_rows(l_i, m_i, h64, hmask, sink_ptr, sink_st, HAS_SINK: gl.constexpr):
+def _finish_rows(l_i, m_i, h64, hmask, sink_ptr, sink_st, HAS_SINK: gl.constexpr,
+                 SINK_GIVEN: gl.constexpr = False, sink_given=0):
     """Per head row, from the online softmax's log2-domain max ``m_i`` and sum ``l_i`` (fp32):
     ``(inv, lse)`` with ``inv`` = 1 / the denominator (the sink ``exp(sink - m)`` added) and
     ``lse`` natural-log, sink excluded. A row without keys (``l == 0``) gets ``inv`` 0 (NaN for a
-    NaN sink) and ``lse`` +inf; a NaN ``l`` propagates (docs/semantics.md)."""
+    NaN sink) and ``lse`` +inf; a NaN ``l`` propagates (docs/semantics.md). ``SINK_GIVEN``: the
+    sink row is ``sink_given`` (``_load_sink``, loaded by the caller ahead of time)."""
     has = l_i != 0.0
     l_safe = gl.where(has, l_i, 1.0)
     den = l_safe
     if HAS_SINK:
         m_safe = gl.where(has, m_i, 0.0)
-        sink = gl.load(sink_ptr + h64 * sink_st, mask=hmask, other=float("-inf"))
+        if SINK_GIVEN:
+            sink = sink_given
+        else:
+            sink = _load_sink(sink_ptr, sink_st, h64, hmask)
         den = den + gl.exp2(sink * LOG2E - m_safe)
         inv = gl.where(has, 1.0 / den, gl.where(sink != sink, float("nan"), 0.0))
     else:
         inv = gl.where(has, 1.0 / den, 0.0)
     lse = gl.where(has, (m_i + gl.log2(l_safe)) * LN2, float("inf"))
     return inv, lse
+
+
+@gluon.jit
+def _load_sink(sink_ptr, sink_st, h64, hmask):
+    """The sink of heads ``h64`` (``-inf`` where not ``hmask``), fp32."""
+    return gl.load(sink_ptr + h64 * sink_st, mask=hmask, other=float("-inf"))
 
 
 @gluon.jit

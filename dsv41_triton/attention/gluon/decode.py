@@ -171,11 +171,13 @@ def _store_out(orow_ptr, d0, acc, inv, hmask, ACC: gl.constexpr, TO_BF16: gl.con
 def _few_heads_epilogue(o0, o1, o2, o3, o4, o5, o6, o7, l_i, m_i, o_unit, t, split, ht, H,
                         num_splits, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr,
                         stride_lt, stride_lh, po_ptr, pl_ptr, ACC: gl.constexpr,
-                        HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BH: gl.constexpr):
+                        HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BH: gl.constexpr,
+                        SINK_GIVEN: gl.constexpr = False, sink_given=0):
     """Swap-AB accumulators ``o0..o7 [64 dims, BH]`` (group ``g`` = dims ``64 g ..``), the
     softmax sums ``l_i`` and maxima ``m_i [BH]`` of head tile ``ht`` -> the token's bf16 rows and
     lse (with the sink), or with ``SPLIT`` the normalized fp32 partial and its log2-sum-exp;
-    ``o_unit`` multiplies the outputs (the key tiles' units)."""
+    ``o_unit`` multiplies the outputs (the key tiles' units). ``SINK_GIVEN``: the head tile's
+    sink is ``sink_given`` (loaded ahead; ``_finish_rows``)."""
     h = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, ACC))
     hmask = h < H
     h64 = h.to(gl.int64)
@@ -189,7 +191,8 @@ def _few_heads_epilogue(o0, o1, o2, o3, o4, o5, o6, o7, l_i, m_i, o_unit, t, spl
         gl.store(pl_ptr + prow, lse2, mask=hmask)
         TO_BF16: gl.constexpr = False
     else:
-        inv, lse = _finish_rows(l_i, m_i, h64, hmask, sink_ptr, sink_st, HAS_SINK)
+        inv, lse = _finish_rows(l_i, m_i, h64, hmask, sink_ptr, sink_st, HAS_SINK, SINK_GIVEN,
+                                sink_given)
         orow = out_ptr + t * stride_ot + h64 * stride_oh
         gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
         TO_BF16: gl.constexpr = True

@@ -24,7 +24,8 @@ Shared memory (8-head tiles, ``NS = NT = 2``): the ring 2 x 37 KB (584) + two ke
 item, so that the producer gathers an item's first blocks while the MMA warpgroup finishes the
 previous one (without it each item's CTA starts with an empty pipeline). No partition starts
 an item on a global load: each loads the next item's lens ahead (the producer two items ahead,
-and the next item's first slot ids), the MMA partition also the next 8-head Q.
+and the next item's first slot ids), the MMA partition also the next 8-head Q, and it loads an
+item's sink before the item's key loop instead of in its epilogue.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from .common import _merge_prior, _prior_tiles
+from .common import _load_sink, _merge_prior, _prior_tiles
 from .decode import (_acc_layout, _few_heads_epilogue, _online_softmax, _pv, _q_group, _q_rows,
                      _qk, _store_q)
 from .dequant import _convert_group, _dequant_group, _load_group
@@ -122,12 +123,18 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
               po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid, q_smem, p_smem, tready,
               tfree, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BH: gl.constexpr,
               NT: gl.constexpr, PRIOR: gl.constexpr, g0=0, QREGS: gl.constexpr = False,
-              q0=0, q1=0, q2=0, q3=0, q4=0, q5=0, q6=0, q7=0):
+              q0=0, q1=0, q2=0, q3=0, q4=0, q5=0, q6=0, q7=0, SINK_AHEAD: gl.constexpr = False):
     """One warpgroup: Q, then both swap-AB wgmmas and the softmax of every block (key tile
     ``(g0 + j) % NT``), then the epilogue. ``QREGS``: Q's eight 64-dim groups are ``q0..q7``
-    (``_load_q``, loaded by the caller ahead of time)."""
+    (``_load_q``, loaded by the caller ahead of time). ``SINK_AHEAD``: the sink is loaded
+    before the key loop, not in the epilogue (its latency hidden under the blocks)."""
     ACC: gl.constexpr = _acc_layout(BH, MMA_WARPS)
     LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [MMA_WARPS, 1], [1, 0])
+    SINK_GIVEN: gl.constexpr = SINK_AHEAD and HAS_SINK and not SPLIT
+    sk = 0
+    if SINK_GIVEN:
+        hs = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, ACC))
+        sk = _load_sink(sink_ptr, sink_st, hs.to(gl.int64), hs < H)
     if PRIOR:  # issued before the key loop, merged after it
         hp = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, ACC))
         hpm = hp < H
@@ -192,7 +199,8 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
             l_i, m_i, lp, o0, o1, o2, o3, o4, o5, o6, o7, p0, p1, p2, p3, p4, p5, p6, p7)
     _few_heads_epilogue(o0, o1, o2, o3, o4, o5, o6, o7, l_i, m_i, 1.0, t_tok, split, ht, H,
                         num_splits, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr,
-                        stride_lt, stride_lh, po_ptr, pl_ptr, ACC, HAS_SINK, SPLIT, BH)
+                        stride_lt, stride_lh, po_ptr, pl_ptr, ACC, HAS_SINK, SPLIT, BH,
+                        SINK_GIVEN, sk)
 
 
 @gluon.jit
@@ -359,7 +367,7 @@ def _mma_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_le
                   sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
                   stride_lh, po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid, q_smem,
                   p_smem, tready, tfree, HAS_SINK, SPLIT, BH, NT, PRIOR, g, QAHEAD, q0, q1,
-                  q2, q3, q4, q5, q6, q7)
+                  q2, q3, q4, q5, q6, q7, True)
         g += nblk
         if QAHEAD:
             q0 = n0
