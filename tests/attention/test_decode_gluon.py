@@ -209,6 +209,32 @@ def test_gluon_persistent_launch_compiles(shape, H, src_a, src_b):
         assert 0 < r["regs"] <= 255 and r["stack"] == 0, r
 
 
+@pytest.mark.parametrize("T,H,src,shape", [(2048, 8, 584, ""), (2048, 8, 528, ""),
+                                           (512, 8, 584, "4:8:2:W")])
+def test_gluon_persistent_items_start_without_load_waits(T, H, src, shape):
+    """On the persistent grid (the shared-window prefill's top-k launch, ids in chunks or one
+    block ahead) no partition waits on a global load it issued in the same item, read from
+    the sm_90a SASS's scoreboards: every load waited within 40 instructions of its issue lies
+    outside the item loops, or in the producer's block loop (a later id chunk of a long
+    item). Lens, first slot ids, Q and the sink are loaded an item ahead."""
+    if not gluon_pkg.AVAILABLE:
+        pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
+    import json
+    rows = _compile_facts("launch", json.dumps(dict(T=T, H=H, src_a=src, src_b=0, prior=True,
+                                                    persist=True, shape=shape,
+                                                    load_waits=True)))
+    (r,) = rows
+    assert r["persist"] is True and r["stack"] == 0, r
+    loops = {lp["start"]: lp for lp in r["loops"]}
+    # the three partitions' item loops each hold a block loop
+    assert sum(lp["instructions"] > 100 for lp in r["loops"]) >= 6, r["loops"]
+    for w in r["early_load_waits"]:
+        if not w["loops"]:
+            continue  # before the first item: once per CTA
+        inner = min((loops[s] for s in w["loops"]), key=lambda lp: lp["instructions"])
+        assert inner["ldgsts"] > 0, (w, inner)
+
+
 #: launch shapes the wiring test forces beside the pick table's (every kernel family and its
 #: variants)
 WIRING_SHAPES = ("4:0:3", "4:0:3:h", "4:8:3:h", "4:0:1", "8:16:3", "8:32:3", "8:64:2",

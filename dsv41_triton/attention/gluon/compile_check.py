@@ -451,6 +451,36 @@ def loops_sass(k) -> list:
     return out
 
 
+def early_load_waits(k, window: int = 40) -> list:
+    """Global loads (``LDG``) of the kernel's SASS that an instruction at most ``window``
+    instructions later waits on (its scoreboard in the control bits: each 128-bit
+    instruction's top 23 bits hold stall, yield, write / read scoreboard and the wait mask),
+    i.e. loads whose latency is exposed where they are issued: ``{"addr", "op", "waited_by",
+    "distance", "loops"}`` with ``loops`` the ``loops_sass`` entries (their ``start``) that
+    contain the load."""
+    import re
+
+    text = resource_usage(k, "-sass").splitlines()
+    ins = []
+    for i, line in enumerate(text[:-1]):
+        m = re.match(r"\s*/\*([0-9a-f]{4,6})\*/\s+(.*?)\s*;\s*/\* (0x[0-9a-f]+) \*/", line)
+        m2 = re.search(r"^\s*/\* (0x[0-9a-f]+) \*/\s*$", text[i + 1])
+        if m and m2:
+            ctrl = int(m2.group(1), 16) >> 41
+            ins.append((int(m.group(1), 16), m.group(2), (ctrl >> 5) & 7, (ctrl >> 11) & 0x3F))
+    loops = [(int(lp["start"], 16), int(lp["end"], 16), lp["start"]) for lp in loops_sass(k)]
+    out = []
+    for j, (addr, op, wbar, _) in enumerate(ins):
+        if wbar == 7 or not re.match(r"(@!?P\w+ )?LDG\.", op):
+            continue
+        for d, (_, later, _, wait) in enumerate(ins[j + 1:j + 1 + window], 1):
+            if wait >> wbar & 1:
+                out.append({"addr": hex(addr), "op": op, "waited_by": later, "distance": d,
+                            "loops": [st for lo, hi, st in loops if lo <= addr <= hi]})
+                break
+    return out
+
+
 def summary_few_ws(src_a: int, src_b: int, split: bool, bh: int = 8, ahead: int = 1,
                    deq_prefetch: bool = False, has_b: bool = True, prior: bool = False) -> dict:
     """Facts of one compile of the warp-specialized few-heads kernel (``decode_few_ws.py``,
@@ -495,7 +525,8 @@ if __name__ == "__main__":
     import json
     if len(sys.argv) == 3 and sys.argv[1] == "launch":
         # python -m ...compile_check launch JSON -> JSON line: the launches of a decode
-        # {"T", "H", "src_a", "src_b", "shape", "prior", "persist"} (``capture_decode``) or of a
+        # {"T", "H", "src_a", "src_b", "shape", "prior", "persist"} (``capture_decode``; with
+        # "load_waits": true also ``loops_sass`` and ``early_load_waits``) or of a
         # prefill {"kind": "prefill", "T", "H", "S", "K", "variant"} (``capture_prefill``)
         # compiled as the GPU builds them: kernel, grid, registers and stack bytes of each
         c = json.loads(sys.argv[2])
@@ -507,11 +538,16 @@ if __name__ == "__main__":
                                   persist=bool(c.get("persist", False)))
         rows = []
         for rec in recs:
-            regs, stack = _regs_stack(compile_launch(rec))
-            rows.append({"kernel": rec["kernel"], "grid": list(rec["grid"]), "regs": regs,
-                         "stack": stack, "prior": rec["kwargs"].get("PRIOR", False),
-                         "persist": rec["kwargs"].get("PERSIST", False),
-                         "split": rec["kwargs"].get("SPLIT")})
+            k = compile_launch(rec)
+            regs, stack = _regs_stack(k)
+            row = {"kernel": rec["kernel"], "grid": list(rec["grid"]), "regs": regs,
+                   "stack": stack, "prior": rec["kwargs"].get("PRIOR", False),
+                   "persist": rec["kwargs"].get("PERSIST", False),
+                   "split": rec["kwargs"].get("SPLIT")}
+            if c.get("load_waits"):  # the loops and the loads waited where they are issued
+                row["loops"] = loops_sass(k)
+                row["early_load_waits"] = early_load_waits(k)
+            rows.append(row)
         print(json.dumps(rows))
         sys.exit(0)
     if len(sys.argv) in (3, 4) and sys.argv[1] == "prefill":
