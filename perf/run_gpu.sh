@@ -87,10 +87,10 @@ fi
 
 echo "== paged prefill with window rows: GPU tests, 8-head rows, layer table"
 if part paged; then
-  timeout ${T_PAGED_TESTS:-200} $PY -m pytest tests/attention/test_prefill_shared.py tests/layers/test_layer.py \
-    tests/attention/test_decode_gluon.py -m gpu -q -p no:cacheprovider \
-    $($PY -c "import xdist" 2>/dev/null && echo "-n ${PYTEST_WORKERS:-8}") \
-    -k "paged or shared or (gpu_multistep and triton) or few_ws_persistent" \
+  timeout ${T_PAGED_TESTS:-240} $PY -m pytest tests/attention/test_prefill_shared.py tests/layers/test_layer.py \
+    tests/attention/test_decode_gluon.py tests/attention/test_prefill_gluon.py -m gpu -q \
+    -p no:cacheprovider $($PY -c "import xdist" 2>/dev/null && echo "-n ${PYTEST_WORKERS:-8}") \
+    -k "paged or shared or (gpu_multistep and triton) or few_ws_persistent or (prefill_gluon and (few or table))" \
     > "$OUTDIR/pytest_paged.log" 2>&1
   echo "paged tests rc=$?"; tail -n 8 "$OUTDIR/pytest_paged.log"
   # the paged prefill's index ops on the GPU (their tests take the GPU when there is one)

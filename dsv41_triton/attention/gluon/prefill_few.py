@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .common import _finish_rows, _merge_prior, _prior_group, _prior_tiles
+from .common import _finish_rows, _load_sink, _merge_prior, _prior_group, _prior_tiles
 
 __all__ = ["NUM_WARPS", "MAX_HEADS", "MAX_WIDTH", "NS", "index_blocks",
            "_sparse_mla_prefill_gluon_few_kernel"]
@@ -145,11 +145,23 @@ def _producer(pid, grid, T, width, len_ptr, len_st, q_ptr, stride_qt, stride_qh,
 
 
 @gluon.jit
+def _cta_sink(sink_ptr, sink_st, h64, hmask, HAS_SINK: gl.constexpr):
+    """The 8 heads' sink (every token's), loaded once per CTA before its token loop: loaded
+    in each token's epilogue it cost a round trip there that nothing covered (0 without a
+    sink)."""
+    if HAS_SINK:
+        return _load_sink(sink_ptr, sink_st, h64, hmask)
+    else:
+        return 0
+
+
+@gluon.jit
 def _store_token(l_i, m_i, o0, o1, o2, o3, o4, o5, o6, o7, t, h64, hmask, orow, om, sink_ptr,
-                 sink_st, lse_ptr, stride_lt, stride_lh, HAS_SINK: gl.constexpr):
-    """A token's epilogue: ``_finish_rows`` (sink, empty rows 0 / +inf), its lse and its 8
-    ``O^T [64 dims, 8 heads]`` tiles as bf16 at ``orow`` (``om``: live heads)."""
-    inv, lse = _finish_rows(l_i, m_i, h64, hmask, sink_ptr, sink_st, HAS_SINK)
+                 sink_st, lse_ptr, stride_lt, stride_lh, HAS_SINK: gl.constexpr, sink):
+    """A token's epilogue: ``_finish_rows`` (the sink row ``sink``, loaded once per CTA by
+    ``_cta_sink``; empty rows 0 / +inf), its lse and its 8 ``O^T [64 dims, 8 heads]`` tiles as
+    bf16 at ``orow`` (``om``: live heads)."""
+    inv, lse = _finish_rows(l_i, m_i, h64, hmask, sink_ptr, sink_st, HAS_SINK, True, sink)
     gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
     iv = inv[None, :]
     gl.store(orow + 0, (o0 * iv).to(gl.bfloat16), mask=om)
@@ -194,6 +206,7 @@ def _consumer(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink_ptr,
     hmask = h < H
     h64 = h.to(gl.int64)
     om = hmask[None, :] & (kr >= 0)[:, None]
+    sink = _cta_sink(sink_ptr, sink_st, h64, hmask, HAS_SINK)
     n_next = _token_len(pid, T, len_ptr, len_st, width, HAS_LEN)
     g = 0
     k = 0
@@ -280,7 +293,7 @@ def _consumer(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink_ptr,
             l_i, m_i, o0, o1, o2, o3, o4, o5, o6, o7 = _merge_prior(
                 l_i, m_i, lp, o0, o1, o2, o3, o4, o5, o6, o7, p0, p1, p2, p3, p4, p5, p6, p7)
         _store_token(l_i, m_i, o0, o1, o2, o3, o4, o5, o6, o7, t, h64, hmask, orow, om,
-                     sink_ptr, sink_st, lse_ptr, stride_lt, stride_lh, HAS_SINK)
+                     sink_ptr, sink_st, lse_ptr, stride_lt, stride_lh, HAS_SINK, sink)
         k += 1
 
 
@@ -384,6 +397,7 @@ def _consumer_sync(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink
     hmask = h < H
     h64 = h.to(gl.int64)
     om = hmask[None, :] & (kr >= 0)[:, None]
+    sink = _cta_sink(sink_ptr, sink_st, h64, hmask, HAS_SINK)
     n_next = _token_len(pid, T, len_ptr, len_st, width, HAS_LEN)
     g = 0
     k = 0
@@ -502,7 +516,7 @@ def _consumer_sync(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink
                     _prior_group(orow, om, 5), _prior_group(orow, om, 6),
                     _prior_group(orow, om, 7))
             _store_token(l_i, m_i, o0, o1, o2, o3, o4, o5, o6, o7, t, h64, hmask, orow, om,
-                         sink_ptr, sink_st, lse_ptr, stride_lt, stride_lh, HAS_SINK)
+                         sink_ptr, sink_st, lse_ptr, stride_lt, stride_lh, HAS_SINK, sink)
         g += nblk
         k += 1
 
