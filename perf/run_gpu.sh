@@ -97,7 +97,7 @@ if part paged; then
   timeout 60 $PY -m pytest tests/ops/test_prefill_indices.py -q -p no:cacheprovider \
     > "$OUTDIR/pytest_prefill_indices.log" 2>&1
   echo "index op tests rc=$?"; tail -n 3 "$OUTDIR/pytest_prefill_indices.log"
-  BENCH_GLUON_VARIANTS=few timeout ${T_PAGED:-300} $PY perf/bench_prefill.py --heads 8 \
+  BENCH_GLUON_VARIANTS=few timeout ${T_PAGED:-270} $PY perf/bench_prefill.py --heads 8 \
     > "$OUTDIR/prefill_paged.log" 2>&1
   # (the rows as they were printed, when the time bound cut the summary off)
   grep -q summary "$OUTDIR/prefill_paged.log" && sed -n '/summary/,$p' "$OUTDIR/prefill_paged.log" \
