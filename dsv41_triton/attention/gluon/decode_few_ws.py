@@ -40,7 +40,7 @@ from .dequant import _convert_group, _dequant_group, _load_group
 from .gather import (_alloc_rings, _item_ids, _key_ranges, _lens_ranges, _load_lens,
                      _program_ids, _put)
 from .decode_heads_ws import (PRODUCER_REGS, PRODUCER_WARPS, _alloc_ids_pre, _first_ids,
-                              _producer)
+                              _first_ids_masked, _first_ids_unmasked, _producer)
 
 #: warps of the dequant partition (8: one key row of 64 dims per thread and group)
 DEQUANT_WARPS = gl.constexpr(8)
@@ -381,6 +381,67 @@ def _mma_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_le
 
 
 @gluon.jit
+def _producer_token(num_ht, num_splits, a_ptr, a_idx_ptr, a_idx_st, a_len_ptr, a_len_st,
+                    a_width, a_bstride, a_page, a_rows, r0, r1, r2, r3, r4, r5, r6, r7,
+                    rope_ring, scale_ring, idx_ring, ids_pre, ready, free, SRC_A: gl.constexpr,
+                    HAS_LEN_A: gl.constexpr, NS: gl.constexpr, IDX_AHEAD: gl.constexpr):
+    """``PRIOR`` on the per-token grid (one unsplit key set): the producer of this CTA's
+    token, its first slot ids loaded together with its length (masked by it after), so its
+    first gathers wait on one global load, not two in a row."""
+    ht, split, t = _program_ids(num_ht, num_splits)
+    a_idx_row = a_idx_ptr + t * a_idx_st
+    la, lb = _load_lens(t, a_len_ptr, a_len_st, a_len_ptr, a_len_st, False, HAS_LEN_A, False)
+    raw, c = _first_ids_unmasked(a_idx_row, a_width, IDX_AHEAD)
+    lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _lens_ranges(la, lb, split, num_splits, a_width,
+                                                        0, False, HAS_LEN_A, False, False)
+    fa = _first_ids_masked(raw, c, hi_a)
+    _producer(a_ptr, a_idx_row, a_bstride, a_page, a_rows, a_ptr, a_idx_row, a_bstride, a_page,
+              a_rows, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk, r0, r1, r2, r3, r4, r5, r6, r7,
+              rope_ring, scale_ring, idx_ring, ids_pre, ready, free, SRC_A, SRC_A, False, NS,
+              IDX_AHEAD, 0, True, fa, fa)
+
+
+@gluon.jit
+def _dequant_token(num_ht, num_splits, a_len_ptr, a_len_st, a_width, r0, r1, r2, r3, r4, r5,
+                   r6, r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid,
+                   ready, free, tready, tfree, SRC_A: gl.constexpr, HAS_LEN_A: gl.constexpr,
+                   NS: gl.constexpr, NT: gl.constexpr, PREFETCH: gl.constexpr):
+    """``PRIOR`` on the per-token grid: the dequant partition, its block count from its own
+    length load (under its wait for the first ring stage)."""
+    ht, split, t = _program_ids(num_ht, num_splits)
+    lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _key_ranges(
+        t, split, num_splits, a_len_ptr, a_len_st, a_width, a_len_ptr, a_len_st, 0, False,
+        HAS_LEN_A, False, False)
+    _dequant_part(nblk_a, nblk, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring,
+                  k0, k1, k2, k3, k4, k5, k6, k7, kid, ready, free, tready, tfree, SRC_A, SRC_A,
+                  False, NS, NT, PREFETCH)
+
+
+@gluon.jit
+def _mma_token(num_ht, num_splits, a_len_ptr, a_len_st, a_width, q_ptr, stride_qt, stride_qh,
+               H, qk_scale, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr,
+               stride_lt, stride_lh, po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid,
+               q_smem, p_smem, tready, tfree, HAS_LEN_A: gl.constexpr,
+               HAS_SINK: gl.constexpr, BH: gl.constexpr, NT: gl.constexpr):
+    """``PRIOR`` on the per-token grid: the MMA warpgroup, its Q loads issued before its
+    length load is waited (they do not depend on it), then ``_mma_part`` with the prior and
+    the sink."""
+    pid = gl.program_id(0)
+    ht, split, t = _item_ids(pid, num_ht, num_splits)
+    # (item pid of pid + 1 items: _load_q's clamp leaves it as it is)
+    q0, q1, q2, q3, q4, q5, q6, q7 = _load_q(q_ptr, pid, pid + 1, num_ht, num_splits,
+                                             stride_qt, stride_qh, H, BH)
+    lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _key_ranges(
+        t, split, num_splits, a_len_ptr, a_len_st, a_width, a_len_ptr, a_len_st, 0, False,
+        HAS_LEN_A, False, False)
+    _mma_part(q_ptr, stride_qt, stride_qh, t, split, ht, H, qk_scale, num_splits, nblk,
+              sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
+              po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid, q_smem, p_smem, tready,
+              tfree, HAS_SINK, False, BH, NT, True, 0, True, q0, q1, q2, q3, q4, q5, q6, q7,
+              True)
+
+
+@gluon.jit
 def _sparse_mla_decode_few_ws_kernel(
     q_ptr, stride_qt, stride_qh,
     a_ptr, a_idx_ptr, a_idx_st, a_len_ptr, a_len_st, a_width, a_bstride, a_page, a_rows,
@@ -460,6 +521,26 @@ def _sparse_mla_decode_few_ws_kernel(
              DEQUANT_REGS])
         return
 
+    if PRIOR:
+        gl.static_assert(not HAS_B and not SPLIT, "PRIOR: one key set, unsplit")
+        gl.warp_specialize([
+            (_mma_token, (num_ht, num_splits, a_len_ptr, a_len_st, a_width, q_ptr, stride_qt,
+                          stride_qh, H, qk_scale, sink_ptr, sink_st, out_ptr, stride_ot,
+                          stride_oh, lse_ptr, stride_lt, stride_lh, po_ptr, pl_ptr, k0, k1, k2,
+                          k3, k4, k5, k6, k7, kid, q_smem, p_smem, tready, tfree, HAS_LEN_A,
+                          HAS_SINK, BH, NT)),
+            (_producer_token, (num_ht, num_splits, a_ptr, a_idx_ptr, a_idx_st, a_len_ptr,
+                               a_len_st, a_width, a_bstride, a_page, a_rows, r0, r1, r2, r3, r4,
+                               r5, r6, r7, rope_ring, scale_ring, idx_ring, ids_pre, ready, free,
+                               SRC_A, HAS_LEN_A, NS, IDX_AHEAD)),
+            (_dequant_token, (num_ht, num_splits, a_len_ptr, a_len_st, a_width, r0, r1, r2, r3,
+                              r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3,
+                              k4, k5, k6, k7, kid, ready, free, tready, tfree, SRC_A, HAS_LEN_A,
+                              NS, NT, DEQ_PREFETCH)),
+        ], [PRODUCER_WARPS, DEQUANT_WARPS],
+            [PERSIST_PRODUCER_REGS_8 if BH <= 8 else PERSIST_PRODUCER_REGS_16_A, DEQUANT_REGS])
+        return
+
     lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _key_ranges(
         t, split, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr, b_len_st, b_width,
         HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT)
@@ -470,8 +551,7 @@ def _sparse_mla_decode_few_ws_kernel(
         (_mma_part, (q_ptr, stride_qt, stride_qh, t, split, ht, H, qk_scale, num_splits, nblk,
                      sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
                      stride_lh, po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid, q_smem,
-                     p_smem, tready, tfree, HAS_SINK, SPLIT, BH, NT, PRIOR, 0, False, 0, 0, 0,
-                     0, 0, 0, 0, 0, PRIOR)),
+                     p_smem, tready, tfree, HAS_SINK, SPLIT, BH, NT, PRIOR)),
         (_producer, (a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_row, b_bstride,
                      b_page, b_rows, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk,
                      r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, ids_pre,

@@ -98,6 +98,26 @@ def _first_ids(nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b, hi_b,
                              HAS_B, gl.SliceLayout(1, _copy_layout(16, PRODUCER_WARPS)))
 
 
+@gluon.jit
+def _first_ids_unmasked(a_idx_row, a_width, AHEAD: gl.constexpr):
+    """``_first_ids`` of one unsplit key set before its length is known: columns ``0 ..`` of
+    the row, masked only by its width (in bounds); ``_first_ids_masked`` applies the length."""
+    if AHEAD == 0:
+        L2: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [PRODUCER_WARPS, 1], [1, 0])
+        c = (gl.arange(0, PRELOAD_BLOCKS, layout=gl.SliceLayout(1, L2))[:, None] * 64
+             + gl.arange(0, 64, layout=gl.SliceLayout(0, L2))[None, :])
+    else:
+        c = gl.arange(0, 64, layout=gl.SliceLayout(1, _copy_layout(16, PRODUCER_WARPS)))
+    return gl.load(a_idx_row + c, mask=c < a_width, other=-1), c
+
+
+@gluon.jit
+def _first_ids_masked(ids, c, hi_a):
+    """``_first_ids_unmasked``'s ids with columns ``>= hi_a`` (the length) as ``-1``: equal
+    to ``_first_ids`` of one unsplit key set."""
+    return gl.where(c < hi_a, ids, -1)
+
+
 #: blocks whose slot ids the producer loads at once into shared memory (``IDX_AHEAD = 0``)
 PRELOAD_BLOCKS = gl.constexpr(8)
 
