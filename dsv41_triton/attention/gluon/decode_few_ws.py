@@ -14,7 +14,10 @@ across blocks instead of running as one serial chain:
   waits ``tready[t]``, ``S^T = K Q^T``, online softmax, ``O^T += K^T P^T``, releases the tile
   (``tfree[t]``); then the epilogue (``decode._few_heads_epilogue``). ``PRIOR``: out / lse
   already hold a normalized partial of other keys (bf16, natural lse, +inf = none), loaded
-  before the key loop and merged after it (the sink applied once, in the epilogue).
+  before the key loop and merged after it (the sink applied once, in the epilogue, loaded
+  before the key loop too). With ``PRIOR`` (one key set, unsplit) on the per-token grid each
+  partition loads the token's length itself (``_*_token``), the producer its first slot ids
+  and the MMA partition Q in flight together with it.
 
 Shared memory (8-head tiles, ``NS = NT = 2``): the ring 2 x 37 KB (584) + two key tiles of
 64 KB + Q 8 KB: ~217 KB, one CTA per SM.
