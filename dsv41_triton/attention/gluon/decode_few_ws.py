@@ -244,10 +244,16 @@ def _item_step(item, grid, num_items, la, lb, num_ht, num_splits, a_len_ptr, a_l
 @gluon.jit
 def _load_q(q_ptr, item, num_items, num_ht, num_splits, stride_qt, stride_qh, H,
             BH: gl.constexpr):
-    """Q of item ``min(item, num_items - 1)`` as eight ``[BH, 64]`` groups in registers (the
-    MMA partition's layout), loaded ahead for ``_mma_part(..., QREGS=True)``."""
-    LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [MMA_WARPS, 1], [1, 0])
+    """``_q_regs`` of item ``min(item, num_items - 1)`` (an item ahead, clamped to the last)."""
     ht, split, t = _item_ids(gl.minimum(item, num_items - 1), num_ht, num_splits)
+    return _q_regs(q_ptr, t, ht, stride_qt, stride_qh, H, BH)
+
+
+@gluon.jit
+def _q_regs(q_ptr, t, ht, stride_qt, stride_qh, H, BH: gl.constexpr):
+    """Q of token ``t``, head tile ``ht`` as eight ``[BH, 64]`` groups in registers (the MMA
+    partition's layout), loaded ahead for ``_mma_part(..., QREGS=True)``."""
+    LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [MMA_WARPS, 1], [1, 0])
     qrow, hq, dq = _q_rows(q_ptr, t, stride_qt, stride_qh, ht, BH, LQ)
     return (_q_group(qrow, hq, dq, H, 0), _q_group(qrow, hq, dq, H, 1),
             _q_group(qrow, hq, dq, H, 2), _q_group(qrow, hq, dq, H, 3),
@@ -384,6 +390,15 @@ def _mma_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_le
 
 
 @gluon.jit
+def _token_blocks(t, split, num_splits, a_len_ptr, a_len_st, a_width, HAS_LEN_A: gl.constexpr):
+    """``(nblk_a, nblk)`` of token ``t`` over one unsplit key set (``_key_ranges``)."""
+    lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _key_ranges(
+        t, split, num_splits, a_len_ptr, a_len_st, a_width, a_len_ptr, a_len_st, 0, False,
+        HAS_LEN_A, False, False)
+    return nblk_a, nblk
+
+
+@gluon.jit
 def _producer_token(num_ht, num_splits, a_ptr, a_idx_ptr, a_idx_st, a_len_ptr, a_len_st,
                     a_width, a_bstride, a_page, a_rows, r0, r1, r2, r3, r4, r5, r6, r7,
                     rope_ring, scale_ring, idx_ring, ids_pre, ready, free, SRC_A: gl.constexpr,
@@ -412,9 +427,7 @@ def _dequant_token(num_ht, num_splits, a_len_ptr, a_len_st, a_width, r0, r1, r2,
     """``PRIOR`` on the per-token grid: the dequant partition, its block count from its own
     length load (under its wait for the first ring stage)."""
     ht, split, t = _program_ids(num_ht, num_splits)
-    lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _key_ranges(
-        t, split, num_splits, a_len_ptr, a_len_st, a_width, a_len_ptr, a_len_st, 0, False,
-        HAS_LEN_A, False, False)
+    nblk_a, nblk = _token_blocks(t, split, num_splits, a_len_ptr, a_len_st, a_width, HAS_LEN_A)
     _dequant_part(nblk_a, nblk, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring,
                   k0, k1, k2, k3, k4, k5, k6, k7, kid, ready, free, tready, tfree, SRC_A, SRC_A,
                   False, NS, NT, PREFETCH)
@@ -429,14 +442,9 @@ def _mma_token(num_ht, num_splits, a_len_ptr, a_len_st, a_width, q_ptr, stride_q
     """``PRIOR`` on the per-token grid: the MMA warpgroup, its Q loads issued before its
     length load is waited (they do not depend on it), then ``_mma_part`` with the prior and
     the sink."""
-    pid = gl.program_id(0)
-    ht, split, t = _item_ids(pid, num_ht, num_splits)
-    # (item pid of pid + 1 items: _load_q's clamp leaves it as it is)
-    q0, q1, q2, q3, q4, q5, q6, q7 = _load_q(q_ptr, pid, pid + 1, num_ht, num_splits,
-                                             stride_qt, stride_qh, H, BH)
-    lo_a, hi_a, lo_b, hi_b, nblk_a, nblk = _key_ranges(
-        t, split, num_splits, a_len_ptr, a_len_st, a_width, a_len_ptr, a_len_st, 0, False,
-        HAS_LEN_A, False, False)
+    ht, split, t = _program_ids(num_ht, num_splits)
+    q0, q1, q2, q3, q4, q5, q6, q7 = _q_regs(q_ptr, t, ht, stride_qt, stride_qh, H, BH)
+    nblk_a, nblk = _token_blocks(t, split, num_splits, a_len_ptr, a_len_st, a_width, HAS_LEN_A)
     _mma_part(q_ptr, stride_qt, stride_qh, t, split, ht, H, qk_scale, num_splits, nblk,
               sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
               po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid, q_smem, p_smem, tready,
