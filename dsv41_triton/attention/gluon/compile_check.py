@@ -421,26 +421,42 @@ def compile_prefill(lazy: bool = True, has_len: bool = True, has_sink: bool = Tr
                     NUM_WARPS, arch)
 
 
-def loops_sass(k) -> list:
-    """Every loop of the kernel's SASS (``cuobjdump -sass``; a warp-specialized kernel has one
-    or two per partition), innermost first by address: ``(start, size, counts)`` with
-    ``counts`` = instructions, ``BAR.SYNC`` (named barriers), ``HGMMA``, ``LDGSTS``, mbarrier
-    waits (``SYNCS.PHASECHK``) and arrives (``SYNCS.ARRIVE`` + ``ARRIVES``), ``LDL``/``STL``."""
+def sass_instructions(k) -> list:
+    """The kernel's SASS (``cuobjdump -sass``) as ``(address, instruction, write scoreboard,
+    wait mask)`` rows: each 128-bit instruction's top 23 bits (the second printed word's top
+    bits) hold its stall, yield, write / read scoreboard (7: none) and wait mask."""
     import re
 
-    text = resource_usage(k, "-sass")
-    rows = [(int(m.group(1), 16), m.group(2))
-            for m in re.finditer(r"/\*([0-9a-f]{4,6})\*/\s+(.*?)\s*;", text)]
-    op = [re.sub(r"^@!?U?P\w+ ", "", ins).split()[0] for _, ins in rows]
+    text = resource_usage(k, "-sass").splitlines()
+    rows = []
+    for i, line in enumerate(text[:-1]):
+        m = re.match(r"\s*/\*([0-9a-f]{4,6})\*/\s+(.*?)\s*;\s*/\* (0x[0-9a-f]+) \*/", line)
+        m2 = re.search(r"^\s*/\* (0x[0-9a-f]+) \*/\s*$", text[i + 1])
+        if m and m2:
+            ctrl = int(m2.group(1), 16) >> 41
+            rows.append((int(m.group(1), 16), m.group(2), (ctrl >> 5) & 7, (ctrl >> 11) & 0x3F))
+    return rows
+
+
+def loops_sass(k, rows: list | None = None) -> list:
+    """Every loop of the kernel's SASS (``sass_instructions``, or its ``rows``; a
+    warp-specialized kernel has one or two per partition), innermost first by address:
+    ``(start, size, counts)`` with ``counts`` = instructions, ``BAR.SYNC`` (named barriers),
+    ``HGMMA``, ``LDGSTS``, mbarrier waits (``SYNCS.PHASECHK``) and arrives (``SYNCS.ARRIVE`` +
+    ``ARRIVES``), ``LDL``/``STL``."""
+    import re
+
+    rows = sass_instructions(k) if rows is None else rows
+    op = [re.sub(r"^@!?U?P\w+ ", "", r[1]).split()[0] for r in rows]
     out = []
-    for j, (a, ins) in enumerate(rows):
+    for j, (a, ins, _, _) in enumerate(rows):
         # a loop's latch: a predicated backward branch (the mbarrier try-wait retry stubs
         # branch back to themselves, then jump back unpredicated)
         m = re.match(r"@!?P\d BRA (0x[0-9a-f]+)", ins)
         if not m or int(m.group(1), 16) >= a or "PHASECHK" in rows[j - 1][1]:
             continue
         lo = int(m.group(1), 16)
-        body = [o for (b, _), o in zip(rows, op) if lo <= b <= a]
+        body = [o for r, o in zip(rows, op) if lo <= r[0] <= a]
         out.append({"start": hex(lo), "end": hex(a), "instructions": len(body),
                     "bar_sync": sum(o.startswith("BAR.SYNC") for o in body),
                     "hgmma": sum(o.startswith("HGMMA") for o in body),
@@ -451,29 +467,22 @@ def loops_sass(k) -> list:
     return out
 
 
-def early_load_waits(k, window: int = 40) -> list:
-    """Global loads (``LDG``) of the kernel's SASS that an instruction at most ``window``
-    instructions later waits on (its scoreboard in the control bits: each 128-bit
-    instruction's top 23 bits hold stall, yield, write / read scoreboard and the wait mask),
-    i.e. loads whose latency is exposed where they are issued: ``{"addr", "op", "waited_by",
-    "distance", "loops"}`` with ``loops`` the ``loops_sass`` entries (their ``start``) that
-    contain the load."""
+def early_load_waits(k, window: int = 40, rows: list | None = None) -> list:
+    """Global loads (``LDG``) of the kernel's SASS (``sass_instructions``, or its ``rows``)
+    that an instruction at most ``window`` instructions later waits on (the load's write
+    scoreboard in that instruction's wait mask), i.e. loads whose latency is exposed where
+    they are issued: ``{"addr", "op", "waited_by", "distance", "loops"}`` with ``loops`` the
+    ``loops_sass`` entries (their ``start``) that contain the load."""
     import re
 
-    text = resource_usage(k, "-sass").splitlines()
-    ins = []
-    for i, line in enumerate(text[:-1]):
-        m = re.match(r"\s*/\*([0-9a-f]{4,6})\*/\s+(.*?)\s*;\s*/\* (0x[0-9a-f]+) \*/", line)
-        m2 = re.search(r"^\s*/\* (0x[0-9a-f]+) \*/\s*$", text[i + 1])
-        if m and m2:
-            ctrl = int(m2.group(1), 16) >> 41
-            ins.append((int(m.group(1), 16), m.group(2), (ctrl >> 5) & 7, (ctrl >> 11) & 0x3F))
-    loops = [(int(lp["start"], 16), int(lp["end"], 16), lp["start"]) for lp in loops_sass(k)]
+    rows = sass_instructions(k) if rows is None else rows
+    loops = [(int(lp["start"], 16), int(lp["end"], 16), lp["start"])
+             for lp in loops_sass(k, rows)]
     out = []
-    for j, (addr, op, wbar, _) in enumerate(ins):
+    for j, (addr, op, wbar, _) in enumerate(rows):
         if wbar == 7 or not re.match(r"(@!?P\w+ )?LDG\.", op):
             continue
-        for d, (_, later, _, wait) in enumerate(ins[j + 1:j + 1 + window], 1):
+        for d, (_, later, _, wait) in enumerate(rows[j + 1:j + 1 + window], 1):
             if wait >> wbar & 1:
                 out.append({"addr": hex(addr), "op": op, "waited_by": later, "distance": d,
                             "loops": [st for lo, hi, st in loops if lo <= addr <= hi]})
@@ -545,8 +554,9 @@ if __name__ == "__main__":
                    "persist": rec["kwargs"].get("PERSIST", False),
                    "split": rec["kwargs"].get("SPLIT")}
             if c.get("load_waits"):  # the loops and the loads waited where they are issued
-                row["loops"] = loops_sass(k)
-                row["early_load_waits"] = early_load_waits(k)
+                rows_k = sass_instructions(k)
+                row["loops"] = loops_sass(k, rows_k)
+                row["early_load_waits"] = early_load_waits(k, rows=rows_k)
             rows.append(row)
         print(json.dumps(rows))
         sys.exit(0)
