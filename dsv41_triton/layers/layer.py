@@ -84,9 +84,8 @@ AUTO_PAGED_ROWS_PER_TOKEN_HEAD = 4
 #: the layer's default ``paged_window_rows``: whether the paged prefill gathers the chunk's
 #: window rows into a small bf16 workspace (read once per tile of consecutive tokens) and reads
 #: only the top-k records as slot ids (the backend's ``sparse_mla_prefill_paged_window``).
-#: False until it measures faster than the slot-id path on the H200 (perf/NOTES.md,
-#: "Session 21": predicted ~310 against 320 us per 2048-token chunk at 8 heads, ~285-300 with
-#: the few-heads decode kernel's persistent grid).
+#: False until it measures faster than the slot-id path on the H200 (perf/NOTES.md, sessions
+#: 21-22: not yet measured).
 PAGED_WINDOW_ROWS = False
 
 
