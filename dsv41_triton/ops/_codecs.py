@@ -6,6 +6,11 @@ bit-exact in Triton's CPU interpreter: there (triton 3.9, numpy 2) fp32->e4m3 ca
 even. Hosts pass ``SW=is_interpreter()``; on a GPU the hardware conversions are used, and the
 GPU tests check they are bit-equal to the same reference.
 
+The e4m3 conversions need hardware that has them (CUDA sm_89 and later; Triton's ROCm backend
+converts them itself). Compiling for an older CUDA GPU (A100, sm_80) they take a software path,
+chosen at compile time from the target (``fp8_in_software``; the same path the interpreter
+runs, so the CPU tests check it bit for bit).
+
 Non-finite inputs follow one rule in every quantizer (and in ``records.py``): NaN and +-inf do
 not count in a group's amax; +-inf saturates (e4m3 +-448, e2m1 +-6); NaN is the e4m3 byte 0x7F
 (e2m1 code 0).
@@ -19,15 +24,60 @@ import triton.language as tl
 #: the kernels of this process run in Triton's interpreter (fixed when they are defined)
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
+try:
+    from triton.language.target_info import cuda_capability_geq, is_hip
+    from triton.runtime.jit import constexpr_function
+except ImportError:  # a Triton without target queries: the hardware conversions everywhere
+    constexpr_function = None
+
+#: whether ``fp8_in_software`` exists (asked in a constexpr branch, so that the name is only
+#: resolved where it does)
+_TARGET_INFO = tl.constexpr(constexpr_function is not None)
+
+if constexpr_function is not None:
+    @constexpr_function
+    def fp8_in_software():
+        """True when the compile target has no e4m3 conversions: CUDA before sm_89, or no GPU
+        target at all (Triton's interpreter without a GPU)."""
+        return not (is_hip() or cuda_capability_geq(8, 9))
+
+    @constexpr_function
+    def rocm_target():
+        """True when compiling for an AMD GPU (no PTX inline assembly there)."""
+        return is_hip()
+else:
+    fp8_in_software = rocm_target = None
+
+
+@triton.jit
+def _e4m3_bits_to_f32_sw(b):
+    """uint8 e4m3 bits -> fp32 through fp16 bits: e4m3 is fp16 with 4 fewer exponent bits, so
+    the sign and the 7 magnitude bits moved into fp16's places give the value times 2**-8
+    (subnormals included); the NaN bytes 0x7F / 0xFF give NaN."""
+    bi = b.to(tl.int32)
+    h = ((bi & 0x80) << 8) | ((bi & 0x7F) << 7)
+    v = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    return tl.where((bi & 0x7F) == 0x7F, float("nan"), v)
+
+
+@triton.jit
+def _e4m3_bits_to_f32_hw(b):
+    v = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if _INTERPRETED:  # numpy's cast gives +-480 for the NaN bytes
+        v = tl.where((b & 0x7F) == 0x7F, float("nan"), v)
+    return v
+
 
 @triton.jit
 def e4m3_bits_to_f32(b):
-    """uint8 e4m3 bits -> fp32 (exact; the NaN bytes 0x7F / 0xFF give NaN, which the
-    interpreter's numpy cast turns into +-480 unless corrected here)."""
-    v = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    if _INTERPRETED:
-        v = tl.where((b & 0x7F) == 0x7F, float("nan"), v)
-    return v
+    """uint8 e4m3 bits -> fp32, exact; the NaN bytes 0x7F / 0xFF give NaN."""
+    if _TARGET_INFO:
+        if fp8_in_software():
+            return _e4m3_bits_to_f32_sw(b)
+        else:
+            return _e4m3_bits_to_f32_hw(b)
+    else:
+        return _e4m3_bits_to_f32_hw(b)
 
 
 @triton.jit
@@ -43,17 +93,27 @@ def f32_to_e4m3_bits(x, SW: tl.constexpr):
     included) gives +-448 (0x7E / 0xFE). NaN gives 0x7F or 0xFF: callers that take NaN
     inputs fix the byte with :func:`e4m3_nan_fixup`."""
     if SW:
-        a = tl.minimum(tl.abs(x), 448.0)
-        ab = a.to(tl.int32, bitcast=True)
-        E = tl.maximum((ab >> 23) - 127, -6)
-        scale = ((130 - E) << 23).to(tl.float32, bitcast=True)  # 2**(3 - E), exact
-        n = _rne_small_int(a * scale)
-        code = (E + 6) * 8 + n
-        sign = (x.to(tl.int32, bitcast=True) >> 31) & 1
-        return (code | (sign << 7)).to(tl.uint8)
+        return _f32_to_e4m3_bits_sw(x)
+    elif _TARGET_INFO:
+        if fp8_in_software():
+            return _f32_to_e4m3_bits_sw(x)
+        else:
+            # the hardware conversion (cvt.rn.satfinite) saturates to +-448 itself
+            return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
-        # the hardware conversion (cvt.rn.satfinite) saturates to +-448 itself
         return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def _f32_to_e4m3_bits_sw(x):
+    a = tl.minimum(tl.abs(x), 448.0)
+    ab = a.to(tl.int32, bitcast=True)
+    E = tl.maximum((ab >> 23) - 127, -6)
+    scale = ((130 - E) << 23).to(tl.float32, bitcast=True)  # 2**(3 - E), exact
+    n = _rne_small_int(a * scale)
+    code = (E + 6) * 8 + n
+    sign = (x.to(tl.int32, bitcast=True) >> 31) & 1
+    return (code | (sign << 7)).to(tl.uint8)
 
 
 @triton.jit
