@@ -33,7 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..ops._codecs import e4m3_bits_to_f32, exp2_int, f32_to_bf16
+from ..ops._codecs import _TARGET_INFO, e4m3_bits_to_f32, exp2_int, f32_to_bf16, rocm_target
 from ._merge_kernel import gdc_launch_dependents
 
 SRC_BF16 = 0
@@ -99,13 +99,25 @@ def _load_group(k_ptr, data_off, scale_off, sw0, sw1, valid, G: tl.constexpr,
 
 @triton.jit
 def _f32_to_bf16_pinned(x):
-    """fp32 -> bf16 (round to nearest even) as an opaque op (GPU only).
+    """fp32 -> bf16 (round to nearest even) as an opaque op on CUDA GPUs.
 
     Without it Triton re-derives the dequantized key tile once per dot-operand layout (it
     moves the layout conversions above the dequant), i.e. dequantizes every key twice, and
     the raw byte loads stop being pipelined. An asm with side effects cannot be duplicated,
-    so the tile is dequantized once in its load layout and converted once per use.
+    so the tile is dequantized once in its load layout and converted once per use. AMD GPUs
+    have no PTX: there it is the plain cast.
     """
+    if _TARGET_INFO:
+        if rocm_target():
+            return x.to(tl.bfloat16)
+        else:
+            return _cvt_bf16x2(x)
+    else:
+        return _cvt_bf16x2(x)
+
+
+@triton.jit
+def _cvt_bf16x2(x):
     return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x],
                                      dtype=tl.bfloat16, is_pure=False, pack=2)
 
