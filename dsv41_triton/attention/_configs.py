@@ -69,11 +69,13 @@ class ArchLaunch:
 
     ``templates``: ``(paged, block_h) -> (shape, resident programs per SM)`` for head tiles
     16/32/64; ``head_tile(T, H, paged)``: the head tile when the caller pins none;
-    ``split``: derive a key split count from the residency (else always one split)."""
+    ``split``: derive a key split count from the residency (else always one split);
+    ``window_block_n``: keys per step of the shared-window kernel."""
 
     templates: Dict[Tuple[bool, int], Tuple[Shape, int]]
     head_tile: Callable[[int, int, bool], int]
     split: bool
+    window_block_n: int = 64
 
 
 def _gpu_head_tile(T: int, H: int, paged: bool) -> int:
@@ -104,17 +106,43 @@ _SM90_TEMPLATES = {
     (False, 64): (("group", 64, 64, 8, 3, False), 1),
 }
 
+#: GPUs with about 99 KB of shared memory per CTA (sm_86, sm_89, RTX Blackwell sm_120, and
+#: any CUDA GPU without an entry of its own): 16-head tiles of 32 paged keys
+#: (65-67 KB on sm_120) or 64 workspace rows (84 KB), one program per SM. Compiled, not
+#: measured: ``tests/test_targets.py`` checks they fit.
+_SMALL_SMEM_TEMPLATES = {
+    (paged, bh): ((("group", 16, 32, 4, 3, False), 1) if paged
+                  else (("group", 16, 64, 4, 3, False), 1))
+    for paged in (True, False) for bh in (16, 32, 64)}
+
+
+def _small_smem_head_tile(T: int, H: int, paged: bool) -> int:
+    return 16
+
+
+def _rocm_head_tile(T: int, H: int, paged: bool) -> int:
+    """AMD (64 KB of LDS per workgroup on MI300 / MI250) takes the sm_90 shapes: the decode ones
+    fit (at most 45 KB on gfx942), the workspace prefill's up to 32-head tiles (64 KB; 64-head
+    tiles need 72). Compiled, not measured."""
+    bh = _gpu_head_tile(T, H, paged)
+    return bh if paged else min(bh, 32)
+
+
 #: the interpreter: 64-key steps, one split unless asked, one stage
 _INTERPRETER_TEMPLATES = {(paged, bh): (("group", bh, 64, 4, 1, False), 1)
                           for paged in (True, False) for bh in (16, 32, 64)}
 
 #: default launch rules by (backend, compute capability); ``None``: any other device of that
-#: backend. The CUDA and ROCm fallbacks are the sm_90 rules, unmeasured there (the kernel's
-#: bf16 pack is PTX inline asm, so ROCm does not compile it today).
+#: backend. sm_90 is measured (H200); A100 (sm_80, 163 KB of shared memory per CTA) takes the
+#: same shapes (they fit: at most 161 KB there) and AMD most of them, unmeasured; other CUDA
+#: GPUs the small shapes. ``tests/test_targets.py`` compiles every launch for sm_80 / sm_90 /
+#: sm_120 / gfx942 and checks it fits.
 LAUNCH_TABLE: Dict[Tuple[str, Optional[Tuple[int, int]]], ArchLaunch] = {
     ("cuda", (9, 0)): ArchLaunch(_SM90_TEMPLATES, _gpu_head_tile, split=True),
-    ("cuda", None): ArchLaunch(_SM90_TEMPLATES, _gpu_head_tile, split=True),
-    ("rocm", None): ArchLaunch(_SM90_TEMPLATES, _gpu_head_tile, split=True),
+    ("cuda", (8, 0)): ArchLaunch(_SM90_TEMPLATES, _gpu_head_tile, split=True),
+    ("cuda", None): ArchLaunch(_SMALL_SMEM_TEMPLATES, _small_smem_head_tile, split=True,
+                               window_block_n=32),
+    ("rocm", None): ArchLaunch(_SM90_TEMPLATES, _rocm_head_tile, split=True, window_block_n=32),
     ("interpreter", None): ArchLaunch(_INTERPRETER_TEMPLATES, _interpreter_head_tile,
                                       split=False),
 }

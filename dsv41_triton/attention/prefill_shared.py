@@ -38,7 +38,7 @@ from .._utils import (
     next_power_of_2,
     use_reference,
 )
-from ._configs import MIN_BLOCK_N_GPU
+from ._configs import MIN_BLOCK_N_GPU, arch_launch
 from .._contract import EXTRA_RECORDS
 from ..ops.records import check_k_cache
 from ._kernels import check_common, check_indices, check_lens, new_outputs
@@ -64,7 +64,7 @@ def shared_window_tiles(query_start_loc: torch.Tensor, T: int, block_t: int) -> 
     nq = query_start_loc.shape[0]
     NT = -(-T // block_t) + nq
     dev = query_start_loc.device
-    if not ((dev.type == "cuda" or is_interpreter()) and nq <= MAX_TILE_KERNEL_ENTRIES):
+    if use_reference(dev, _tiles_kernel) or nq > MAX_TILE_KERNEL_ENTRIES:
         return shared_window_tiles_ref(query_start_loc, T, block_t)
     tiles = torch.empty((NT, 2), dtype=torch.int32, device=dev)
     bi = 128
@@ -137,7 +137,7 @@ def sparse_mla_prefill_shared_window(
     out: Optional[torch.Tensor] = None,
     *,
     block_t: Optional[int] = None,
-    block_n: int = 64,
+    block_n: Optional[int] = None,
     num_warps: Optional[int] = None,
     num_stages: int = 2,
     topk_cache: Optional[torch.Tensor] = None,
@@ -158,9 +158,10 @@ def sparse_mla_prefill_shared_window(
         attn_sink: ``[H]`` fp32 or None; softmax_scale: default ``512 ** -0.5``;
         out: optional ``[T, H, 512]`` bf16.
         block_t: tokens per tile (default ``64 // next_power_of_2(H)``, at least 1);
-        block_n, num_warps, num_stages: the ``tl`` window launch's shape (on sm_90 with at
-            most 8 heads and ``block_t * next_power_of_2(H) == 64`` the Gluon window and
-            few-heads kernels run instead and these do not apply).
+        block_n, num_warps, num_stages: the ``tl`` window launch's shape (default
+            ``block_n``: the device's ``window_block_n`` in ``_configs.LAUNCH_TABLE``; on
+            sm_90 with at most 8 heads and ``block_t * next_power_of_2(H) == 64`` the Gluon
+            window and few-heads kernels run instead and these do not apply).
         topk_cache: optional uint8 ``[blocks, page, 584 | 528 | 288]`` record cache the top-k
             slot ids point into (on sm_90 the Gluon decode kernel reads it, merging the window
             partial in; elsewhere the ``tl`` kernel).
@@ -179,15 +180,17 @@ def sparse_mla_prefill_shared_window(
     if not 16 <= rows <= 128:
         raise ValueError(f"block_t: block_t * next_power_of_2(H) must be in [16, 128], got "
                          f"{bt} * {hp}")
-    check_int("block_n", block_n, lo=16)
-    if block_n & (block_n - 1):
-        raise ValueError(f"block_n: expected a power of two, got {block_n}")
-    if q.device.type == "cuda" and not is_interpreter() and block_n < MIN_BLOCK_N_GPU:
-        raise ValueError(f"block_n: must be >= {MIN_BLOCK_N_GPU} on a GPU, got {block_n}")
+    if block_n is not None:
+        check_int("block_n", block_n, lo=16)
+        if block_n & (block_n - 1):
+            raise ValueError(f"block_n: expected a power of two, got {block_n}")
+        if q.device.type == "cuda" and not is_interpreter() and block_n < MIN_BLOCK_N_GPU:
+            raise ValueError(f"block_n: must be >= {MIN_BLOCK_N_GPU} on a GPU, got {block_n}")
     out, lse = new_outputs(q, out)
     call_op(_shared_window_op,
         q, kv, win_start, win_len, topk_indices, topk_lens, query_start_loc, attn_sink, scale,
-        out, lse, bt, block_n, -1 if num_warps is None else num_warps, num_stages, topk_cache)
+        out, lse, bt, -1 if block_n is None else block_n,
+        -1 if num_warps is None else num_warps, num_stages, topk_cache)
     return out, lse
 
 
@@ -199,7 +202,7 @@ def _shared_window_op(q: torch.Tensor, kv: torch.Tensor, win_start: torch.Tensor
                       lse: torch.Tensor, bt: int, block_n: int, num_warps: int,
                       num_stages: int, topk_cache: Optional[torch.Tensor] = None) -> None:
     """The op behind :func:`sparse_mla_prefill_shared_window` (checked arguments; the
-    outputs allocated by the caller; ``num_warps = -1``: the default)."""
+    outputs allocated by the caller; ``block_n`` / ``num_warps`` = -1: the defaults)."""
     if use_reference(q.device, _window_partial_kernel):
         from .prefill_shared_ref import sparse_mla_prefill_shared_window_ref
 
@@ -228,6 +231,8 @@ def _shared_window_op(q: torch.Tensor, kv: torch.Tensor, win_start: torch.Tensor
         gluon_launch.launch_window(q, kv, win_start, win_len, tiles, scale, out, lse)
     else:
         interp = is_interpreter()
+        if block_n <= 0:
+            block_n = arch_launch(q.device).window_block_n
         k = _window_partial_kernel[(tiles.shape[0],)](
             q, q.stride(0), q.stride(1),
             kv, row_stride, S,
