@@ -42,6 +42,7 @@ def _seed():
 #: every case of these is slow (subprocess runs, multi-process TP, the whole CLI)
 SLOW_TESTS = {
     "test_default_command_writes_a_checked_report",
+    "test_kernels_compile_and_fit_on",
     "test_list_and_module_entry_point",
     "test_tp2_gloo_equals_tp1_torch_backend",
     "test_tp_run_script_under_torchrun",
