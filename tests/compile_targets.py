@@ -20,12 +20,14 @@ SHARED_LIMIT = {
     "cuda:80": 166912,   # A100
     "cuda:89": 101376,   # L40S, RTX 4090
     "cuda:90": 232448,   # H100 / H200
+    "cuda:100": 232448,  # B200
     "cuda:120": 101376,  # RTX Blackwell (RTX 5090, RTX PRO 6000)
     "hip:gfx942": 65536,  # MI300X
     "hip:gfx90a": 65536,  # MI250X
 }
 #: (major, minor) the host sees for each target
-_CAPABILITY = {"cuda:80": (8, 0), "cuda:89": (8, 9), "cuda:90": (9, 0), "cuda:120": (12, 0),
+_CAPABILITY = {"cuda:80": (8, 0), "cuda:89": (8, 9), "cuda:90": (9, 0), "cuda:100": (10, 0),
+               "cuda:120": (12, 0),
                "hip:gfx942": (9, 4), "hip:gfx90a": (9, 0)}
 
 

@@ -17,7 +17,7 @@ import warnings
 import pytest
 
 HERE = os.path.dirname(__file__)
-TARGETS = ("cuda:80", "cuda:90", "cuda:120", "hip:gfx942")
+TARGETS = ("hip:gfx942", "cuda:80", "cuda:90", "cuda:100", "cuda:120")
 
 
 def _tl_kernels() -> set:

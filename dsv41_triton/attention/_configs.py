@@ -133,13 +133,14 @@ _INTERPRETER_TEMPLATES = {(paged, bh): (("group", bh, 64, 4, 1, False), 1)
                           for paged in (True, False) for bh in (16, 32, 64)}
 
 #: default launch rules by (backend, compute capability); ``None``: any other device of that
-#: backend. sm_90 is measured (H200); A100 (sm_80, 163 KB of shared memory per CTA) takes the
-#: same shapes (they fit: at most 161 KB there) and AMD most of them, unmeasured; other CUDA
-#: GPUs the small shapes. ``tests/test_targets.py`` compiles every launch for sm_80 / sm_90 /
-#: sm_120 / gfx942 and checks it fits.
+#: backend. sm_90 is measured (H200); A100 (sm_80, 163 KB of shared memory per CTA) and B200
+#: (sm_100, 227 KB) take the same shapes (they fit: at most 161 / 194 KB there) and AMD most of
+#: them, unmeasured; other CUDA GPUs the small shapes. ``tests/test_targets.py`` compiles every
+#: launch for sm_80 / sm_90 / sm_100 / sm_120 / gfx942 and checks it fits.
 LAUNCH_TABLE: Dict[Tuple[str, Optional[Tuple[int, int]]], ArchLaunch] = {
     ("cuda", (9, 0)): ArchLaunch(_SM90_TEMPLATES, _gpu_head_tile, split=True),
     ("cuda", (8, 0)): ArchLaunch(_SM90_TEMPLATES, _gpu_head_tile, split=True),
+    ("cuda", (10, 0)): ArchLaunch(_SM90_TEMPLATES, _gpu_head_tile, split=True),
     ("cuda", None): ArchLaunch(_SMALL_SMEM_TEMPLATES, _small_smem_head_tile, split=True,
                                window_block_n=32),
     ("rocm", None): ArchLaunch(_SM90_TEMPLATES, _rocm_head_tile, split=True, window_block_n=32),

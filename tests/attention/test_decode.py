@@ -303,8 +303,8 @@ def test_default_config_only_returns_gpu_candidates(monkeypatch):
     default_config.cache_clear()
     try:
         dev = torch.device("cuda")
-        for cap, hip in (((9, 0), None), ((8, 0), None), ((12, 0), None), ((8, 9), None),
-                         ((9, 4), "6.2")):
+        for cap, hip in (((9, 0), None), ((8, 0), None), ((10, 0), None), ((12, 0), None),
+                         ((8, 9), None), ((9, 4), "6.2")):
             monkeypatch.setattr(_configs, "_capability", lambda device, c=cap: c)
             monkeypatch.setattr(torch.version, "hip", hip)
             default_config.cache_clear()
