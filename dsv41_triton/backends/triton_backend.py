@@ -16,6 +16,7 @@ from .base import (
     Availability,
     AttentionBackend,
     Problem,
+    device_capability,
     interpreter_enabled,
     is_rocm,
     module_available,
@@ -27,6 +28,9 @@ _WINDOW_RECORDS = (584, 528)
 #: 488 / 534 us against the general kernel's 537 / 541 / 548; 16 heads 612 against 557
 SHARED_WINDOW_MAX_HEADS = 8
 _EXTRA_RECORDS = (584, 528, 288)
+#: oldest CUDA GPU the kernels compile for (sm_75 fails on the bf16 conversions; what is
+#: compile-checked: tests/test_targets.py)
+MIN_CUDA_CAPABILITY = (8, 0)
 
 
 class TritonBackend(AttentionBackend):
@@ -57,6 +61,11 @@ class TritonBackend(AttentionBackend):
         if dev.type == "cuda":
             if not torch.cuda.is_available() and problem.capability is None:
                 return Availability(False, "CUDA is not available")
+            cap = None if is_rocm() else device_capability(problem)
+            if cap is not None and tuple(cap) < MIN_CUDA_CAPABILITY:
+                return Availability(False, f"the Triton kernels need sm_80 or newer (bf16 "
+                                           f"conversions and tensor cores); this GPU is "
+                                           f"sm_{cap[0]}{cap[1]}")
             return Availability(True, "Triton kernels on " + ("ROCm" if is_rocm() else "CUDA"))
         if dev.type == "cpu":
             if interpreter_enabled():

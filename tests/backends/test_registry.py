@@ -96,6 +96,13 @@ def test_flashmla_reasons_name_the_missing_piece():
     assert not a and "288" in a.reason
 
 
+def test_triton_needs_sm80_on_cuda():
+    a = B.probe("triton", Problem("decode", 8, device=GPU, capability=(7, 5)))
+    assert not a and "sm_80" in a.reason and "sm_75" in a.reason
+    for cap in ((8, 0), (8, 9), (9, 0), (12, 0)):
+        assert B.probe("triton", Problem("decode", 8, device=GPU, capability=cap)), cap
+
+
 def test_mega_reasons():
     a = B.probe("flashmla_mega", Problem("decode", 64, device=GPU, capability=(10, 0)))
     assert not a and "fused" in a.reason
