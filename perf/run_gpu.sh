@@ -94,7 +94,7 @@ if part paged; then
     > "$OUTDIR/pytest_paged.log" 2>&1
   echo "paged tests rc=$?"; tail -n 8 "$OUTDIR/pytest_paged.log"
   # the paged prefill's index ops on the GPU (their tests take the GPU when there is one)
-  timeout 60 $PY -m pytest tests/ops/test_prefill_indices.py -q -p no:cacheprovider \
+  timeout 60 $PY -m pytest tests/ops/test_prefill_indices.py tests/ops/test_codecs.py -q -p no:cacheprovider \
     > "$OUTDIR/pytest_prefill_indices.log" 2>&1
   echo "index op tests rc=$?"; tail -n 3 "$OUTDIR/pytest_prefill_indices.log"
   BENCH_GLUON_VARIANTS=few timeout ${T_PAGED:-270} $PY perf/bench_prefill.py --heads 8 \
