@@ -52,9 +52,11 @@ def max_abs_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def random_bf16(*shape: int, device="cpu", scale: float = 1.0, generator: Optional[torch.Generator] = None):
-    """Random normal bf16 with a few outliers per row, never zeros."""
-    x = torch.randn(*shape, device=device, generator=generator) * scale
-    return x.to(torch.bfloat16)
+    """Random normal bf16 with a few outliers per row, never zeros; drawn where ``generator``
+    lives (CPU by default), then moved to ``device``."""
+    gdev = generator.device if generator is not None else device
+    x = torch.randn(*shape, device=gdev, generator=generator) * scale
+    return x.to(device=device, dtype=torch.bfloat16)
 
 
 def random_block_table(

@@ -450,13 +450,16 @@ def _empty_rows_case(device, T, H, swa_rec, extra_rec, sink="rand"):
     """``_case`` with token 0 of len 0 and, for ``T > 1``, token 1 of only ``-1`` and token 2
     of only slots past the cache (``_check_empty_rows``)."""
     args = _case(device, T, H, swa_rec, extra_rec, sink=sink)
+    extra = args["extra_lens"] is not None
     args["swa_lens"][0] = 0
-    args["extra_lens"][0] = 0
+    if extra:
+        args["extra_lens"][0] = 0
     if T > 1:
         args["swa_indices"][1] = -1
-        args["extra_indices"][1] = -1
         args["swa_indices"][2] = 10 ** 6
-        args["extra_indices"][2] = 10 ** 7
+        if extra:
+            args["extra_indices"][1] = -1
+            args["extra_indices"][2] = 10 ** 7
     return args
 
 
