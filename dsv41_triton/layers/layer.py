@@ -84,9 +84,10 @@ AUTO_PAGED_ROWS_PER_TOKEN_HEAD = 4
 #: the layer's default ``paged_window_rows``: whether the paged prefill gathers the chunk's
 #: window rows into a small bf16 workspace (read once per tile of consecutive tokens) and reads
 #: only the top-k records as slot ids (the backend's ``sparse_mla_prefill_paged_window``).
-#: False until it measures faster than the slot-id path on the H200 (perf/NOTES.md, sessions
-#: 21-22: not yet measured).
-PAGED_WINDOW_ROWS = False
+#: H200, 2048 tokens x 8 heads, CUDA graph (perf/NOTES.md, "Session 23"): 278.4 / 281.9 /
+#: 292.4 us at 8K / 128K / 1M context against the slot-id path's 322.9 / 323.1 / 330.5, with
+#: 6.3 MiB at every context.
+PAGED_WINDOW_ROWS = True
 
 
 # --------------------------------------------------------------------------------------------

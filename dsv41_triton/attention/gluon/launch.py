@@ -228,8 +228,9 @@ OVERRIDE = {}
 
 #: whether ``launch(prior=True)`` runs the few-heads ws kernel on a persistent grid (at most
 #: one CTA per SM looping over tokens: a token's first gathers overlap the previous token's
-#: last products); off until measured faster on the H200 (perf/NOTES.md, "Session 21")
-PRIOR_PERSIST = False
+#: last products). H200, the paged prefill chunk (2048 tokens x 8 heads): 278.4 against
+#: 292.4 us per token CTA at 8K (perf/NOTES.md, "Session 23")
+PRIOR_PERSIST = True
 
 
 def parse_shape(text: str) -> dict:
