@@ -16,8 +16,9 @@ Attention goes through the selected backend (``dsv41_triton.backends``): decode 
 ``num_decode_tokens``) read the paged caches directly; so do prefill tokens with
 ``prefill_path="paged"`` (memory independent of the context: window and top-k keys as slot
 ids, like decode tokens; with ``paged_window_rows``, where the backend supports
-``sparse_mla_prefill_paged_window``, only the chunk's window rows are gathered into a small
-bf16 workspace, shared by consecutive tokens, and the top-k records read as slot ids); with
+``sparse_mla_prefill_paged_window``, the default, only the chunk's window rows are gathered
+into a small bf16 workspace, shared by consecutive tokens, and the top-k records read as slot
+ids); with
 ``"workspace"`` prefill
 requests are processed in chunks of at most 4 requests whose compressed and window keys are
 gathered into a bf16 workspace (SPEC §5); ``"auto"`` (the default) picks one of the two per
