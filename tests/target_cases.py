@@ -81,11 +81,9 @@ def _indexer_ops():
     cache = torch.empty(BLOCKS, PAGE, 128 + 4, dtype=torch.uint8)
     indexer.quantize_and_insert_index_k(torch.randn(16, 128, dtype=torch.bfloat16), cache,
                                         torch.arange(16))
-    logits = indexer.index_logits(torch.randn(5, 64, 128, dtype=torch.bfloat16),
-                                  torch.randn(5, 64), cache, _block_table(), _i32(5, hi=2),
-                                  _i32(5, hi=200) + 1, max_len=256)
+    indexer.index_logits(torch.randn(5, 64, 128, dtype=torch.bfloat16), torch.randn(5, 64),
+                         cache, _block_table(), _i32(5, hi=2), _i32(5, hi=200) + 1, max_len=256)
     indexer.index_topk(torch.randn(5, 256), _i32(5, hi=256) + 1, 64)
-    del logits
 
 
 def _decode(H, T, rec_a, rec_b):
