@@ -137,6 +137,32 @@ def check_same_device(**tensors: Optional[torch.Tensor]) -> torch.device:
     return first
 
 
+def check_distinct_elements(name: str, t: torch.Tensor) -> None:
+    """An output must not map two of its elements to one address (a dim of size > 1 with
+    stride 0, as ``expand`` makes): the kernels would race on it."""
+    if t.numel() > 1 and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        raise ValueError(f"{name}: expected distinct elements, got strides {tuple(t.stride())} "
+                         f"for shape {tuple(t.shape)} (a dim of size > 1 with stride 0)")
+
+
+def _byte_span(t: torch.Tensor) -> Tuple[int, int]:
+    lo = t.data_ptr()
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
+    return lo, lo + (last + 1) * t.element_size()
+
+
+def check_no_overlap(name: str, t: torch.Tensor, other_name: str, other: torch.Tensor) -> None:
+    """``t`` (written) and ``other`` (read) must not share memory: their byte spans in one
+    storage must not intersect. Skipped while tracing (fake tensors have no addresses)."""
+    if _compiling() or t.numel() == 0 or other.numel() == 0 or t.device != other.device:
+        return
+    if t.untyped_storage().data_ptr() != other.untyped_storage().data_ptr():
+        return
+    (a0, a1), (b0, b1) = _byte_span(t), _byte_span(other)
+    if a0 < b1 and b0 < a1:
+        raise ValueError(f"{name}: must not overlap {other_name} in memory")
+
+
 def check_layout(layout: object, name: str = "layout") -> str:
     if layout not in LAYOUTS:
         raise ValueError(f"{name}: expected 'standard' or 'interleaved', got {layout!r}")
@@ -283,6 +309,7 @@ def check_out(out: object, T, H, name: str = "out") -> None:
         return
     check_tensor(name, out, dtypes=(torch.bfloat16,), ndims=3, last_dim=HEAD_DIM)
     check_shape(name, out, (T, H, HEAD_DIM))
+    check_distinct_elements(name, out)
 
 
 def check_lens(name: str, lens: object, T, dtypes: Sequence[torch.dtype] = INT_DTYPES) -> None:

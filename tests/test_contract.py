@@ -48,3 +48,52 @@ def test_checks_name_the_argument():
     with pytest.raises(ValueError, match="^my_lens: expected shape"):
         C.check_lens("my_lens", torch.zeros(3, dtype=torch.int32), 2)
     assert C.problem_error("bogus", 8, 512, 584, None, "standard").startswith("unknown kind")
+
+
+def test_outputs_with_repeated_elements_are_rejected():
+    """An ``expand``-ed output (stride 0 on a dim of size > 1) would make the kernels race."""
+    from dsv41_triton.attention import sparse_mla_decode
+    from dsv41_triton.ops import dequantize_and_gather_k_cache
+    from dsv41_triton.ops.mxfp8 import alloc_mxfp8_output, mxfp8_quantize
+    from dsv41_triton.testing import random_k_cache
+
+    T, H = 3, 2
+    q = torch.randn(T, H, 512).bfloat16()
+    cache = random_k_cache(2, 4, 584, "cpu")
+    idx = torch.randint(0, 8, (T, 5), dtype=torch.int32)
+    lens = torch.full((T,), 5, dtype=torch.int32)
+    shared_row = torch.empty(512, dtype=torch.bfloat16).expand(T, H, 512)
+    with pytest.raises(ValueError, match="^out: expected distinct elements"):
+        sparse_mla_decode(q, cache, idx, lens, out=shared_row)
+    with pytest.raises(ValueError, match="^out: expected distinct elements"):
+        dequantize_and_gather_k_cache(torch.empty(512, dtype=torch.bfloat16).expand(1, 6, 512),
+                                      cache, torch.tensor([6]), None,
+                                      torch.tensor([[0, 1]], dtype=torch.int32), 4, 0)
+    data, scale = alloc_mxfp8_output(T, 1, torch.device("cpu"))
+    with pytest.raises(ValueError, match="^data: expected distinct elements"):
+        mxfp8_quantize(torch.randn(T, 1, 4096).bfloat16(), data=data[:1].expand(T, 1, 4096),
+                       scale=scale)
+    C.check_distinct_elements("out", torch.empty(1, 4).expand(1, 4))  # size-1 dims are free
+
+
+def test_no_overlap_checks_byte_spans():
+    buf = torch.zeros(10, 4)
+    C.check_no_overlap("out", buf[5:], "q", buf[:5])  # adjacent, disjoint
+    C.check_no_overlap("out", torch.zeros(3), "q", torch.zeros(3))
+    with pytest.raises(ValueError, match="^out: must not overlap q"):
+        C.check_no_overlap("out", buf[4:], "q", buf[:5])
+    with pytest.raises(ValueError, match="^out: must not overlap q"):
+        C.check_no_overlap("out", buf[:, 1], "q", buf[:, 2])  # interleaved columns share a span
+
+
+def test_q_norm_rope_out_overlapping_q_and_token_positions_name():
+    from dsv41_triton.attention.fused import q_norm_rope
+    from dsv41_triton.ops.rope_ref import make_cos_sin_cache
+
+    buf = torch.randn(4, 8, 512).bfloat16()
+    cs = make_cos_sin_cache(16)
+    pos = torch.arange(3)
+    with pytest.raises(ValueError, match="^out: must not overlap q"):
+        q_norm_rope(buf[1:], pos, cs, "standard", out=buf[:-1])
+    with pytest.raises(TypeError, match="^token_positions: expected dtype"):
+        q_norm_rope(buf[1:], pos.float(), cs, "standard")

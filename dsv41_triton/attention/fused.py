@@ -85,11 +85,13 @@ from .._contract import (
     SWA_RECORDS,
     WV_GROUP_SIZE,
     check_bool,
+    check_distinct_elements,
     check_indices,
     check_int,
     check_k_cache,
     check_layout,
     check_lens,
+    check_no_overlap,
     check_q,
     check_same_device,
     check_scale,
@@ -262,7 +264,8 @@ def _check_common(q, sm_scale, d_v, attn_sink, topk_length, enable_q_norm, rms_n
         raise ValueError("token_positions: required ([T] int32 positions of the query tokens)")
     if cos_sin_cache is None:
         raise ValueError("cos_sin_cache: required ([max_pos, 64] fp32, cos | sin)")
-    check_rope_args(q, token_positions, cos_sin_cache, x_name="q")
+    check_rope_args(q, token_positions, cos_sin_cache, x_name="q",
+                    positions_name="token_positions")
     check_sink(attn_sink, H)
     if topk_length is not None:
         _check_rows("topk_length", topk_length, T, 1)
@@ -300,15 +303,18 @@ def q_norm_rope(
     check_layout(layout)
     T, H = _check_q(q, layout, fused=False)
     eps = _check_eps(enable_q_norm, rms_norm_eps)
-    check_rope_args(q, token_positions, cos_sin_cache, x_name="q")
+    check_rope_args(q, token_positions, cos_sin_cache, x_name="q",
+                    positions_name="token_positions")
     if out is None:
         out = torch.empty((T, H, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
     else:
         check_tensor("out", out, dtypes=(torch.bfloat16,), ndims=3, last_dim=HEAD_DIM)
         check_shape("out", out, [T, H, HEAD_DIM])
         check_same_device(q=q, out=out)
+        check_distinct_elements("out", out)
         if out is q:
             raise ValueError("out: must not alias q (the prologue reads whole rows first)")
+        check_no_overlap("out", out, "q", q)
     call_op(_q_norm_rope_op, q, token_positions, cos_sin_cache, layout, enable_q_norm, eps,
                                 out)
     return out

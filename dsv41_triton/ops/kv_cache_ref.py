@@ -20,6 +20,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .._contract import check_distinct_elements
 from .._utils import HEAD_DIM, INT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_tensor
 from .records import (
     RecordFormat,
@@ -68,6 +69,7 @@ def check_gather_args(
 ) -> GatherArgs:
     """Validate ``dequantize_and_gather_k_cache`` arguments (raises TypeError/ValueError)."""
     check_tensor("out", out, dtypes=(torch.bfloat16,), ndims=3, last_dim=HEAD_DIM)
+    check_distinct_elements("out", out)
     fmt, cache = check_k_cache("k_cache", k_cache)
     check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, ndims=1, contiguous_last=False)
     if gather_lens is not None:

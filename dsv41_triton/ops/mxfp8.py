@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._contract import check_distinct_elements
 from .._utils import (
     call_op,
     HEAD_DIM,
@@ -179,6 +180,8 @@ def check_mxfp8_output(
     check_shape(data_name, data, [T, G, GROUP_WIDTH])
     check_tensor(scale_name, scale, dtypes=(torch.int32,), ndims=3, contiguous_last=False)
     check_shape(scale_name, scale, [T, G, SCALE_WORDS])
+    check_distinct_elements(data_name, data)
+    check_distinct_elements(scale_name, scale)
     s0, s1, s2 = scale.stride()
     ok = (T <= 1 or s0 == 1) and s2 % 4 == 0 and s2 >= T and (G <= 1 or s1 == SCALE_WORDS * s2)
     if not ok:

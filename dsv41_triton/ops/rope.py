@@ -124,14 +124,15 @@ def _apply_rope_kernel(
 # --------------------------------------------------------------------------------------------
 # host side
 # --------------------------------------------------------------------------------------------
-def check_rope_args(x, positions, cos_sin_cache, *, x_name: str = "x", tokens: Optional[int] = None):
+def check_rope_args(x, positions, cos_sin_cache, *, x_name: str = "x", tokens: Optional[int] = None,
+                    positions_name: str = "positions"):
     """Validate ``positions [T]`` int32/int64 and ``cos_sin_cache [max_pos, 64]`` fp32 for ``T``
     tokens (``x.shape[0]`` by default); raise TypeError/ValueError naming the argument."""
     T = x.shape[0] if tokens is None else tokens
-    check_tensor("positions", positions, dtypes=INT_DTYPES, ndims=1, contiguous_last=False)
-    check_shape("positions", positions, [T])
+    check_tensor(positions_name, positions, dtypes=INT_DTYPES, ndims=1, contiguous_last=False)
+    check_shape(positions_name, positions, [T])
     check_tensor("cos_sin_cache", cos_sin_cache, dtypes=(torch.float32,), ndims=2, last_dim=ROPE_DIM)
-    check_same_device(**{x_name: x, "positions": positions, "cos_sin_cache": cos_sin_cache})
+    check_same_device(**{x_name: x, positions_name: positions, "cos_sin_cache": cos_sin_cache})
 
 
 def apply_rope(
