@@ -443,16 +443,22 @@ def test_token_range_slices_of_one_step_buffer(device):
     assert torch.equal(scale[:Td], s1) and torch.equal(scale[Td:], s2)
 
 
-def test_only_data_given(device):
-    T, H = 1, 8
+def test_half_of_the_output_pair_given(device):
+    """The missing half is allocated; the result equals a call given neither."""
+    T, H = 3, 8
     args, _ = _prefill_case(device, T, H, "standard")
     cs = make_cos_sin_cache(MAX_POS, device=device)
     pos = _positions(T, device)
+    d0, s0, _, _ = _prefill_fused(args, pos, cs, False, "standard")
     data = poison_(torch.empty(T, 1, 4096, dtype=torch.float8_e4m3fn, device=device))
     d, s, _, _ = _prefill_fused(args, pos, cs, False, "standard", data=data)
     assert d is data
-    _no_nan(d)
     _check_pair_shapes(d, s, T, 1)
+    assert torch.equal(d.view(torch.uint8), d0.view(torch.uint8)) and torch.equal(s, s0)
+    _, scale, _ = _alloc_poisoned(T, 1, device)
+    d, s, _, _ = _prefill_fused(args, pos, cs, False, "standard", scale=scale)
+    assert s is scale
+    assert torch.equal(d.view(torch.uint8), d0.view(torch.uint8)) and torch.equal(s, s0)
 
 
 def test_zero_tokens(device):

@@ -109,8 +109,9 @@ def test_prefill_sharp_softmax(device):
 def test_prefill_empty_workspace_and_tokens(device):
     args = _case(device, 2, 3)
     args["kv"] = args["kv"][:0]
-    o, lse = sparse_mla_prefill(**args)
-    assert torch.all(o == 0) and torch.all(lse == float("inf"))
+    out = poison_(torch.empty(2, 3, 512, dtype=torch.bfloat16, device=device))
+    o, lse = sparse_mla_prefill(**args, out=out)
+    assert o is out and torch.all(o == 0) and torch.all(lse == float("inf"))
     o, lse = sparse_mla_prefill(args["q"][:0], args["kv"], args["indices"][:0])
     assert o.shape == (0, 3, 512)
 

@@ -9,7 +9,8 @@ from dsv41_triton.attention.prefill_paged import sparse_mla_prefill_paged
 from dsv41_triton.attention.prefill_paged_ref import sparse_mla_prefill_paged_ref
 from dsv41_triton.ops.indices import combine_topk_swa_indices
 from dsv41_triton.ops.kv_cache import dequantize_and_gather_k_cache
-from dsv41_triton.testing import max_abs_err, poison_, random_k_cache, rel_err
+from dsv41_triton.testing import (assert_graph_replay, max_abs_err, poison_, random_k_cache,
+                                  rel_err)
 
 OUT_TOL, LSE_TOL = 1e-2, 1e-3
 
@@ -217,14 +218,10 @@ def test_prefill_paged_int64_offsets_gpu(device):
 def test_prefill_paged_cuda_graph_gpu(device):
     s = _step(device, qlens=(0, 120, 33), prefixes=(2, 10, 400), W=128, spage=64, cpage=64,
               r=4, K=128, H=8, seed=9)
+    f = _step(device, qlens=(0, 120, 33), prefixes=(2, 10, 400), W=128, spage=64, cpage=64,
+              r=4, K=128, H=8, seed=10)
+    fresh = {k: v for k, v in _paged_args(f).items()
+             if k in ("q", "swa_cache", "compressed_cache", "topk_indices", "attn_sink")}
     args = _paged_args(s)
-    out = torch.empty_like(args["q"])
-    sparse_mla_prefill_paged(**args, out=out)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        _, lse = sparse_mla_prefill_paged(**args, out=out)
-    out.zero_()
-    g.replay()
-    torch.cuda.synchronize()
-    ro, rl = sparse_mla_prefill_paged_ref(**args)
-    assert rel_err(out, ro) <= OUT_TOL and max_abs_err(lse, rl) <= LSE_TOL
+    assert_graph_replay(sparse_mla_prefill_paged, args, fresh, torch.empty_like(args["q"]),
+                        sparse_mla_prefill_paged_ref, out_tol=OUT_TOL, lse_tol=LSE_TOL)
