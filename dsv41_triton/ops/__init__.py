@@ -1,7 +1,9 @@
 """Cache, index, RoPE and MXFP8 ops (SPEC §2, §4–§6): Triton kernels, references beside them.
 
-Each family is a module pair ``<family>.py`` (Triton kernels + wrappers) and
-``<family>_ref.py`` (plain PyTorch reference with the same signature, suffix ``_ref``).
+Each op family is a module pair ``<family>.py`` (Triton kernels + wrappers) and
+``<family>_ref.py`` (plain PyTorch reference with the same signature, suffix ``_ref``);
+``records`` (the record formats, with their encode / decode references) and ``layouts`` (q and
+output layout conversions, torch only) have no kernels of their own.
 """
 from .records import (
     FP8_DS_MLA,
