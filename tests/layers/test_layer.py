@@ -409,8 +409,6 @@ def test_auto_prefill_path_picks_per_chunk(device, window_rows, monkeypatch):
     """``prefill_path="auto"``: chunks whose workspace is large for their tokens go paged, the
     others through the workspace, in one step; the outputs match the oracle either way (the
     paged chunks with and without ``paged_window_rows``)."""
-    if device != "cpu":
-        pytest.skip("covered by the GPU variant")
     sd = random_attention_state_dict(CFG, seed=22)
     layer = make_layer(CFG, 1, "triton", sd)  # ratio 1: a prefix of 30 is 30 workspace rows
     layer.paged_window_rows = window_rows
