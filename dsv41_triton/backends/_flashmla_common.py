@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 
 from ..ops.index_mask import mask_index_rows
+from ..ops.index_mask_ref import INT32_MAX
 from .base import Problem, device_capability, is_rocm, module_available
 
 PADDED_HEADS = (64, 128)
@@ -163,13 +164,35 @@ def pad_indices(idx: torch.Tensor, multiple: int) -> torch.Tensor:
     return mask_index_rows(idx, None, multiple)
 
 
+def index_rows_i32(idx: torch.Tensor, lens: Optional[torch.Tensor], num_rows: int,
+                   multiple: int) -> torch.Tensor:
+    """The index rows FlashMLA reads: ``idx [T, K]`` int32 or int64 -> ``[T, Kp]`` int32, ``Kp``
+    ``K`` rounded up to ``multiple`` (at least one ``multiple``).
+
+    An entry ``< 0`` or ``>= num_rows`` (the cache's slots or the workspace's rows; int64
+    compared at 64 bits, so ``2**32 + 5`` is skipped, never slot 5), a column past ``lens[t]``
+    and the padding are ``-1``, the only id FlashMLA's kernels skip (any other id is read,
+    unchecked). Device ops only: no host sync, CUDA-graph safe."""
+    rows = mask_index_rows(idx, lens, multiple)
+    if num_rows <= INT32_MAX:
+        rows.masked_fill_(rows >= num_rows, -1)
+    return rows
+
+
 def as_cache4(cache: torch.Tensor) -> torch.Tensor:
     """``[blocks, page, bytes]`` -> ``[blocks, page, 1, bytes]`` (a view; strides kept)."""
     return cache if cache.dim() == 4 else cache.unsqueeze(2)
 
 
-def lens_i32(lens: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return None if lens is None else lens.to(torch.int32).contiguous()
+def lens_i32(lens: Optional[torch.Tensor], width: Optional[int] = None
+             ) -> Optional[torch.Tensor]:
+    """``lens [T]`` int32 or int64 -> int32 clamped to ``[0, width]`` (``width`` None: to int32's
+    range), FlashMLA's ``topk_length``: its kernels read that many columns unchecked. None stays
+    None."""
+    if lens is None:
+        return None
+    hi = INT32_MAX if width is None else min(width, INT32_MAX)
+    return lens.clamp(0, hi).to(torch.int32).contiguous()
 
 
 def new_sched_meta(get_metadata: Optional[Callable]) -> Any:

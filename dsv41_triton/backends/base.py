@@ -23,7 +23,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._contract import KINDS, LAYOUTS, WV_GROUP_SIZE, problem_error  # noqa: F401
+from .._contract import KINDS, LAYOUTS, SWA_RECORDS, WV_GROUP_SIZE, problem_error  # noqa: F401
+from ._checks import check_shared_window_hint
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,8 @@ class AttentionBackend:
         consecutive rows ``window_rows[0, t] ..`` of ``kv`` (``window_rows[1, t]`` of them), and
         ``query_start_loc [B + 1]`` which tokens form one request. A backend may load such keys
         once for several queries; the result is ``sparse_mla_prefill``'s either way. This
-        default ignores the hint."""
+        default checks the hint and ignores it."""
+        check_shared_window_hint(q, window_rows, query_start_loc)
         return self.sparse_mla_prefill(q, kv, indices, lens, attn_sink=attn_sink,
                                        softmax_scale=softmax_scale, out=out)
 
@@ -164,5 +166,16 @@ def interpreter_enabled() -> bool:
 
 def check_problem(problem: Problem) -> Optional[str]:
     """A reason string when the problem itself is malformed, else None."""
-    return problem_error(problem.kind, problem.num_heads, problem.head_dim, problem.swa_record,
-                         problem.extra_record, problem.layout)
+    bad = problem_error(problem.kind, problem.num_heads, problem.head_dim, problem.swa_record,
+                        problem.extra_record, problem.layout)
+    if bad is not None:
+        return bad
+    if problem.swa_record not in SWA_RECORDS:
+        return (f"swa_record: expected a window cache record width in {SWA_RECORDS}, got "
+                f"{problem.swa_record}")
+    try:
+        torch.device(problem.device)
+    except (RuntimeError, TypeError, ValueError):
+        return (f"device: expected a torch.device or a device string such as 'cuda:0', got "
+                f"{problem.device!r}")
+    return None

@@ -3,11 +3,13 @@
 Decode is ``flash_mla_with_kvcache`` with ``indices`` (the window cache) plus the extra
 (compressed) cache, its indices and both ``topk_length``s; prefill is ``flash_mla_sparse_fwd``
 over the gathered bf16 workspace. FlashMLA takes 64 or 128 query heads only: fewer heads are
-zero-padded (the sink with ``-inf``) and the padding is sliced off the output; index rows are
-masked and padded with ``-1`` to the block multiple its kernels assume, by one Triton launch
-(:func:`dsv41_triton.ops.index_mask.mask_index_rows`). FlashMLA allocates its own output, so a
-given ``out`` costs one copy. The fused contract runs FlashMLA's bf16 attention between the
-project's Triton RoPE and inverse-RoPE/MXFP8 epilogue kernels.
+zero-padded (the sink with ``-inf``) and the padding is sliced off the output. FlashMLA reads
+int32 ids and skips only ``-1``: index rows (int32 or int64) are converted on the device, every
+id outside the cache / workspace and every column past its length set to ``-1``, and padded
+with ``-1`` to the block multiple its kernels assume (``_flashmla_common.index_rows_i32``).
+FlashMLA allocates its own output, so a given ``out`` costs one copy. The fused contract runs
+FlashMLA's bf16 attention between the project's Triton RoPE and inverse-RoPE/MXFP8 epilogue
+kernels.
 
 Scheduler metadata: decode passes FlashMLA no ``topk_length`` (columns past a row's length are
 set to ``-1`` instead, which its kernel skips), so the split-KV schedule depends on the shapes
@@ -25,17 +27,16 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..ops.index_mask import mask_index_rows
 from . import _checks
 from ._flashmla_common import (
     arch_reason,
     as_cache4,
     has_params,
+    index_rows_i32,
     lens_i32,
     load_flashmla,
     new_sched_meta,
     pad_heads,
-    pad_indices,
     pad_sink,
     padded_heads,
 )
@@ -121,18 +122,21 @@ class FlashMLABackend(ComposedFusedMixin, AttentionBackend):
         hp = padded_heads(H)
         qp = pad_heads(q, hp).unsqueeze(1)  # [T, 1, hp, 512]: each token its own "batch"
         cache4 = as_cache4(swa_cache)
+        slots = cache4.shape[0] * cache4.shape[1]
         # the same tensors, not modified in place since (version counters)
         key = ("swa_idx", swa_indices.data_ptr(), swa_indices._version, tuple(swa_indices.shape),
+               slots,
                None if swa_lens is None else (swa_lens.data_ptr(), swa_lens._version))
         idx = None if step_cache is None else step_cache.get(key)
         if idx is None:
-            idx = mask_index_rows(swa_indices, swa_lens, _DECODE_TOPK_MULTIPLE).unsqueeze(1)
+            idx = index_rows_i32(swa_indices, swa_lens, slots, _DECODE_TOPK_MULTIPLE).unsqueeze(1)
             if step_cache is not None:  # the step's window rows are the same for every layer
                 step_cache[key] = idx
         extra = None if extra_cache is None else as_cache4(extra_cache)
         eidx = None
         if extra is not None:
-            eidx = mask_index_rows(extra_indices, extra_lens, _DECODE_TOPK_MULTIPLE).unsqueeze(1)
+            eidx = index_rows_i32(extra_indices, extra_lens, extra.shape[0] * extra.shape[1],
+                                  _DECODE_TOPK_MULTIPLE).unsqueeze(1)
         o, l = ops.with_kvcache(
             qp, cache4, None, None, 512, self._sched_meta(ops, step_cache, qp, cache4, idx, extra,
                                                           eidx), None,
@@ -184,9 +188,10 @@ class FlashMLABackend(ComposedFusedMixin, AttentionBackend):
             return out, lse
         hp = padded_heads(H)
         kv3 = kv.reshape(-1, 1, D)
-        idx = pad_indices(indices.reshape(T, -1), _PREFILL_TOPK_MULTIPLE).unsqueeze(1)
+        idx2 = indices.reshape(T, -1)
+        idx = index_rows_i32(idx2, lens, kv3.shape[0], _PREFILL_TOPK_MULTIPLE).unsqueeze(1)
         res = ops.sparse_fwd(pad_heads(q, hp), kv3, idx, scale, 512,
-                             pad_sink(attn_sink, H, hp), lens_i32(lens))
+                             pad_sink(attn_sink, H, hp), lens_i32(lens, idx2.shape[1]))
         o, l = res[0], res[2]
         out.copy_(o[:, :H])
         lse.copy_(l.reshape(T, hp)[:, :H])

@@ -22,10 +22,10 @@ from ._compose import check_fused_common, q_to_standard
 from ._flashmla_common import (
     arch_reason,
     as_cache4,
+    index_rows_i32,
     lens_i32,
     load_flashmla,
     pad_heads,
-    pad_indices,
     pad_sink,
     padded_heads,
 )
@@ -129,18 +129,24 @@ class FlashMLAMegaBackend(AttentionBackend):
                                 swa_lens, extra_cache=None, extra_indices=None, extra_lens=None,
                                 attn_sink=None, softmax_scale=None, q_norm_eps=None,
                                 layout="standard", data=None, scale=None):
-        ops, T, H, hp, qk = self._prep(q, positions, cos_sin_cache, layout, q_norm_eps, data,
-                                       scale, attn_sink)
         _checks.check_decode(q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices,
                              extra_lens, attn_sink, None, softmax_scale=softmax_scale)
+        ops, T, H, hp, qk = self._prep(q, positions, cos_sin_cache, layout, q_norm_eps, data,
+                                       scale, attn_sink)
         sm = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
         norm = (q_norm_eps is not None, 0.0 if q_norm_eps is None else float(q_norm_eps))
         pos = positions.to(torch.int32).contiguous()
-        extra = None if extra_cache is None else as_cache4(extra_cache)
-        eidx = None if extra is None else pad_indices(extra_indices, _TOPK_MULTIPLE)
-        elen = None if extra is None else lens_i32(extra_lens)
-        args = (qk, as_cache4(swa_cache), pad_indices(swa_indices, _TOPK_MULTIPLE), sm, 512,
-                pad_sink(attn_sink, H, hp), lens_i32(swa_lens), extra, eidx, elen)
+        cache4 = as_cache4(swa_cache)
+        idx = index_rows_i32(swa_indices, swa_lens, cache4.shape[0] * cache4.shape[1],
+                             _TOPK_MULTIPLE)
+        extra = eidx = elen = None
+        if extra_cache is not None:
+            extra = as_cache4(extra_cache)
+            eidx = index_rows_i32(extra_indices, extra_lens, extra.shape[0] * extra.shape[1],
+                                  _TOPK_MULTIPLE)
+            elen = lens_i32(extra_lens, extra_indices.shape[1])
+        args = (qk, cache4, idx, sm, 512, pad_sink(attn_sink, H, hp),
+                lens_i32(swa_lens, swa_indices.shape[1]), extra, eidx, elen)
         n_grp = hp // WV_GROUP_SIZE
         if ops.mega_out_args:  # vLLM: (..., out_data, out_scale) in place
             from ..ops import mxfp8
@@ -157,15 +163,16 @@ class FlashMLAMegaBackend(AttentionBackend):
     def sparse_mla_prefill_fused(self, q, positions, cos_sin_cache, kv, indices, lens=None,
                                  attn_sink=None, softmax_scale=None, q_norm_eps=None,
                                  layout="standard", data=None, scale=None):
+        _checks.check_prefill(q, kv, indices, lens, attn_sink, None, softmax_scale=softmax_scale)
         ops, T, H, hp, qk = self._prep(q, positions, cos_sin_cache, layout, q_norm_eps, data,
                                        scale, attn_sink)
-        _checks.check_prefill(q, kv, indices, lens, attn_sink, None, softmax_scale=softmax_scale)
         sm = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
         norm = (q_norm_eps is not None, 0.0 if q_norm_eps is None else float(q_norm_eps))
         pos = positions.to(torch.int32).contiguous()
-        idx = pad_indices(indices.reshape(T, -1), _TOPK_MULTIPLE).unsqueeze(1)
-        args = (qk, kv.reshape(-1, 1, kv.shape[-1]), idx, sm, 512, pad_sink(attn_sink, H, hp),
-                lens_i32(lens))
+        kv3 = kv.reshape(-1, 1, kv.shape[-1])
+        idx2 = indices.reshape(T, -1)
+        idx = index_rows_i32(idx2, lens, kv3.shape[0], _TOPK_MULTIPLE).unsqueeze(1)
+        args = (qk, kv3, idx, sm, 512, pad_sink(attn_sink, H, hp), lens_i32(lens, idx2.shape[1]))
         n_grp = hp // WV_GROUP_SIZE
         if ops.mega_out_args:
             from ..ops import mxfp8

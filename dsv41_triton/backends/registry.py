@@ -76,7 +76,10 @@ def list_backends() -> List[str]:
 
 
 def get_backend(name: str) -> AttentionBackend:
-    """The (cached) instance of backend ``name``; ``ValueError`` for an unknown name."""
+    """The (cached) instance of backend ``name``; ``TypeError`` for a name that is not a str,
+    ``ValueError`` for an unknown one."""
+    if not isinstance(name, str):
+        raise TypeError(f"name: expected a backend name (str), got {type(name).__name__}")
     if name not in _FACTORIES:
         raise ValueError(f"unknown backend {name!r}; registered: {', '.join(_FACTORIES)}")
     if name not in _INSTANCES:

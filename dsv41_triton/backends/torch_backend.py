@@ -48,8 +48,7 @@ class TorchBackend(ComposedFusedMixin, AttentionBackend):
         from ..attention.ref import sparse_mla_decode_ref
 
         _checks.check_decode(q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices,
-                             extra_lens, attn_sink, out, index_dtypes=_checks.TORCH_INDEX_DTYPES,
-                             softmax_scale=softmax_scale)
+                             extra_lens, attn_sink, out, softmax_scale=softmax_scale)
         res, lse = sparse_mla_decode_ref(
             q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices, extra_lens,
             attn_sink=attn_sink, softmax_scale=softmax_scale,
@@ -60,9 +59,7 @@ class TorchBackend(ComposedFusedMixin, AttentionBackend):
                            out=None) -> Tuple[torch.Tensor, torch.Tensor]:
         from ..attention.ref import sparse_mla_prefill_ref
 
-        _checks.check_prefill(q, kv, indices, lens, attn_sink, out,
-                              index_dtypes=_checks.TORCH_INDEX_DTYPES,
-                              softmax_scale=softmax_scale)
+        _checks.check_prefill(q, kv, indices, lens, attn_sink, out, softmax_scale=softmax_scale)
         res, lse = sparse_mla_prefill_ref(q, kv, indices, lens, attn_sink=attn_sink,
                                           softmax_scale=softmax_scale)
         return _write_out(res, q, out), lse.float()
@@ -77,7 +74,7 @@ class TorchBackend(ComposedFusedMixin, AttentionBackend):
         from ..attention.prefill_shared import check_shared_window_args
         from ..attention.prefill_shared_ref import sparse_mla_prefill_shared_window_ref
 
-        _checks.check_window_rows(window_rows, q)
+        _checks.check_shared_window_hint(q, window_rows, query_start_loc)
         check_shared_window_args(q, kv, window_rows[0], window_rows[1], topk_slots, topk_lens,
                                  query_start_loc, attn_sink, softmax_scale, out, topk_cache,
                                  max_heads=None)

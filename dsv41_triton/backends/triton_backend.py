@@ -11,7 +11,7 @@ from typing import Tuple
 
 import torch
 
-from ._checks import check_window_rows
+from ._checks import check_shared_window_hint
 from .base import (
     Availability,
     AttentionBackend,
@@ -99,12 +99,13 @@ class TritonBackend(AttentionBackend):
         """Up to ``SHARED_WINDOW_MAX_HEADS`` heads: the window rows once per tile of
         consecutive tokens (``attention.prefill_shared``), the top-k columns per token; more
         heads: ``sparse_mla_prefill``."""
-        if q.dim() != 3 or q.shape[1] > SHARED_WINDOW_MAX_HEADS or kv.dim() != 2:
+        check_shared_window_hint(q, window_rows, query_start_loc)
+        if (q.shape[1] > SHARED_WINDOW_MAX_HEADS or not isinstance(kv, torch.Tensor)
+                or kv.dim() != 2):
             return self.sparse_mla_prefill(q, kv, indices, lens, attn_sink=attn_sink,
                                            softmax_scale=softmax_scale, out=out)
         from ..attention.prefill_shared import sparse_mla_prefill_shared_window
 
-        check_window_rows(window_rows, q)
         return sparse_mla_prefill_shared_window(
             q, kv, window_rows[0], window_rows[1], indices, window_rows[2], query_start_loc,
             attn_sink=attn_sink, softmax_scale=softmax_scale, out=out)
@@ -121,7 +122,7 @@ class TritonBackend(AttentionBackend):
         with it."""
         from ..attention.prefill_shared import sparse_mla_prefill_shared_window
 
-        check_window_rows(window_rows, q)
+        check_shared_window_hint(q, window_rows, query_start_loc)
         return sparse_mla_prefill_shared_window(
             q, kv, window_rows[0], window_rows[1], topk_slots, topk_lens, query_start_loc,
             attn_sink=attn_sink, softmax_scale=softmax_scale, out=out, topk_cache=topk_cache)

@@ -237,6 +237,17 @@ class _Sched:
     pass
 
 
+def _assert_flashmla_can_read(indices, rows, topk_length=None):
+    """FlashMLA's kernels read int32 ids, skip only ``-1`` and read every other id and
+    ``topk_length`` columns unchecked: the rows handed to them hold ``-1`` or an id in
+    ``[0, rows)``, the lengths lie in ``[0, topk]``."""
+    assert indices.dtype == torch.int32
+    assert bool(((indices == -1) | ((indices >= 0) & (indices < rows))).all())
+    if topk_length is not None:
+        assert topk_length.dtype == torch.int32
+        assert bool(((topk_length >= 0) & (topk_length <= indices.shape[-1])).all())
+
+
 def _fake_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
                        num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=False,
                        indices=None, attn_sink=None, extra_k_cache=None,
@@ -247,10 +258,14 @@ def _fake_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_
     assert is_fp8_kvcache and not causal and block_table is None and cache_seqlens is None
     assert k_cache.dim() == 4 and k_cache.shape[2] == 1 and k_cache.stride(1) == k_cache.shape[-1]
     assert indices.shape[:2] == (b, s_q) and indices.shape[2] % 64 == 0
+    _assert_flashmla_can_read(indices, k_cache.shape[0] * k_cache.shape[1], topk_length)
     assert attn_sink is None or attn_sink.shape == (h_q,)
     if extra_k_cache is not None:
         assert extra_k_cache.shape[-1] == k_cache.shape[-1]  # one record for both caches
         assert extra_indices_in_kvcache.shape[2] % 64 == 0
+        _assert_flashmla_can_read(extra_indices_in_kvcache,
+                                  extra_k_cache.shape[0] * extra_k_cache.shape[1],
+                                  extra_topk_length)
     else:
         assert extra_indices_in_kvcache is None and extra_topk_length is None
     o, l = sparse_mla_decode_ref(
@@ -265,7 +280,7 @@ def _fake_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_len
     s_q, h_q, d = q.shape
     assert h_q in (64, 128) and kv.dim() == 3 and kv.shape[1] == 1
     assert indices.shape[:2] == (s_q, 1) and indices.shape[2] % 128 == 0
-    assert bool((indices >= -1).all())
+    _assert_flashmla_can_read(indices, kv.shape[0], topk_length)
     o, l = sparse_mla_prefill_ref(q, kv, indices, topk_length, attn_sink=attn_sink,
                                   softmax_scale=sm_scale)
     return o.bfloat16(), torch.zeros_like(l).float(), l.float()
@@ -289,6 +304,10 @@ def _fake_mega_decode(enable_q_norm, eps, positions, neox, rope_dim, cs, n_wv_gr
                       round_sf, packed, q, k_cache, indices, sm_scale, d_v, attn_sink, topk_length,
                       extra_k_cache, extra_indices, extra_topk_length):
     assert indices.dim() == 2 and indices.shape[1] % 128 == 0 and k_cache.shape[-1] == 528
+    _assert_flashmla_can_read(indices, k_cache.shape[0] * k_cache.shape[1], topk_length)
+    if extra_k_cache is not None:
+        _assert_flashmla_can_read(extra_indices, extra_k_cache.shape[0] * extra_k_cache.shape[1],
+                                  extra_topk_length)
     return _fake_mega_common(
         enable_q_norm, eps, positions, neox, rope_dim, cs, n_wv_group, npc, tma, round_sf, packed,
         q, lambda qr: sparse_mla_decode_ref(
@@ -299,6 +318,7 @@ def _fake_mega_decode(enable_q_norm, eps, positions, neox, rope_dim, cs, n_wv_gr
 
 def _fake_mega_prefill(enable_q_norm, eps, positions, neox, rope_dim, cs, n_wv_group, npc, tma,
                        round_sf, packed, q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
+    _assert_flashmla_can_read(indices, kv.shape[0], topk_length)
     d, s, lse = _fake_mega_common(
         enable_q_norm, eps, positions, neox, rope_dim, cs, n_wv_group, npc, tma, round_sf, packed,
         q, lambda qr: sparse_mla_prefill_ref(qr, kv, indices, topk_length, attn_sink=attn_sink,
@@ -357,6 +377,69 @@ def test_flashmla_mega_plumbing(fake_flashmla, layout, H):
     assert torch.equal(d1.view(torch.uint8), d2.view(torch.uint8)) and torch.equal(s1, s2)
 
 
+def _wild_ids(idx, rows, g):
+    """``idx`` (int32, ids ``< rows`` or ``-1``) as int64 with ids moved out of range: ``2**32 +
+    id`` (``id`` when cut to 32 bits), ``rows + id`` (past the cache / workspace) and ``-7``."""
+    wild = idx.to(torch.int64)
+    r = torch.rand(idx.shape, generator=g).to(idx.device)
+    valid = idx >= 0
+    wild[valid & (r < 0.2)] += 2 ** 32
+    wild[valid & (r >= 0.2) & (r < 0.35)] += rows
+    wild[(r >= 0.35) & (r < 0.45)] = -7
+    return wild
+
+
+def _wild_lens(lens):
+    """``lens [T >= 4]`` as int64 with values that wrap at 32 bits: ``2**32 + 1`` (every
+    column) and ``2 - 2**32`` (none)."""
+    wild = lens.to(torch.int64)
+    wild[0], wild[3] = 2 ** 32 + 1, 2 - 2 ** 32
+    return wild
+
+
+@pytest.mark.parametrize("H", [3, 64])
+def test_flashmla_takes_int64_ids_and_lens(fake_flashmla, H):
+    """int64 ids and lens, out of range at 32 or 64 bits: the flashmla backend hands FlashMLA
+    int32 rows and lengths it can read (checked by the stand-ins) and returns the torch
+    backend's result on the same inputs."""
+    g = torch.Generator().manual_seed(100 + H)
+    fm, ref = B.get_backend("flashmla"), B.get_backend("torch")
+    c = make_decode(5, H, 584, 584, "rand", "cpu", seed=H)
+    args = (c.q, c.swa_cache, _wild_ids(c.swa_indices, 6 * PAGE, g), _wild_lens(c.swa_lens),
+            c.extra_cache, _wild_ids(c.extra_indices, 5 * PAGE, g), _wild_lens(c.extra_lens))
+    o, lse = fm.sparse_mla_decode(*args, attn_sink=c.sink)
+    ro, rl = ref.sparse_mla_decode(*args, attn_sink=c.sink)
+    assert rel_err(o, ro) <= 1e-2 and max_abs_err(lse, rl) <= 1e-3
+    q, kv, idx, lens, sink = make_prefill(5, H, 20, 10, "rand", "cpu", seed=H)
+    idx64, lens64 = _wild_ids(idx.clamp(min=-1, max=19), 20, g), _wild_lens(lens)
+    out = poison_(torch.empty_like(q))
+    o, lse = fm.sparse_mla_prefill(q, kv, idx64, lens64, attn_sink=sink, out=out)
+    ro, rl = ref.sparse_mla_prefill(q, kv, idx64, lens64, attn_sink=sink)
+    assert o is out and rel_err(o, ro) <= 1e-2 and max_abs_err(lse, rl) <= 1e-3
+
+
+@pytest.mark.parametrize("H", [8, 64])
+def test_flashmla_mega_takes_int64_ids_and_lens(fake_flashmla, H):
+    """The same for the mega kernels: exactly the torch backend's fused contract."""
+    g = torch.Generator().manual_seed(200 + H)
+    mega, ref = B.get_backend("flashmla_mega"), B.get_backend("torch")
+    c = make_decode(5, H, 528, 288, "rand", "cpu", seed=H)
+    cs = make_cos_sin_cache(16, device="cpu")
+    pos = torch.tensor([1, 15, 7, 0, 3])
+    args = (c.q, pos, cs, c.swa_cache, _wild_ids(c.swa_indices, 6 * PAGE, g),
+            _wild_lens(c.swa_lens), c.extra_cache, _wild_ids(c.extra_indices, 5 * PAGE, g),
+            _wild_lens(c.extra_lens))
+    d1, s1, l1 = mega.sparse_mla_decode_fused(*args, attn_sink=c.sink)
+    d2, s2, l2 = ref.sparse_mla_decode_fused(*args, attn_sink=c.sink)
+    assert torch.equal(d1.view(torch.uint8), d2.view(torch.uint8)) and torch.equal(s1, s2)
+    assert max_abs_err(l1, l2) == 0
+    q, kv, idx, lens, sink = make_prefill(5, H, 20, 10, "rand", "cpu", seed=H)
+    args = (q, pos, cs, kv, _wild_ids(idx.clamp(min=-1, max=19), 20, g), _wild_lens(lens))
+    d1, s1, _ = mega.sparse_mla_prefill_fused(*args, attn_sink=sink)
+    d2, s2, _ = ref.sparse_mla_prefill_fused(*args, attn_sink=sink)
+    assert torch.equal(d1.view(torch.uint8), d2.view(torch.uint8)) and torch.equal(s1, s2)
+
+
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("H", [3, 8, 12])
 def test_prefill_shared_window_hint_conformance(name, H, device):
@@ -387,3 +470,37 @@ def test_prefill_shared_window_hint_conformance(name, H, device):
     ro, rl = sparse_mla_prefill_ref(q, kv, idx, lens, attn_sink=sink)
     assert o is out
     assert rel_err(o, ro) <= 1e-2 and max_abs_err(lse, rl) <= 1e-3
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("H", [3, 16])
+def test_prefill_shared_window_hint_is_checked(name, H):
+    """Every backend, for every head count, rejects a malformed hint naming it before any
+    work (``out`` keeps its poison), whether or not it uses the hint."""
+    backend = B.get_backend(name)
+    g = torch.Generator().manual_seed(H)
+    T = 4
+    q = torch.randn(T, H, 512, generator=g).bfloat16()
+    kv = torch.randn(12, 512, generator=g).bfloat16()
+    idx = torch.randint(-1, 12, (T, 6), generator=g, dtype=torch.int32)
+    lens = torch.full((T,), 6, dtype=torch.int32)
+    win = torch.zeros(3, T, dtype=torch.int32)
+    qsl = torch.tensor([0, T], dtype=torch.int32)
+    out = poison_(torch.empty_like(q))
+    before = out.clone()
+    bad = [
+        (TypeError, "window_rows", win.float(), qsl),
+        (TypeError, "window_rows", None, qsl),
+        (ValueError, "window_rows", torch.zeros(3, T + 1, dtype=torch.int32), qsl),
+        (ValueError, "window_rows", win[:2], qsl),
+        (TypeError, "query_start_loc", win, "x"),
+        (TypeError, "query_start_loc", win, qsl.float()),
+        (ValueError, "query_start_loc", win, qsl[None]),
+        (ValueError, "query_start_loc", win, qsl[:0]),
+        (ValueError, "query_start_loc", win, qsl.to("meta")),
+        (ValueError, "window_rows", win.to("meta"), qsl),
+    ]
+    for err, arg, w, s in bad:
+        with pytest.raises(err, match=f"^{arg}"):
+            backend.sparse_mla_prefill_shared_window(q, kv, idx, lens, w, s, out=out)
+    assert torch.equal(out.view(torch.int16), before.view(torch.int16))

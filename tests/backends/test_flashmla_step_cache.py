@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from dsv41_triton.attention.ref import sparse_mla_decode_ref, sparse_mla_prefill_ref
-from dsv41_triton.backends import Availability, _flashmla_common
+from dsv41_triton.backends import Availability, _checks, _flashmla_common
 from dsv41_triton.backends.flashmla import FlashMLABackend
 from dsv41_triton.ops.index_mask import mask_index_rows
 from dsv41_triton.ops.kv_cache_ref import quantize_and_insert_k_cache_ref
@@ -107,6 +107,38 @@ def test_index_rows_given_to_flashmla():
     p = _flashmla_common.pad_indices(idx.long(), 4)  # the prefill rows: lengths go separately
     assert p.dtype == torch.int32 and p.tolist() == [[5, -1, 7, 9], [1, 2, 3, 4]]
     assert _flashmla_common.pad_indices(idx[:, :3], 4).tolist() == [[5, -1, 7, -1], [1, 2, 3, -1]]
+
+
+def test_int64_rows_converted_for_flashmla():
+    """int64 ids and lens as FlashMLA reads them (int32; ``-1`` the only skipped id): every id
+    outside ``[0, rows)`` at 64 bits and every column past the clamped length is ``-1``;
+    lengths are clamped to ``[0, width]`` before the cast. The checks take int64."""
+    g = torch.Generator().manual_seed(11)
+    T, K, rows = 7, 70, 40
+    idx = torch.randint(-3, rows + 3, (T, K), generator=g, dtype=torch.int64)
+    idx[:, 0] = 2 ** 32 + 5  # slot 5 when cut to 32 bits
+    idx[:, 1] = -7
+    idx[:, 2] = 2 ** 31  # past int32
+    idx[:, 3] = 5
+    lens = torch.randint(-2, K + 3, (T,), generator=g, dtype=torch.int64)
+    lens[0], lens[1], lens[2] = 2 ** 32 + 1, 2 - 2 ** 32, 4
+    rows_i32 = _flashmla_common.index_rows_i32(idx, lens, rows, 64)
+    src = torch.nn.functional.pad(idx, (0, 128 - K), value=-1)
+    cols = torch.arange(128)
+    keep = (src >= 0) & (src < rows) & (cols[None, :] < lens.clamp(0, K)[:, None])
+    assert rows_i32.dtype == torch.int32
+    assert torch.equal(rows_i32, torch.where(keep, src, -1).to(torch.int32))
+    assert rows_i32[2, :4].tolist() == [-1, -1, -1, 5]
+    lens_i32 = _flashmla_common.lens_i32(lens, K)
+    assert lens_i32.dtype == torch.int32 and torch.equal(lens_i32, lens.clamp(0, K).int())
+    assert lens_i32[:2].tolist() == [K, 0]
+
+    q = torch.randn(T, 3, 512, generator=g).bfloat16()
+    cache = allocate_k_cache(2, 64, 584, "cpu")
+    _checks.check_decode(q, cache, idx, lens, cache, idx, lens, None, None)
+    _checks.check_prefill(q, torch.randn(rows, 512).bfloat16(), idx, lens, None, None)
+    with pytest.raises(TypeError, match="swa_indices"):
+        _checks.check_decode(q, cache, idx.float(), lens, None, None, None, None, None)
 
 
 @pytest.mark.parametrize("H", [3, 64])

@@ -179,3 +179,24 @@ def test_new_backend_is_one_registry_line():
     assert B.select_backend("mine", Problem("decode", 8)).backend is fake
     assert "mine" not in registry.AUTO_ORDER  # joins auto only when listed there
     assert "mine says yes" in B.describe(Problem("decode", 8))
+
+
+def test_malformed_problem_fields_and_names_are_named():
+    """A window record only the compressed cache uses (288), a device torch cannot parse and
+    a backend name that is not a str: ValueError / TypeError naming the argument."""
+    for name in ("auto", "torch"):
+        with pytest.raises(ValueError, match="swa_record.*288"):
+            B.select_backend(name, kind="decode", num_heads=8, swa_record=288)
+        with pytest.raises(ValueError, match="device.*'bogus'"):
+            B.select_backend(name, kind="decode", num_heads=8, device="bogus")
+    a = B.probe("torch", Problem("decode", 8, swa_record=288))
+    assert not a and "swa_record" in a.reason
+    assert "device" in B.probe("triton", Problem("prefill", 8, device="bogus")).reason
+    for record in (584, 528):  # the window records stay valid, with any compressed record
+        assert B.select_backend("torch", kind="decode", num_heads=8, swa_record=record,
+                                extra_record=288).name == "torch"
+    assert B.select_backend("torch", kind="decode", num_heads=8, device="cpu").name == "torch"
+    for bad in (["torch"], None, 3):
+        with pytest.raises(TypeError, match="^name: expected a backend name"):
+            B.get_backend(bad)
+    assert not B.probe(["torch"], Problem("decode", 8))
