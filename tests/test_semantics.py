@@ -213,6 +213,27 @@ def test_no_tokens_fused(impl, kind, device):
     assert data.shape == (0, 1, 4096) and scale.shape == (0, 1, 32) and lse.shape == (0, 8)
 
 
+@pytest.mark.parametrize("impl", ("torch", "triton"))
+@pytest.mark.parametrize("given", ("data", "scale"))
+def test_fused_half_of_the_output_pair_given(impl, given, device):
+    """The missing half of ``(data, scale)`` is allocated; the result is a call given neither."""
+    from dsv41_triton.ops import alloc_mxfp8_output
+
+    be = _backend(impl, device)
+    T = 3
+    q = torch.randn(T, 8, 512).bfloat16().to(device)
+    pos = torch.arange(T, dtype=torch.int32, device=device)
+    cs = make_cos_sin_cache(16).to(device)
+    cache = random_k_cache(2, PAGE, 584, device)
+    idx = torch.randint(0, 2 * PAGE, (T, 4), dtype=torch.int32, device=device)
+    d0, s0, _ = be.sparse_mla_decode_fused(q, pos, cs, cache, idx, None)
+    d, s = alloc_mxfp8_output(T, 1, device)
+    kw = {given: d if given == "data" else s}
+    d1, s1, _ = be.sparse_mla_decode_fused(q, pos, cs, cache, idx, None, **kw)
+    assert (d1 is d) if given == "data" else (s1 is s)
+    assert torch.equal(d1.view(torch.uint8), d0.view(torch.uint8)) and torch.equal(s1, s0)
+
+
 # ---- rejected -------------------------------------------------------------------------------
 @pytest.mark.parametrize("impl", ("torch", "triton", "flashmla"))
 def test_zero_heads_rejected(impl, device):

@@ -43,10 +43,10 @@ def fused_via_steps(
     """Run ``attn(q_roped_standard) -> (out bf16 [T, H, 512], lse)`` between the fused
     contract's prologue and epilogue; return ``(data, scale, lse)``."""
     T, H = check_fused_common(q, positions, cos_sin_cache, layout, q_norm_eps)
-    if data is not None or scale is not None:
-        from ..ops import mxfp8
+    if data is not None or scale is not None:  # the missing half is allocated
+        from ..attention.fused import check_fused_output
 
-        mxfp8.check_mxfp8_output(data, scale, T, H // WV_GROUP_SIZE)
+        data, scale = check_fused_output(data, scale, T, H // WV_GROUP_SIZE, q.device)
     qs = q_to_standard(q, layout)
     if q_norm_eps is not None:
         qs = q_head_rmsnorm(qs, q_norm_eps)

@@ -97,11 +97,11 @@ class FlashMLAMegaBackend(AttentionBackend):
     # ---------------------------------------------------------------------------------------
     def _finish(self, o_data, o_scale, lse, T, H, layout, data, scale):
         """Copy the kernel's (padded-group, interleaved) output into the caller's pair."""
-        from ..ops import mxfp8
+        from ..attention.fused import check_fused_output
 
         G = H // WV_GROUP_SIZE
-        if data is None:
-            data, scale = mxfp8.alloc_mxfp8_output(T, G, o_data.device)
+        if data is None or scale is None:
+            data, scale = check_fused_output(data, scale, T, G, o_data.device)
         od, osc = o_data[:, :G], o_scale[:, :G]
         if layout == "standard":
             od, sb = _permute_chunks(od, osc, _STD_FROM_INTERLEAVED)
@@ -115,10 +115,10 @@ class FlashMLAMegaBackend(AttentionBackend):
     def _prep(self, q, positions, cos_sin_cache, layout, q_norm_eps, data, scale, attn_sink):
         T, H = check_fused_common(q, positions, cos_sin_cache, layout, q_norm_eps)
         _checks.check_sink(attn_sink, H)
-        if data is not None or scale is not None:
-            from ..ops import mxfp8
+        if data is not None or scale is not None:  # checked here, the missing half made in _finish
+            from ..attention.fused import check_fused_output
 
-            mxfp8.check_mxfp8_output(data, scale, T, H // WV_GROUP_SIZE)
+            check_fused_output(data, scale, T, H // WV_GROUP_SIZE, q.device)
         ops, why = load_flashmla()
         if ops is None:
             raise RuntimeError(f"FlashMLA is not available: {why}")
