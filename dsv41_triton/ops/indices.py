@@ -199,6 +199,9 @@ def combine_topk_swa_indices(
     check_int("N", N, lo=0)
     if compress_ratio > 0 and K < topk:
         raise ValueError(f"topk_indices: expected at least topk = {topk} columns, got shape {(T, K)}")
+    if N > M:
+        raise ValueError(f"N: expected <= M = {M} (a request's compressed rows are the first N of "
+                         f"its M workspace rows), got {N}")
     if M * max(B, 1) + N > INT32_MAX:
         raise ValueError(f"M: workspace rows M*B + N = {M * B + N} do not fit int32 indices")
     width = combined_width(topk, window_size)
@@ -305,10 +308,13 @@ def _global_topk_step(k, km, row_in, bt_row, row_out, count, lim, bt_m, col_max,
         blk = tl.load(bt_row + colc.to(tl.int64) * sb_c, mask=bt_m, other=-1)
     else:
         blk = tl.load(bt_row + colc * sb_c, mask=bt_m, other=-1)
-    # blk * bs + (i % bs) >= 0 exactly when blk >= 0; the int32 slot is the low 32 bits
-    # of the exact product-sum, which wrapping int32 arithmetic gives bit for bit
-    ok = ok & (blk >= 0)
-    slot = blk.to(tl.int32) * BLOCK_SIZE + (ip - col * BLOCK_SIZE).to(tl.int32)
+    # blk * bs + off is in [0, 2**31) exactly when blk >= 0 and blk < LIM or blk == LIM with
+    # off <= REM: a slot past the int32 output is dropped, never wrapped
+    off = ip - col * BLOCK_SIZE
+    LIM: tl.constexpr = 2147483647 // BLOCK_SIZE
+    REM: tl.constexpr = 2147483647 % BLOCK_SIZE
+    ok = ok & (blk >= 0) & ((blk < LIM) | ((blk == LIM) & (off <= REM)))
+    slot = blk.to(tl.int32) * BLOCK_SIZE + off.to(tl.int32)
     # left-packed position = survivors in earlier steps + in earlier chunks (of 32 columns)
     # of this step + in earlier columns of this chunk (= higher lanes). The lane scan and
     # the chunk sums run on PACK chunks at once: 0/1 flags summed over <= 32 lanes fit
@@ -409,7 +415,7 @@ def compute_global_topk_indices_and_lens(
 
     Local index ``i >= 0`` becomes ``block_table[req, i // bs] * bs + i % bs``. It is dropped
     when the request is outside ``[0, R)``, the block column is ``>= max_blocks``, or the slot
-    is negative (a negative block id). Survivors are packed to the LEFT in their original
+    is negative (a negative block id) or past int32 (computed at 64 bits, never wrapped). Survivors are packed to the LEFT in their original
     order, ``-1`` after them. ``lens`` counts them; 0 for invalid tokens (whose row is
     translated all the same).
 

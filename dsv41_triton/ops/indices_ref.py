@@ -128,7 +128,8 @@ def compute_global_topk_indices_and_lens_ref(
 
     Local index ``i >= 0`` of token ``t`` (request ``r = token_to_req_indices[t]``) becomes
     ``block_table[r, i // bs] * bs + i % bs``; it is dropped when ``r`` is outside
-    ``[0, block_table.shape[0])``, ``i // bs >= block_table.shape[1]`` or the slot is negative.
+    ``[0, block_table.shape[0])``, ``i // bs >= block_table.shape[1]`` or the slot is negative or
+    past int32.
     Survivors are packed to the left in their original order, ``-1`` after; ``lens`` counts
     them (0 where ``is_valid_token`` is False). Returns ``(indices [T, K] int32, lens [T] int32)``.
     """
@@ -146,7 +147,7 @@ def compute_global_topk_indices_and_lens_ref(
         slot = blk * block_size + local.clamp_min(0) % block_size
     else:
         slot = torch.full_like(local, -1)
-    ok &= slot >= 0
+    ok &= (slot >= 0) & (slot <= 2**31 - 1)
     # stable sort on "dropped" moves survivors left, keeping their order
     order = torch.sort((~ok).to(torch.int8), dim=1, stable=True).indices
     packed = torch.gather(torch.where(ok, slot, -1), 1, order)

@@ -59,7 +59,7 @@ def global_loop(topk_indices, tok2req, block_table, bs, valid):
             if i < 0 or not (0 <= req < R) or i // bs >= MB:
                 continue
             slot = int(block_table[req, i // bs]) * bs + i % bs
-            if slot >= 0:
+            if 0 <= slot < 2**31:
                 kept.append(slot)
         out[t, : len(kept)] = torch.tensor(kept, dtype=torch.int32)
         lens[t] = len(kept) if (valid is None or bool(valid[t])) else 0
@@ -226,6 +226,8 @@ def test_combine_bad_inputs():
         combine_topk_swa_indices(ti, qsl, seq, None, **{**ok, "compress_ratio": 1.0})
     with pytest.raises(ValueError, match="M"):
         combine_topk_swa_indices(ti, qsl, seq, None, **{**ok, "M": 2**31})
+    with pytest.raises(ValueError, match="^N: expected <= M"):
+        combine_topk_swa_indices(ti, qsl, seq, None, **{**ok, "N": 11})
     with pytest.raises(ValueError, match="indices"):
         combine_topk_swa_indices(ti, qsl, seq, None, **ok,
                                  out=(torch.empty(3, 64, dtype=torch.int32), torch.empty(3, dtype=torch.int32)))
@@ -292,6 +294,23 @@ def test_global_edge_cases(device, bs):
     assert lens[2] == 0 and (idx[2] >= 0).any()  # invalid token: row translated, len 0
     assert (idx[3:7] == -1).all() and (lens[3:7] == 0).all()
     assert (lens[:2] > 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("bs", [1, 4, 64])
+def test_global_slots_past_int32_dropped(device, bs, dtype):
+    """Block ids whose slots pass 2**31 - 1 (the int32 output) are dropped, never wrapped; the
+    last representable slot survives."""
+    last = (2**31 - 1) // bs
+    ids = [last - 1, last, last + 1, 2**30 if bs > 1 else 2**31 - 1]
+    if dtype == torch.int64:
+        ids.append(2**32 // bs)  # the same low 32 bits as slot 0
+    ids = [i for i in ids if dtype == torch.int64 or i < 2**31]
+    bt = torch.tensor([ids], dtype=dtype)
+    ti = torch.arange(bs * len(ids), dtype=torch.int32)[None].repeat(2, 1)
+    ti[1] = ti[1].flip(0)
+    idx, lens = _check_global(device, ti, torch.tensor([0, 0], dtype=torch.int32), bt, bs, None)
+    assert int(idx.max()) == 2**31 - 1 and (idx[0, : lens[0]] >= bs * (last - 1)).all()
 
 
 def test_global_left_packing_order(device):
