@@ -26,6 +26,10 @@ from dsv41_triton.ops.rope_ref import apply_rope_ref, make_cos_sin_cache
 from dsv41_triton.testing import max_abs_err, poison_, rel_err
 
 NAMES = B.list_backends()
+#: the backends that serve the plain decode / prefill kinds (flashmla_mega serves only the
+#: fused ones, so its plain cases would be skipped everywhere). The torch backend runs the
+#: references: its cases check the wrapper (out written in place, lse dtype and shape).
+PLAIN_NAMES = tuple(n for n in NAMES if n != "flashmla_mega")
 PAGE = 4
 
 
@@ -126,7 +130,7 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", PLAIN_NAMES)
 @pytest.mark.parametrize("T,H,swa,extra,sink", DECODE_CASES)
 def test_decode_conformance(name, T, H, swa, extra, sink, device):
     backend = _probe_or_skip(name, Problem("decode", H, torch.device(device), swa, extra))
@@ -135,7 +139,7 @@ def test_decode_conformance(name, T, H, swa, extra, sink, device):
     assert e_out <= 1e-2 and e_lse <= 1e-3, (e_out, e_lse)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", PLAIN_NAMES)
 @pytest.mark.parametrize("T,H,S,K,sink", [(3, 3, 20, 10, "rand"), (1, 1, 5, 3, "none"),
                                           (4, 8, 30, 16, "rand")])
 def test_prefill_conformance(name, T, H, S, K, sink, device):
