@@ -17,6 +17,12 @@ completes an entry (``(pos + 1) % r == 0``) gathers its window's rows back from 
 chunked prefill, decode steps and mixed batches need no per-request Python state; the state
 lives in the same kind of paged cache as the KV, allocated beside it.
 
+Arguments are checked (dtype, rank, shape, device, layout) before anything is computed or
+written; a ``TypeError`` / ``ValueError`` names the argument. Values of device tensors are not
+read (no host sync): a slot outside the state cache is skipped, a ``token_to_req`` without a
+block-table row or a window position past the table reads no state row, and a position outside
+``[0, max_pos)`` of the cos/sin table is left unrotated by :func:`rope_tail` (as the RoPE ops).
+
 Weights are fp32 (as DeepSeek's reference keeps ``wkv``/``wgate``/``ape``/``norm``); the pooling
 and the norm run in fp32. :func:`compress_sequence_ref` is the float64 oracle (a whole
 request from position 0, no state).
@@ -29,7 +35,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .._utils import check_int, check_tensor
+from .._contract import (
+    INT_DTYPES,
+    ROPE_DIM,
+    check_bool,
+    check_int,
+    check_shape,
+    check_tensor,
+)
+from ..ops.rope_ref import rope_cos_sin_ref
 
 __all__ = ["CompressorSpec", "KVCompressor", "compress_sequence_ref", "rms_norm_f", "rope_tail"]
 
@@ -45,6 +59,10 @@ class CompressorSpec:
     overlap: bool = False
     ape: bool = False
     eps: float = 1e-6
+
+    def __post_init__(self):
+        for f in ("ratio", "dim", "hidden_size"):
+            check_int(f, getattr(self, f), lo=1)
 
     @classmethod
     def for_version(cls, version: str, ratio: int, dim: int, hidden_size: int,
@@ -75,8 +93,71 @@ class CompressorSpec:
         return 0 if self.ratio == 1 else 2 * self.coff * self.dim
 
 
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def _check_rows(name: str, t: object, width: int | None, device: torch.device,
+                T: int | None = None) -> torch.Tensor:
+    """A float ``[T, width]`` activation on ``device`` (any strides)."""
+    check_tensor(name, t, dtypes=_FLOAT_DTYPES, ndims=2, contiguous_last=False, device=device)
+    check_shape(name, t, (T, width))
+    return t
+
+
+def _check_per_token(name: str, t: object, T: int, device: torch.device | None,
+                     dtypes=INT_DTYPES) -> None:
+    """A ``[T]`` int (or ``dtypes``) tensor on ``device`` (any stride)."""
+    check_tensor(name, t, dtypes=dtypes, ndims=1, contiguous_last=False, device=device)
+    check_shape(name, t, (T,))
+
+
+def _check_positions(positions: object, device: torch.device) -> int:
+    """``positions [T]`` int on ``device`` (any stride); returns ``T``."""
+    check_tensor("positions", positions, dtypes=INT_DTYPES, ndims=1, contiguous_last=False,
+                 device=device)
+    return positions.shape[0]
+
+
+def _check_valid(valid: object, T: int, device: torch.device) -> None:
+    if valid is not None:
+        _check_per_token("valid", valid, T, device, dtypes=(torch.bool,))
+
+
+def _check_cos_sin_cache(cs: object, device: torch.device, name: str = "cos_sin_cache") -> None:
+    """``[max_pos, 64]`` fp32 (fp64 for a float64 reference), cos | sin, on ``device``."""
+    check_tensor(name, cs, dtypes=(torch.float32, torch.float64), ndims=2, last_dim=ROPE_DIM,
+                 contiguous_last=False, device=device)
+
+
+def _check_state_cache(cache: object, width: int, device: torch.device) -> torch.Tensor:
+    """``float32 [num_blocks >= 1, page >= 1, width]`` whose rows can be addressed as one
+    ``[num_blocks * page, width]`` view (blocks back to back, rows not overlapping); returns it."""
+    check_tensor("state_cache", cache, dtypes=(torch.float32,), ndims=3, last_dim=width,
+                 device=device)
+    nb, page = cache.shape[0], cache.shape[1]
+    if nb < 1 or page < 1:
+        raise ValueError(f"state_cache: expected at least one block of at least one token, got "
+                         f"shape {tuple(cache.shape)}")
+    try:
+        flat = cache.view(nb * page, width)
+    except RuntimeError:
+        flat = None
+    if flat is None or (flat.shape[0] > 1 and flat.stride(0) < width):
+        raise ValueError(
+            f"state_cache: expected blocks of back-to-back rows (viewable as [num_blocks * page, "
+            f"{width}], stride(0) == page * stride(1) >= page * {width}), got strides "
+            f"{tuple(cache.stride())}")
+    return flat
+
+
 def rms_norm_f(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in ``x.dtype`` (use fp32 / fp64): ``x * rsqrt(mean(x**2) + eps) * weight``."""
+    check_tensor("x", x, dtypes=_FLOAT_DTYPES, contiguous_last=False)
+    if x.dim() == 0:
+        raise ValueError("x: expected at least one dim, got a 0-D tensor")
+    check_tensor("weight", weight, dtypes=_FLOAT_DTYPES, ndims=1, contiguous_last=False,
+                 device=x.device)
+    check_shape("weight", weight, (x.shape[-1],))
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.to(x.dtype)
 
 
@@ -98,8 +179,28 @@ class KVCompressor(nn.Module):
             p.requires_grad_(False)
 
     # ---- pieces -----------------------------------------------------------------------------
+    @property
+    def _device(self) -> torch.device:
+        return self.wkv.weight.device
+
+    def _check_inputs(self, x: object, positions: object, valid: object = None) -> int:
+        """``x [T, hidden]`` float, ``positions [T]`` int, ``valid`` None or ``[T]`` bool, all
+        on the parameters' device; returns ``T``."""
+        dev = self._device
+        _check_rows("x", x, self.spec.hidden_size, dev)
+        T = x.shape[0]
+        _check_per_token("positions", positions, T, dev)
+        _check_valid(valid, T, dev)
+        return T
+
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` -> fp32 rows ``[T, 2 C D]`` = ``[wkv x | wgate x + ape[pos % r]]``."""
+        if self.wgate is None:
+            raise RuntimeError("project: a ratio-1 compressor keeps no state rows (no wgate)")
+        self._check_inputs(x, positions)
+        return self._project(x, positions)
+
+    def _project(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         kv = xf @ self.wkv.weight.t()
         sc = xf @ self.wgate.weight.t()
@@ -111,6 +212,15 @@ class KVCompressor(nn.Module):
         """Pool windows ``rows [n, window, 2 C D]`` (positions ascending; with overlap the first
         ``r`` rows belong to the previous group, ignored where ``first_entry``) -> ``[n, D]``
         normed fp32."""
+        s = self.spec
+        check_tensor("rows", rows, dtypes=(torch.float32,), ndims=3, contiguous_last=False,
+                     device=self._device)
+        check_shape("rows", rows, (None, s.window, 2 * s.coff * s.dim))
+        _check_per_token("first_entry", first_entry, rows.shape[0], self._device,
+                         dtypes=(torch.bool,))
+        return self._pool(rows, first_entry)
+
+    def _pool(self, rows: torch.Tensor, first_entry: torch.Tensor) -> torch.Tensor:
         s = self.spec
         D, r = s.dim, s.ratio
         kv, sc = rows[..., : s.coff * D], rows[..., s.coff * D:]
@@ -129,17 +239,33 @@ class KVCompressor(nn.Module):
         """Compress one step's tokens.
 
         Args:
-            x: ``[T, hidden]`` the layer input; positions ``[T]`` int.
+            x: ``[T, hidden]`` float, the layer input; positions ``[T]`` int.
             token_to_req, block_table, slot_mapping: the window cache's (``[T]``, ``[B, blocks]``,
-                ``[T]``); ``state_cache`` ``float32 [num_blocks, page, state_width]`` shares
-                its geometry. Not needed at ratio 1.
+                ``[T]``, int); ``state_cache`` ``float32 [num_blocks, page, state_width]`` shares
+                its geometry. Not needed at ratio 1 (checked when given, ``state_cache``
+                ignored). All on the parameters' device.
             valid: ``[T]`` bool, False for padding tokens (never complete an entry).
         Returns:
             ``(latent [T, D] fp32, completes [T] bool)``: the normed, not yet RoPE'd entry
             ``pos // r`` on the rows of tokens completing it (``completes``), zeros elsewhere.
         """
         s = self.spec
-        T = x.shape[0]
+        T = self._check_inputs(x, positions, valid)
+        dev = x.device
+        for name, t in (("token_to_req", token_to_req), ("slot_mapping", slot_mapping)):
+            if t is not None:
+                _check_per_token(name, t, T, dev)
+        if block_table is not None:
+            check_tensor("block_table", block_table, dtypes=INT_DTYPES, ndims=2,
+                         contiguous_last=False, device=dev)
+        flat = None
+        if s.ratio > 1:
+            missing = [n for n, t in (("state_cache", state_cache), ("block_table", block_table),
+                                      ("slot_mapping", slot_mapping), ("token_to_req", token_to_req))
+                       if t is None]
+            if missing:
+                raise ValueError(f"{', '.join(missing)}: required at ratio {s.ratio}")
+            flat = _check_state_cache(state_cache, s.state_width, dev)
         pos = positions.long()
         completes = (pos + 1) % s.ratio == 0
         if valid is not None:
@@ -147,32 +273,33 @@ class KVCompressor(nn.Module):
         if s.ratio == 1:
             lat = rms_norm_f(x.float() @ self.wkv.weight.t(), self.norm.weight, s.eps)
             return lat * completes[:, None], completes
-        if state_cache is None or block_table is None or slot_mapping is None or token_to_req is None:
-            raise ValueError(f"state_cache, block_table, slot_mapping, token_to_req: required at ratio {s.ratio}")
-        check_tensor("state_cache", state_cache, dtypes=(torch.float32,), ndims=3, last_dim=s.state_width)
         nb, page = state_cache.shape[0], state_cache.shape[1]
-        out = torch.zeros(T, s.dim, dtype=torch.float32, device=x.device)
+        out = torch.zeros(T, s.dim, dtype=torch.float32, device=dev)
         if T == 0:
             return out, completes
-        rows = self.project(x, positions)
+        rows = self._project(x, positions)
         slots = slot_mapping.long()
         ok = (slots >= 0) & (slots < nb * page)
-        flat = state_cache.view(nb * page, s.state_width)
         flat[slots[ok]] = rows[ok]
         idx = completes.nonzero().squeeze(1)
         if idx.numel() == 0:
             return out, completes
         L = s.window
-        wpos = pos[idx, None] - L + 1 + torch.arange(L, device=x.device)[None, :]  # [n, L]
+        wpos = pos[idx, None] - L + 1 + torch.arange(L, device=dev)[None, :]  # [n, L]
         req = token_to_req.long()[idx]
-        col = (wpos.clamp_min(0) // page).clamp_max(block_table.shape[1] - 1)
-        blk = block_table.long()[req[:, None], col]
+        B, ncols = block_table.shape
+        col = wpos.clamp_min(0) // page
+        have = (wpos >= 0) & (col < ncols) & ((req >= 0) & (req < B))[:, None]
+        if B == 0 or ncols == 0:
+            blk = torch.full_like(wpos, -1)
+        else:
+            blk = block_table.long()[req.clamp(0, B - 1)[:, None], col.clamp_max(ncols - 1)]
+        have &= (blk >= 0) & (blk < nb)
         wslot = blk * page + wpos.clamp_min(0) % page
-        have = (wpos >= 0) & (blk >= 0) & (blk < nb)
         win = flat[wslot.clamp(0, nb * page - 1)]
         win = torch.where(have[..., None], win, torch.zeros_like(win))
         first = pos[idx] < s.ratio  # entry 0: no previous group
-        out[idx] = self.pool(win, first)
+        out[idx] = self._pool(win, first)
         return out, completes
 
     # ---- weights ----------------------------------------------------------------------------
@@ -195,6 +322,9 @@ class KVCompressor(nn.Module):
 def compress_sequence_ref(x: torch.Tensor, comp: KVCompressor) -> torch.Tensor:
     """Float64 oracle: the normed (pre-RoPE) entries ``[S // r, D]`` of one request's tokens
     ``x [S, hidden]`` at positions ``0 .. S - 1``, written straight from the rules."""
+    if not isinstance(comp, KVCompressor):
+        raise TypeError(f"comp: expected a KVCompressor, got {type(comp).__name__}")
+    _check_rows("x", x, comp.spec.hidden_size, comp._device)
     s = comp.spec
     xd = x.double()
     w = {n: p.detach().double() for n, p in comp.named_parameters()}
@@ -226,10 +356,19 @@ def compress_sequence_ref(x: torch.Tensor, comp: KVCompressor) -> torch.Tensor:
 def rope_tail(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
               inverse: bool = False) -> torch.Tensor:
     """GPT-J RoPE (SPEC §2) of the last 64 dims of ``x [T, ..., dim]`` at ``positions [T]``,
-    in ``x.dtype`` (fp32 / fp64); the other dims are copied. A new tensor."""
-    cs = cos_sin_cache[positions.long()].to(x.dtype)
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (32,)
-    cos, sin = cs[:, :32].reshape(shape), cs[:, 32:].reshape(shape)
+    in ``x.dtype`` (fp32 / fp64); the other dims are copied. A new tensor. A position outside
+    ``[0, max_pos)`` of ``cos_sin_cache [max_pos, 64]`` is not rotated (as the RoPE ops)."""
+    check_tensor("x", x, dtypes=_FLOAT_DTYPES, contiguous_last=False)
+    if x.dim() < 2 or x.shape[-1] < ROPE_DIM:
+        raise ValueError(f"x: expected [T, ..., dim >= {ROPE_DIM}], got shape {tuple(x.shape)}")
+    _check_per_token("positions", positions, x.shape[0], x.device)
+    _check_cos_sin_cache(cos_sin_cache, x.device)
+    check_bool("inverse", inverse)
+    if cos_sin_cache.shape[0] == 0:
+        return x.clone()
+    cos, sin = rope_cos_sin_ref(positions, cos_sin_cache, x.dtype)
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (ROPE_DIM // 2,)
+    cos, sin = cos.reshape(shape), sin.reshape(shape)
     if inverse:
         sin = -sin
     a, b = x[..., -64::2], x[..., -63::2]

@@ -15,6 +15,11 @@ and selects the top-k visible entries (ascending entry ids, ``-1`` padded):
   (:func:`~dsv41_triton.ops.indexer.index_topk`); V4.1's two-level selection through
   candidate blocks (:func:`select_candidates` / ``candidates=``).
 
+Arguments are checked (dtype, rank, shape, device, layout) before anything is computed or
+written, raising ``TypeError`` / ``ValueError`` naming the argument; device tensors' values are
+not read (a position outside ``[0, max_pos)`` of ``cos_sin_cache`` is left unrotated, as the
+RoPE ops do; a ``token_to_req`` without a block-table row selects nothing).
+
 ``hadamard=False, fp4=False`` follow transformers' DeepSeek-V4 indexer (neither is applied
 there). ``reference=True`` runs the torch references of the ops instead of the kernels.
 """
@@ -27,10 +32,20 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from .._utils import check_int
+from .._contract import INDEX_DTYPES, INT_DTYPES, check_bool, check_int, check_tensor
 from ..ops import indexer as K
 from ..ops import indexer_ref as R
-from .compressor import CompressorSpec, KVCompressor, rms_norm_f, rope_tail
+from .compressor import (
+    CompressorSpec,
+    KVCompressor,
+    _check_cos_sin_cache,
+    _check_per_token,
+    _check_positions,
+    _check_rows,
+    _check_valid,
+    rms_norm_f,
+    rope_tail,
+)
 
 __all__ = ["IndexerSpec", "LightningIndexer", "dense_topk", "visible_lens"]
 
@@ -59,8 +74,10 @@ class IndexerSpec:
     def __post_init__(self):
         if self.version not in ("v4", "v4.1"):
             raise ValueError(f"version: expected 'v4' or 'v4.1', got {self.version!r}")
-        for f in ("ratio", "hidden_size", "q_lora_rank", "n_heads", "head_dim", "topk"):
+        for f in ("ratio", "hidden_size", "q_lora_rank", "n_heads", "head_dim", "topk",
+                  "latent_dim", "candidate_block_size"):
             check_int(f, getattr(self, f), lo=1)
+        check_int("candidate_topk_blocks", self.candidate_topk_blocks, lo=0)
         if self.head_dim & (self.head_dim - 1) or self.head_dim < 64:
             raise ValueError(f"head_dim: expected a power of two >= 64, got {self.head_dim}")
         if self.hadamard is None:
@@ -69,6 +86,9 @@ class IndexerSpec:
 
 def visible_lens(positions: torch.Tensor, ratio: int, valid: torch.Tensor | None = None) -> torch.Tensor:
     """int32 ``(pos + 1) // ratio`` (0 for invalid tokens): the entries a token may attend."""
+    T = _check_positions(positions, None)
+    check_int("ratio", ratio, lo=1)
+    _check_valid(valid, T, positions.device)
     v = torch.div(positions.long() + 1, ratio, rounding_mode="floor")
     if valid is not None:
         v = torch.where(valid, v, torch.zeros_like(v))
@@ -79,6 +99,7 @@ def dense_topk(positions: torch.Tensor, ratio: int, width: int,
                valid: torch.Tensor | None = None) -> torch.Tensor:
     """The selection of a layer without an indexer (V4 ratio 128): every visible entry,
     ``[T, width]`` int32 ascending, ``-1`` padded."""
+    check_int("width", width, lo=0)
     vis = visible_lens(positions, ratio, valid)
     j = torch.arange(width, device=positions.device, dtype=torch.int32)
     return torch.where(j[None, :] < vis[:, None], j[None, :], torch.full_like(j[None, :], -1))
@@ -116,6 +137,15 @@ class LightningIndexer(nn.Module):
         self.max_logits_elems = 1 << 28
         self.last_logits: torch.Tensor | None = None
 
+    # ---- argument checks ---------------------------------------------------------------------
+    @property
+    def _device(self) -> torch.device:
+        return self.wq_b.weight.device
+
+    def _check_index_cache(self, index_cache: object) -> None:
+        check_tensor("index_cache", index_cache, device=self._device)
+        R.check_index_k_cache("index_cache", index_cache, self.spec.head_dim)
+
     # ---- queries, weights, keys ------------------------------------------------------------
     def _finish(self, x: torch.Tensor) -> torch.Tensor:
         if self.spec.hadamard:
@@ -126,6 +156,14 @@ class LightningIndexer(nn.Module):
                 quantize: bool = True) -> torch.Tensor:
         """``qr [T, q_lora]`` -> bf16 ``[T, Hi, Di]`` (RoPE'd, Hadamard'd for V4, FP4-simulated);
         ``quantize=False``: the fp32 values before the FP4 simulation and the bf16 cast."""
+        dev = self._device
+        _check_rows("qr", qr, self.spec.q_lora_rank, dev)
+        _check_per_token("positions", positions, qr.shape[0], dev)
+        _check_cos_sin_cache(cos_sin_cache, dev)
+        check_bool("quantize", quantize)
+        return self._queries(qr, positions, cos_sin_cache, quantize)
+
+    def _queries(self, qr, positions, cos_sin_cache, quantize: bool = True) -> torch.Tensor:
         T = qr.shape[0]
         q = (qr.float() @ self.wq_b.weight.t()).view(T, self.spec.n_heads, self.spec.head_dim)
         q = self._finish(rope_tail(q, positions, cos_sin_cache))
@@ -137,6 +175,10 @@ class LightningIndexer(nn.Module):
 
     def head_weights(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` -> fp32 ``[T, Hi]``."""
+        _check_rows("x", x, self.spec.hidden_size, self._device)
+        return self._head_weights(x)
+
+    def _head_weights(self, x: torch.Tensor) -> torch.Tensor:
         s = self.spec
         return (x.float() @ self.weights_proj.weight.t()) * (s.head_dim ** -0.5 * s.n_heads ** -0.5)
 
@@ -146,6 +188,10 @@ class LightningIndexer(nn.Module):
         -> fp32 index keys ``[T, Di]`` (RoPE at the entry's first position)."""
         if self.wk is None:
             raise RuntimeError("this indexer does not own index keys (V4.1: not a KV source)")
+        dev = self._device
+        _check_rows("latent", latent, self.spec.latent_dim, dev)
+        _check_per_token("positions", positions, latent.shape[0], dev)
+        _check_cos_sin_cache(cos_sin_cache, dev)
         k = rms_norm_f(latent.float() @ self.wk.weight.t(), self.k_norm.weight, self.spec.eps)
         first = torch.div(positions.long(), self.spec.ratio, rounding_mode="floor") * self.spec.ratio
         return self._finish(rope_tail(k, first, cos_sin_cache))
@@ -155,6 +201,7 @@ class LightningIndexer(nn.Module):
         """V4: the indexer's compressor on the step's tokens -> ``(keys [T, Di] fp32, completes)``."""
         if self.compressor is None:
             raise RuntimeError("this indexer has no compressor (V4.1 keys come from the KV latent)")
+        _check_cos_sin_cache(cos_sin_cache, self._device)  # before the compressor writes state
         lat, done = self.compressor(x, positions, token_to_req, state_cache, block_table,
                                     slot_mapping, valid)
         first = torch.div(positions.long(), self.spec.ratio, rounding_mode="floor") * self.spec.ratio
@@ -162,15 +209,24 @@ class LightningIndexer(nn.Module):
 
     def store_keys(self, keys: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write key rows at ``slot_mapping`` (the compressed cache's; ``-1`` skipped)."""
+        _check_rows("keys", keys, self.spec.head_dim, self._device)
+        self._check_index_cache(index_cache)
         f = R.quantize_and_insert_index_k_ref if self.reference else K.quantize_and_insert_index_k
         f(keys.float().contiguous(), index_cache, slot_mapping, self.spec.fp4)
 
     # ---- selection --------------------------------------------------------------------------
     def logits(self, q, w, index_cache, block_table, token_to_req, vis, width: int) -> torch.Tensor:
+        """``[T, width]`` fp32 index logits (:func:`~dsv41_triton.ops.indexer.index_logits`)."""
+        check_int("width", width, lo=0)
+        self._check_index_cache(index_cache)
+        return self._logits(q, w, index_cache, block_table, token_to_req, vis, width)
+
+    def _logits(self, q, w, index_cache, block_table, token_to_req, vis, width: int) -> torch.Tensor:
         f = R.index_logits_ref if self.reference else K.index_logits
         return f(q, w, index_cache, block_table, token_to_req, vis, max_len=width)
 
     def topk(self, logits: torch.Tensor, vis: torch.Tensor) -> torch.Tensor:
+        """``[T, topk]`` int32 (:func:`~dsv41_triton.ops.indexer.select_topk`)."""
         f = R.index_topk_ref if self.reference else K.select_topk
         return f(logits, vis, self.spec.topk)
 
@@ -183,8 +239,16 @@ class LightningIndexer(nn.Module):
 
         Returns ``(topk [T, topk] int32, candidates or None)``. ``candidates``: restrict the
         choice to these blocks (a V4.1 consumer); ``publish_candidates``: also return this
-        layer's candidate blocks (the V4.1 candidate source)."""
+        layer's candidate blocks (the V4.1 candidate source).
+
+        Args: ``x [T, hidden]`` / ``qr [T, q_lora]`` float, ``positions`` / ``token_to_req``
+        ``[T]`` int, ``cos_sin_cache [max_pos, 64]`` fp32 / fp64, ``index_cache`` uint8
+        ``[num_blocks, page, head_dim + 4]``, ``block_table [B, blocks]`` int32, ``valid``
+        ``[T]`` bool, ``width`` an int >= 0 (default: the largest visible length, one host
+        read), ``candidates [T, n]`` int; all on the parameters' device."""
         s = self.spec
+        self._check_select_args(x, qr, positions, cos_sin_cache, index_cache, block_table,
+                                token_to_req, valid, width, candidates, publish_candidates)
         vis = visible_lens(positions, s.ratio, valid)
         T = positions.shape[0]
         if width is None:
@@ -195,14 +259,14 @@ class LightningIndexer(nn.Module):
             if publish_candidates:
                 cand = torch.full((T, s.candidate_topk_blocks), -1, dtype=torch.int32, device=positions.device)
             return empty, cand
-        q = self.queries(qr, positions, cos_sin_cache)
-        w = self.head_weights(x)
+        q = self._queries(qr, positions, cos_sin_cache)
+        w = self._head_weights(x)
         # the [tokens, width] fp32 logits are made a token chunk at a time (bounded scratch)
         step = max(1, self.max_logits_elems // width)
         tops, cands, kept = [], [], []
         for a in range(0, T, step):
             b = min(T, a + step)
-            lg = self.logits(q[a:b], w[a:b], index_cache, block_table, token_to_req[a:b], vis[a:b], width)
+            lg = self._logits(q[a:b], w[a:b], index_cache, block_table, token_to_req[a:b], vis[a:b], width)
             if self.keep_logits:
                 kept.append(lg)
             if publish_candidates:
@@ -214,6 +278,31 @@ class LightningIndexer(nn.Module):
         self.last_logits = torch.cat(kept) if self.keep_logits else None
         cand = torch.cat(cands) if publish_candidates else None
         return (tops[0] if len(tops) == 1 else torch.cat(tops)), cand
+
+    def _check_select_args(self, x, qr, positions, cos_sin_cache, index_cache, block_table,
+                           token_to_req, valid, width, candidates, publish_candidates) -> None:
+        s, dev = self.spec, self._device
+        T = _check_positions(positions, dev)
+        _check_rows("x", x, s.hidden_size, dev, T)
+        _check_rows("qr", qr, s.q_lora_rank, dev, T)
+        _check_cos_sin_cache(cos_sin_cache, dev)
+        self._check_index_cache(index_cache)
+        check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndims=2, device=dev)
+        _check_per_token("token_to_req", token_to_req, T, dev)
+        _check_valid(valid, T, dev)
+        if width is not None:
+            check_int("width", width, lo=0)
+        check_bool("publish_candidates", publish_candidates)
+        if candidates is not None:
+            check_tensor("candidates", candidates, dtypes=INT_DTYPES, ndims=2,
+                         contiguous_last=False, device=dev)
+            if candidates.shape[0] != T:
+                raise ValueError(f"candidates: expected {T} rows (one per token), got shape "
+                                 f"{tuple(candidates.shape)}")
+        if candidates is not None or publish_candidates:
+            check_int("spec.candidate_block_size", s.candidate_block_size, lo=1)
+        if publish_candidates:
+            check_int("spec.candidate_topk_blocks", s.candidate_topk_blocks, lo=1)
 
     # ---- weights ----------------------------------------------------------------------------
     _ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {

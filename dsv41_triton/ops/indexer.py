@@ -116,7 +116,7 @@ def quantize_and_insert_index_k(k: torch.Tensor, index_cache: torch.Tensor,
     ``uint8 [num_blocks, page, dim + 4]`` at ``slot_mapping [T]`` (int32/int64; ``< 0`` and
     past-the-cache slots skipped). ``fp4``: FP4-simulate the row first (the V4/V4.1 rule);
     else a plain FP8 row with a power-of-two scale."""
-    cache, dim = check_index_insert_args(k, index_cache, slot_mapping)
+    cache, dim = check_index_insert_args(k, index_cache, slot_mapping, fp4)
     T = k.shape[0]
     if T == 0:
         return
@@ -203,8 +203,6 @@ def index_logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
     N = out.shape[1]
     if T == 0 or N == 0:
         return out
-    if q.stride(2) != 1 or weights.stride(1) != 1:
-        raise ValueError("q, weights: the last dim must be contiguous")
     hp = max(16, next_power_of_2(H))
     blocks = max(1, min(LOGITS_BLOCKS_PER_PROGRAM, cdiv(N, LOGITS_BLOCK_N)))
     _index_logits_kernel[(T, cdiv(N, LOGITS_BLOCK_N * blocks))](
@@ -353,6 +351,7 @@ def select_topk(logits: torch.Tensor, lens: torch.Tensor, k: int,
     """:func:`index_topk` or, for few wide rows on a GPU, :func:`index_topk_torch`
     (``TORCH_TOPK_MIN_WIDTH`` / ``TORCH_TOPK_MAX_ROWS``): the same set unless values tie at the
     threshold."""
+    check_topk_args(logits, lens, k, out)
     T, N = logits.shape
     if logits.is_cuda and N >= TORCH_TOPK_MIN_WIDTH and T < TORCH_TOPK_MAX_ROWS:
         return index_topk_torch(logits, lens, k, out)

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from .._utils import (
+from .._contract import (
     INDEX_DTYPES,
     INT_DTYPES,
+    check_bool,
     check_int,
     check_same_device,
     check_shape,
@@ -74,10 +75,21 @@ def allocate_index_k_cache(num_blocks: int, page_size: int, dim: int = 128, devi
     return torch.zeros(num_blocks, page_size, dim + INDEX_SCALE_BYTES, dtype=torch.uint8, device=device)
 
 
+def _compiling() -> bool:
+    try:
+        return torch.compiler.is_compiling()
+    except AttributeError:  # pragma: no cover - torch < 2.3
+        return False
+
+
 def check_index_k_cache(name: str, cache: object, dim: int | None = None) -> tuple[torch.Tensor, int]:
     """Validate an index-key cache (``uint8 [num_blocks, page, dim + 4]`` or a 4-D
-    ``[num_blocks, page, 1, dim + 4]`` view); return ``(cache as 3-D, dim)``."""
+    ``[num_blocks, page, 1, dim + 4]`` view); return ``(cache as 3-D, dim)``. A block's rows
+    must be back to back (``stride(1) == dim + 4``, bytes contiguous), blocks may be padded
+    (``stride(0) >= page * (dim + 4)``, a multiple of 4, as the base offset); a page-dim slice
+    of a larger cache is rejected (its scale rows are not after its own ``page`` data rows)."""
     check_tensor(name, cache, dtypes=(torch.uint8,), ndims=(3, 4))
+    arg = cache
     if cache.dim() == 4:
         if cache.shape[2] != 1:
             raise ValueError(f"{name}: a 4-D cache must be [num_blocks, page, 1, bytes], got {tuple(cache.shape)}")
@@ -88,11 +100,24 @@ def check_index_k_cache(name: str, cache: object, dim: int | None = None) -> tup
                          f"got {cache.shape[-1]}")
     if dim is not None and d != dim:
         raise ValueError(f"{name}: expected rows of {dim} keys (last dim {dim + 4}), got {cache.shape[-1]}")
-    page = cache.shape[1]
-    if cache.shape[0] > 1 and cache.stride(0) < page * (d + INDEX_SCALE_BYTES):
+    nb, page, rb = cache.shape[0], cache.shape[1], d + INDEX_SCALE_BYTES
+    if page < 1:
+        raise ValueError(f"{name}: expected a page size >= 1, got shape {tuple(arg.shape)}")
+    if page > 1 and cache.stride(1) != rb:
+        raise ValueError(f"{name}: the rows of a block must be back to back (page-dim stride "
+                         f"{rb}), got strides {tuple(arg.stride())}; pass the cache itself, not "
+                         f"a transposed or strided view")
+    if nb > 1 and cache.stride(0) < page * rb:
         raise ValueError(f"{name}: block stride {cache.stride(0)} is smaller than page*bytes")
     if cache.stride(0) % 4 or cache.storage_offset() % 4:
         raise ValueError(f"{name}: block stride and offset must be multiples of 4 bytes (fp32 scales)")
+    base = None if _compiling() else arg._base
+    if (base is not None and base.dtype == torch.uint8 and base.dim() in (3, 4)
+            and base.shape[-1] == rb and base.shape[1] > page and base.stride(1) == rb
+            and (nb <= 1 or cache.stride(0) == base.stride(0))):
+        raise ValueError(f"{name}: a view of {page} rows per block cut from a cache of "
+                         f"{base.shape[1]}; a block holds all its data rows, then their scales, so "
+                         f"a page-dim slice is not a cache. Pass the whole cache")
     return cache, d
 
 
@@ -108,8 +133,18 @@ def index_cache_views(cache: torch.Tensor, dim: int) -> tuple[torch.Tensor, torc
 # --------------------------------------------------------------------------------------------
 # FP4 simulation and the Hadamard transform
 # --------------------------------------------------------------------------------------------
+def _check_groups(x: object, group: object) -> None:
+    """``x [..., n]`` float with ``n`` a multiple of ``group``."""
+    check_int("group", group, lo=1)
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, contiguous_last=False)
+    if x.dim() == 0 or x.shape[-1] % group:
+        raise ValueError(f"x: expected a last dim that is a multiple of {group}, got shape "
+                         f"{tuple(x.shape)}")
+
+
 def fp4_exponents(x: torch.Tensor, group: int = FP4_GROUP) -> torch.Tensor:
     """int32 ``e = ceil(log2(max(amax, 6 * 2**-126) / 6))`` per group of ``x [..., n]``."""
+    _check_groups(x, group)
     amax = x.float().unflatten(-1, (-1, group)).abs().amax(-1).clamp_min(FP4_AMAX_FLOOR)
     mant, ex = torch.frexp(amax)  # amax = mant * 2**ex, mant in [0.5, 1); 6 * 2**e = 0.75 * 2**(e+3)
     return (ex - 3 + (mant > 0.75).to(ex.dtype)).to(torch.int32)
@@ -117,8 +152,7 @@ def fp4_exponents(x: torch.Tensor, group: int = FP4_GROUP) -> torch.Tensor:
 
 def fp4_simulate_ref(x: torch.Tensor, group: int = FP4_GROUP) -> torch.Tensor:
     """FP4 (e2m1, UE8M0 scale per ``group``) quantize-dequantize of ``x [..., n]``; fp32 out."""
-    if x.shape[-1] % group:
-        raise ValueError(f"x: last dim {x.shape[-1]} is not a multiple of {group}")
+    _check_groups(x, group)
     s = exp2_int(fp4_exponents(x, group)).unsqueeze(-1)
     y = (x.float().unflatten(-1, (-1, group)) / s).clamp(-6.0, 6.0)
     return (e2m1_codes_to_float(round_to_e2m1_codes(y)) * s).flatten(-2)
@@ -127,7 +161,8 @@ def fp4_simulate_ref(x: torch.Tensor, group: int = FP4_GROUP) -> torch.Tensor:
 def hadamard_ref(x: torch.Tensor) -> torch.Tensor:
     """Normalized Walsh-Hadamard transform (Sylvester order, ``H / sqrt(n)``) of the last dim
     (a power of two), computed in ``x.dtype`` (use float64 for a reference)."""
-    n = x.shape[-1]
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, contiguous_last=False)
+    n = x.shape[-1] if x.dim() else 0
     if n < 1 or n & (n - 1):
         raise ValueError(f"x: last dim must be a power of two, got {n}")
     y = x.reshape(-1, n)
@@ -144,6 +179,8 @@ def hadamard_ref(x: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 def encode_index_rows_ref(k: torch.Tensor, fp4: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``k [N, dim]`` -> ``(e4m3 bytes uint8 [N, dim], row scale float32 [N])`` (module doc)."""
+    check_tensor("k", k, dtypes=FLOAT_DTYPES, ndims=2, contiguous_last=False)
+    check_bool("fp4", fp4)
     if fp4:
         v = fp4_simulate_ref(k)
         e = fp4_exponents(k).amax(-1) - INDEX_ROW_SHIFT
@@ -155,8 +192,10 @@ def encode_index_rows_ref(k: torch.Tensor, fp4: bool = True) -> tuple[torch.Tens
     return q.view(torch.uint8), s
 
 
-def check_index_insert_args(k, index_cache, slot_mapping) -> tuple[torch.Tensor, int]:
+def check_index_insert_args(k, index_cache, slot_mapping, fp4=True) -> tuple[torch.Tensor, int]:
+    """Checks of :func:`quantize_and_insert_index_k`; returns ``(cache as 3-D, dim)``."""
     check_tensor("k", k, dtypes=FLOAT_DTYPES[:3], ndims=2)
+    check_bool("fp4", fp4)
     cache, dim = check_index_k_cache("index_cache", index_cache)
     if k.shape[1] != dim:
         raise ValueError(f"k: expected [T, {dim}] (the cache's key width), got {tuple(k.shape)}")
@@ -170,7 +209,7 @@ def quantize_and_insert_index_k_ref(k: torch.Tensor, index_cache: torch.Tensor,
                                     slot_mapping: torch.Tensor, fp4: bool = True) -> None:
     """Write the FP8 row + scale of every ``k [T, dim]`` row at ``slot_mapping[t] >= 0``
     (slots past the cache are skipped too); nothing else of the cache changes."""
-    cache, dim = check_index_insert_args(k, index_cache, slot_mapping)
+    cache, dim = check_index_insert_args(k, index_cache, slot_mapping, fp4)
     if k.shape[0] == 0:
         return
     q, s = encode_index_rows_ref(k, fp4)
@@ -186,6 +225,8 @@ def quantize_and_insert_index_k_ref(k: torch.Tensor, index_cache: torch.Tensor,
 def read_index_k_ref(index_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Dequantized fp32 rows ``[..., dim]`` at ``slots`` (``-1`` -> NaN rows)."""
     cache, dim = check_index_k_cache("index_cache", index_cache)
+    check_tensor("slots", slots, dtypes=INT_DTYPES, contiguous_last=False)
+    check_same_device(index_cache=index_cache, slots=slots)
     page = cache.shape[1]
     data, sc = index_cache_views(cache, dim)
     s = slots.long().clamp_min(0)
@@ -197,8 +238,11 @@ def read_index_k_ref(index_cache: torch.Tensor, slots: torch.Tensor) -> torch.Te
 # logits
 # --------------------------------------------------------------------------------------------
 def check_logits_args(q, weights, index_cache, block_table, token_to_req, visible_lens, out, max_len):
+    """Checks of :func:`index_logits`; returns ``(cache as 3-D, dim)``."""
     check_tensor("q", q, dtypes=(torch.bfloat16,), ndims=3)
     T, H, Dq = q.shape
+    if H < 1:
+        raise ValueError(f"q: expected at least one head, got shape {tuple(q.shape)}")
     cache, dim = check_index_k_cache("index_cache", index_cache)
     if Dq != dim:
         raise ValueError(f"q: expected [T, H, {dim}] (the cache's key width), got {tuple(q.shape)}")
@@ -213,6 +257,8 @@ def check_logits_args(q, weights, index_cache, block_table, token_to_req, visibl
         check_tensor("out", out, dtypes=(torch.float32,), ndims=2)
         if out.shape[0] != T:
             raise ValueError(f"out: expected [{T}, N], got {tuple(out.shape)}")
+        if max_len is not None and check_int("max_len", max_len, lo=0) != out.shape[1]:
+            raise ValueError(f"max_len: {max_len} differs from out's {out.shape[1]} columns")
     elif max_len is None:
         raise ValueError("max_len: give max_len or out")
     else:
@@ -259,12 +305,14 @@ def index_logits_ref(q, weights, index_cache, block_table, token_to_req, visible
 # --------------------------------------------------------------------------------------------
 # top-k and the two-level selection
 # --------------------------------------------------------------------------------------------
-def check_topk_args(logits, lens, k, out):
+def check_topk_args(logits, lens, k, out, k_name: str = "k"):
+    """Checks of :func:`index_topk`: ``logits [T, N]`` fp32, ``lens [T]`` int, ``k >= 1``,
+    ``out`` None or ``[T, k]`` int32."""
     check_tensor("logits", logits, dtypes=(torch.float32,), ndims=2)
     T = logits.shape[0]
     check_tensor("lens", lens, dtypes=INT_DTYPES, ndims=1, contiguous_last=False)
     check_shape("lens", lens, [T])
-    check_int("k", k, lo=1)
+    check_int(k_name, k, lo=1)
     if out is not None:
         check_tensor("out", out, dtypes=(torch.int32,), ndims=2)
         check_shape("out", out, [T, k])
@@ -306,7 +354,7 @@ def candidate_blocks_ref(logits: torch.Tensor, lens: torch.Tensor, num_blocks: i
     """V4.1 candidate blocks: block score = max finite logit of its visible entries, the
     block of entry ``lens[t] - 1`` forced to ``+inf``; the ``num_blocks`` best blocks with a
     visible finite entry (ties: lower block) as int32 ``[T, num_blocks]`` ascending, ``-1`` padded."""
-    check_topk_args(logits, lens, num_blocks, None)
+    check_topk_args(logits, lens, num_blocks, None, k_name="num_blocks")
     check_int("block_size", block_size, lo=1)
     T, N = logits.shape
     nblk = -(-N // block_size)
@@ -324,7 +372,16 @@ def candidate_blocks_ref(logits: torch.Tensor, lens: torch.Tensor, num_blocks: i
 
 
 def apply_candidates_ref(logits: torch.Tensor, candidates: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``logits`` with every entry outside the candidate blocks set to ``-inf`` (a new tensor)."""
+    """``logits [T, N]`` fp32 with every entry outside the candidate blocks (``candidates
+    [T, n]`` int, block ids of ``block_size`` entries; out-of-range ids ignored) set to
+    ``-inf`` (a new tensor)."""
+    check_tensor("logits", logits, dtypes=(torch.float32,), ndims=2, contiguous_last=False)
+    check_tensor("candidates", candidates, dtypes=INT_DTYPES, ndims=2, contiguous_last=False)
+    if candidates.shape[0] != logits.shape[0]:
+        raise ValueError(f"candidates: expected {logits.shape[0]} rows (one per logits row), got "
+                         f"shape {tuple(candidates.shape)}")
+    check_int("block_size", block_size, lo=1)
+    check_same_device(logits=logits, candidates=candidates)
     T, N = logits.shape
     nblk = -(-N // block_size)
     keep = torch.zeros(T, nblk + 1, dtype=torch.bool, device=logits.device)

@@ -11,9 +11,11 @@ from dsv41_triton.layers.compressor import (
     CompressorSpec,
     KVCompressor,
     compress_sequence_ref,
+    rms_norm_f,
     rope_tail,
 )
 from dsv41_triton.layers.metadata import RequestSpec, build_step_metadata
+from dsv41_triton.ops.rope_ref import make_cos_sin_cache
 
 PAGE = 4
 
@@ -145,3 +147,90 @@ def test_v4_compressor_matches_transformers(ratio):
     ours = rope_tail(ours, torch.arange(S // ratio) * ratio, cs)
     assert hf_kv.shape == ours.shape
     torch.testing.assert_close(ours, hf_kv, rtol=1e-4, atol=1e-4)
+
+
+def _step(ratio=4, T=8):
+    """A V4 compressor and one request's first step: ``(comp, kwargs of forward)``."""
+    comp = _random_compressor(CompressorSpec.for_version("v4", ratio, 512, 16))
+    kw = dict(x=torch.randn(T, 16), positions=torch.arange(T),
+              token_to_req=torch.zeros(T, dtype=torch.int32),
+              state_cache=torch.full((4, PAGE, comp.spec.state_width), 7.0),
+              block_table=torch.tensor([[0, 1]], dtype=torch.int32), slot_mapping=torch.arange(T),
+              valid=torch.ones(T, dtype=torch.bool))
+    return comp, kw
+
+
+_BAD_FORWARD = [
+    ("x", lambda kw: torch.randn(8, 17), ValueError),
+    ("x", lambda kw: kw["x"].int(), TypeError),
+    ("x", lambda kw: kw["x"].to("meta"), ValueError),
+    ("positions", lambda kw: kw["positions"].float(), TypeError),
+    ("positions", lambda kw: kw["positions"][:-1], ValueError),
+    ("token_to_req", lambda kw: kw["token_to_req"][None], ValueError),
+    ("slot_mapping", lambda kw: kw["slot_mapping"][:-2], ValueError),
+    ("state_cache", lambda kw: kw["state_cache"].transpose(0, 1), ValueError),
+    ("block_table", lambda kw: None, ValueError),
+    ("block_table", lambda kw: kw["block_table"][0], ValueError),
+    ("block_table", lambda kw: kw["block_table"].float(), TypeError),
+    ("valid", lambda kw: kw["valid"].int(), TypeError),
+]
+
+
+@pytest.mark.parametrize("name,bad,exc", _BAD_FORWARD)
+def test_forward_rejects_bad_arguments_before_writing(name, bad, exc):
+    comp, kw = _step()
+    state = kw["state_cache"]
+    kw[name] = bad(kw)
+    with pytest.raises(exc, match=f"^{name}:"):
+        comp(**kw)
+    assert torch.all(state == 7.0)
+
+
+@pytest.mark.parametrize("case", ["request -1", "request 5", "short table"])
+def test_forward_missing_request_row_or_block_reads_nothing(case):
+    """A token whose request has no block-table row (or a window past the table) reads no
+    state row, as a ``-1`` block does; it never reads another request's row."""
+    comp, kw = _step()
+    kw["block_table"] = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    want_kw = dict(kw, state_cache=kw["state_cache"].clone())
+    if case == "short table":
+        kw["block_table"] = kw["block_table"][:, :1]
+        want_kw["block_table"] = torch.tensor([[0, -1], [2, -1]], dtype=torch.int32)
+    else:
+        kw["token_to_req"] = torch.full((8,), int(case.split()[1]), dtype=torch.int32)
+        want_kw["block_table"] = torch.full((2, 2), -1, dtype=torch.int32)
+    got, done = comp(**kw)
+    want, want_done = comp(**want_kw)
+    assert torch.equal(done, want_done) and done.any()
+    assert torch.equal(got, want)
+
+
+def test_rope_tail_leaves_positions_past_the_table_unrotated():
+    """As the RoPE ops: a position outside ``[0, max_pos)`` is not rotated."""
+    x = torch.randn(5, 2, 128, dtype=torch.float64)
+    cs = make_cos_sin_cache(16).double()
+    pos = torch.tensor([0, 3, 4, 100, -1])
+    got = rope_tail(x, pos, cs[:4])
+    want = rope_tail(x, torch.where((pos >= 0) & (pos < 4), pos, 0), cs)  # position 0: identity
+    assert torch.equal(got, want)
+    assert torch.equal(got[2:], x[2:]) and not torch.equal(got[1], x[1])
+    assert torch.equal(rope_tail(x, pos, cs[:0]), x)
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda c: rope_tail(torch.randn(3, 128), torch.arange(3.0), make_cos_sin_cache(4)), TypeError, "positions"),
+    (lambda c: rope_tail(torch.randn(3, 128), torch.arange(2), make_cos_sin_cache(4)), ValueError, "positions"),
+    (lambda c: rope_tail(torch.randn(3, 128), torch.arange(3), torch.zeros(4, 32)), ValueError, "cos_sin_cache"),
+    (lambda c: rope_tail(torch.randn(3, 32), torch.arange(3), make_cos_sin_cache(4)), ValueError, "x"),
+    (lambda c: c.project(torch.randn(3, 15), torch.arange(3)), ValueError, "x"),
+    (lambda c: c.pool(torch.randn(2, 8, 100), torch.zeros(2, dtype=torch.bool)), ValueError, "rows"),
+    (lambda c: c.pool(torch.randn(2, 8, 2048), torch.zeros(3, dtype=torch.bool)), ValueError, "first_entry"),
+    (lambda c: compress_sequence_ref(torch.randn(8, 17), c), ValueError, "x"),
+    (lambda c: compress_sequence_ref(torch.randn(8, 16), None), TypeError, "comp"),
+    (lambda c: rms_norm_f(torch.randn(3, 8), torch.ones(7), 1e-6), ValueError, "weight"),
+    (lambda c: CompressorSpec(0, 512, 16), ValueError, "ratio"),
+])
+def test_pieces_reject_bad_arguments(call, exc, match):
+    comp, _ = _step()
+    with pytest.raises(exc, match=match):
+        call(comp)

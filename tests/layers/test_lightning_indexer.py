@@ -183,3 +183,92 @@ def test_dense_topk_and_visibility():
     assert visible_lens(pos, 128, valid).tolist() == [0, 0, 1, 1, 2, 0]
     d = dense_topk(pos, 128, 3, valid)
     assert d.tolist() == [[-1, -1, -1], [-1, -1, -1], [0, -1, -1], [0, -1, -1], [0, 1, -1], [-1, -1, -1]]
+
+
+def _v41_select_args(S=20):
+    """A V4.1 indexer (3 heads of 128) and the arguments of one ``select`` call."""
+    spec = IndexerSpec("v4.1", 2, 40, 24, n_heads=3, head_dim=128, topk=16,
+                       candidate_topk_blocks=2, candidate_block_size=4)
+    ix = LightningIndexer(spec, reference=not KERNELS)
+    kw = dict(x=torch.randn(S, 40), qr=torch.randn(S, 24), positions=torch.arange(S),
+              cos_sin_cache=make_cos_sin_cache(S + 1), index_cache=allocate_index_k_cache(4, 4, 128),
+              block_table=torch.tensor([[0, 1, 2]], dtype=torch.int32),
+              token_to_req=torch.zeros(S, dtype=torch.int32), valid=torch.ones(S, dtype=torch.bool))
+    return ix, kw
+
+
+_BAD_SELECT = [
+    ("x", lambda kw: kw["x"][:5], ValueError),
+    ("x", lambda kw: kw["x"].to("meta"), ValueError),
+    ("qr", lambda kw: torch.randn(20, 25), ValueError),
+    ("positions", lambda kw: kw["positions"].float(), TypeError),
+    ("cos_sin_cache", lambda kw: kw["cos_sin_cache"][:, :32], ValueError),
+    ("index_cache", lambda kw: allocate_index_k_cache(4, 4, 64), ValueError),
+    ("valid", lambda kw: kw["valid"].int(), TypeError),
+    ("width", lambda kw: -1, ValueError),
+    ("candidates", lambda kw: torch.zeros(20, 3), TypeError),
+    ("candidates", lambda kw: torch.zeros(19, 3, dtype=torch.int32), ValueError),
+    ("publish_candidates", lambda kw: 1, TypeError),
+]
+
+
+@pytest.mark.parametrize("name,bad,exc", _BAD_SELECT)
+def test_select_rejects_bad_arguments(name, bad, exc):
+    ix, kw = _v41_select_args()
+    kw[name] = bad(kw)
+    with pytest.raises(exc, match=f"^{name}:"):
+        ix.select(**kw)
+
+
+def test_select_publishing_needs_candidate_blocks():
+    ix, kw = _v41_select_args()
+    object.__setattr__(ix.spec, "candidate_topk_blocks", 0)
+    with pytest.raises(ValueError, match="candidate_topk_blocks"):
+        ix.select(**kw, publish_candidates=True)
+
+
+def test_positions_past_the_cos_sin_cache_are_not_rotated():
+    """As the RoPE ops: the query (and key) of a position past the table is not rotated."""
+    ix, kw = _v41_select_args()
+    with torch.no_grad():
+        ix.wq_b.weight.normal_()
+        ix.wk.weight.normal_()
+    pos, cs = kw["positions"], kw["cos_sin_cache"]
+    at0 = torch.where(pos < 4, pos, 0)  # position 0: identity
+    assert torch.equal(ix.queries(kw["qr"], pos, cs[:4]), ix.queries(kw["qr"], at0, cs))
+    latent = torch.randn(20, 512)
+    assert torch.equal(ix.keys_from_latent(latent, pos, cs[:4]),
+                       ix.keys_from_latent(latent, torch.where(pos < 4, pos, 0) // 2 * 2, cs))
+    top, _ = ix.select(**dict(kw, cos_sin_cache=cs[:4]))
+    assert top.shape == (20, 16)
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda ix: ix.keys_from_latent(torch.randn(4, 511), torch.arange(4), make_cos_sin_cache(8)), ValueError, "latent"),
+    (lambda ix: ix.keys_from_latent(torch.randn(4, 512), torch.arange(3), make_cos_sin_cache(8)), ValueError, "positions"),
+    (lambda ix: ix.store_keys(torch.randn(4, 64), allocate_index_k_cache(2, 4, 128), torch.arange(4)), ValueError, "keys"),
+    (lambda ix: ix.store_keys(torch.randn(4, 128), allocate_index_k_cache(2, 4, 128)[:, :2], torch.arange(4)),
+     ValueError, "index_cache"),
+    (lambda ix: ix.head_weights(torch.randn(4, 41)), ValueError, "x"),
+    (lambda ix: ix.queries(torch.randn(4, 24), torch.arange(4), make_cos_sin_cache(8).half()), TypeError, "cos_sin_cache"),
+    (lambda ix: visible_lens(torch.arange(4.0), 2), TypeError, "positions"),
+    (lambda ix: visible_lens(torch.arange(4), 2, torch.ones(3, dtype=torch.bool)), ValueError, "valid"),
+    (lambda ix: dense_topk(torch.arange(4), 2, -1), ValueError, "width"),
+    (lambda ix: IndexerSpec("v4.1", 2, 40, 24, candidate_block_size=0), ValueError, "candidate_block_size"),
+])
+def test_pieces_reject_bad_arguments(call, exc, match):
+    ix, _ = _v41_select_args()
+    with pytest.raises(exc, match=match):
+        call(ix)
+
+
+def test_v4_keys_check_cos_sin_cache_before_writing_state():
+    spec = IndexerSpec("v4", 4, 16, 24, n_heads=2, head_dim=128, topk=8)
+    ix = LightningIndexer(spec, reference=not KERNELS)
+    state = torch.full((4, PAGE, ix.compressor.spec.state_width), 7.0)
+    T = 8
+    with pytest.raises(ValueError, match="cos_sin_cache"):
+        ix.keys_from_hidden(torch.randn(T, 16), torch.arange(T), torch.zeros(16, 32),
+                            torch.zeros(T, dtype=torch.int32), state,
+                            torch.tensor([[0, 1]], dtype=torch.int32), torch.arange(T))
+    assert torch.all(state == 7.0)

@@ -7,6 +7,7 @@ from dsv41_triton.ops.indexer import (
     index_topk,
     index_topk_torch,
     quantize_and_insert_index_k,
+    select_topk,
 )
 from dsv41_triton.ops.indexer_ref import (
     allocate_index_k_cache,
@@ -308,3 +309,64 @@ def test_int64_offsets_gpu():
     fin = ~ref.isinf()
     assert torch.equal(got.isinf(), ref.isinf())
     assert torch.allclose(got[fin], ref[fin], rtol=1e-4, atol=1e-3 * ref[fin].abs().max().item())
+
+
+def _strided_rows(device):
+    """Rows of 132 bytes 264 apart: not a cache (its rows are not back to back)."""
+    return torch.zeros(2, 8, 264, dtype=torch.uint8, device=device)[..., :132]
+
+
+@pytest.mark.parametrize("cache_of,match", [
+    (_strided_rows, "back to back"),
+    (lambda dev: allocate_index_k_cache(2, 16, 128, dev)[:, :8], "page-dim slice"),
+    (lambda dev: torch.zeros(2, 0, 132, dtype=torch.uint8, device=dev), "page size"),
+])
+def test_index_cache_layout_is_checked(device, cache_of, match):
+    cache = cache_of(device)
+    k = torch.randn(3, 128, device=device)
+    slots = torch.arange(3, device=device)
+    with pytest.raises(ValueError, match=match):
+        quantize_and_insert_index_k(k, cache, slots)
+    with pytest.raises(ValueError, match=match):
+        quantize_and_insert_index_k_ref(k, cache, slots)
+    assert not cache.any()
+
+
+def _logits_args(device):
+    return dict(q=torch.randn(2, 4, 128, device=device).bfloat16(), weights=torch.rand(2, 4, device=device),
+                index_cache=_filled_cache(2, 16, device),
+                block_table=torch.zeros(1, 2, dtype=torch.int32, device=device),
+                token_to_req=torch.zeros(2, dtype=torch.int32, device=device),
+                visible_lens=torch.zeros(2, dtype=torch.int32, device=device), max_len=8)
+
+
+@pytest.mark.parametrize("change,exc,match", [
+    (dict(q=torch.zeros(2, 0, 128).bfloat16(), weights=torch.zeros(2, 0)), ValueError, "at least one head"),
+    (dict(out=torch.zeros(2, 9)), ValueError, "max_len"),
+])
+def test_logits_rejects_bad_arguments(device, change, exc, match):
+    kw = _logits_args(device)
+    kw.update({n: v.to(device) for n, v in change.items()})
+    for f in (index_logits, index_logits_ref):
+        with pytest.raises(exc, match=match):
+            f(**kw)
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda d: quantize_and_insert_index_k(torch.randn(1, 128, device=d), allocate_index_k_cache(1, 4, 128, d),
+                                           torch.zeros(1, dtype=torch.int32, device=d), fp4=1), TypeError, "fp4"),
+    (lambda d: select_topk(None, torch.zeros(2, dtype=torch.int32, device=d), 4), TypeError, "logits"),
+    (lambda d: candidate_blocks_ref(torch.randn(2, 8, device=d), torch.zeros(2, dtype=torch.int32, device=d), 0, 4),
+     ValueError, "num_blocks"),
+    (lambda d: apply_candidates_ref(torch.randn(2, 8, device=d), torch.zeros(2, 3, device=d), 4), TypeError, "candidates"),
+    (lambda d: apply_candidates_ref(torch.randn(2, 8, device=d), torch.zeros(3, 1, dtype=torch.int32, device=d), 4),
+     ValueError, "candidates"),
+    (lambda d: apply_candidates_ref(torch.randn(2, 8, device=d), torch.zeros(2, 1, dtype=torch.int32, device=d), 0),
+     ValueError, "block_size"),
+    (lambda d: read_index_k_ref(allocate_index_k_cache(1, 4, 128, d), torch.zeros(2, device=d)), TypeError, "slots"),
+    (lambda d: fp4_simulate_ref(torch.zeros(2, 64, dtype=torch.int32, device=d)), TypeError, "x"),
+    (lambda d: hadamard_ref(torch.zeros(2, 64, dtype=torch.int32, device=d)), TypeError, "x"),
+])
+def test_indexer_ops_reject_bad_arguments(device, call, exc, match):
+    with pytest.raises(exc, match=match):
+        call(device)
