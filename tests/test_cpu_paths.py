@@ -64,6 +64,21 @@ sparse_mla_prefill_paged(q, pos, torch.zeros(2, dtype=torch.int32), torch.tensor
                          c, torch.tensor([[0, 1, 2]], dtype=torch.int32), 4)
 sparse_mla_prefill_shared_window(q, ws[0], torch.tensor([0, 1]), torch.tensor([3, 3]), idx, None,
                                  torch.tensor([0, 2], dtype=torch.int32))
+from dsv41_triton.ops.indexer import index_logits, index_topk, quantize_and_insert_index_k
+from dsv41_triton.ops.indexer_ref import (allocate_index_k_cache, index_logits_ref,
+                                          index_topk_ref, quantize_and_insert_index_k_ref)
+kc = allocate_index_k_cache(2, 4, 128)
+kc_ref = kc.clone()
+ki = torch.randn(6, 128).bfloat16()
+quantize_and_insert_index_k(ki, kc, torch.arange(6))
+quantize_and_insert_index_k_ref(ki, kc_ref, torch.arange(6))
+assert torch.equal(kc, kc_ref)
+iq, iw = torch.randn(2, 4, 128).bfloat16(), torch.rand(2, 4)
+ia = (iq, iw, kc, torch.tensor([[0, 1]], dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
+      torch.tensor([3, 6], dtype=torch.int32))
+lg = index_logits(*ia, max_len=8)
+assert torch.allclose(lg, index_logits_ref(*ia, max_len=8), rtol=1e-3, atol=1e-3)
+assert torch.equal(index_topk(lg, torch.tensor([3, 6]), 4), index_topk_ref(lg, torch.tensor([3, 6]), 4))
 print("OK", kernel_is_interpreted(_INSERT_KERNELS[584]))
 '''
 

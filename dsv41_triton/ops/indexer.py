@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._utils import cdiv, is_interpreter, next_power_of_2
+from .._utils import cdiv, is_interpreter, next_power_of_2, use_reference
 from . import _codecs as C
 from .indexer_ref import (
     INDEX_ROW_SHIFT,
@@ -31,6 +31,9 @@ from .indexer_ref import (
     check_index_insert_args,
     check_logits_args,
     check_topk_args,
+    index_logits_ref,
+    index_topk_ref,
+    quantize_and_insert_index_k_ref,
 )
 
 __all__ = ["index_logits", "index_topk", "index_topk_torch", "quantize_and_insert_index_k",
@@ -117,6 +120,9 @@ def quantize_and_insert_index_k(k: torch.Tensor, index_cache: torch.Tensor,
     past-the-cache slots skipped). ``fp4``: FP4-simulate the row first (the V4/V4.1 rule);
     else a plain FP8 row with a power-of-two scale."""
     cache, dim = check_index_insert_args(k, index_cache, slot_mapping, fp4)
+    if use_reference(k.device, _index_insert_kernel):
+        quantize_and_insert_index_k_ref(k, index_cache, slot_mapping, fp4)
+        return
     T = k.shape[0]
     if T == 0:
         return
@@ -197,6 +203,9 @@ def index_logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
     """
     cache, dim = check_logits_args(q, weights, index_cache, block_table, token_to_req,
                                    visible_lens, out, max_len)
+    if use_reference(q.device, _index_logits_kernel):
+        return index_logits_ref(q, weights, index_cache, block_table, token_to_req, visible_lens,
+                                out, max_len)
     T, H, _ = q.shape
     if out is None:
         out = torch.empty(T, max_len, dtype=torch.float32, device=q.device)
@@ -309,6 +318,8 @@ def index_topk(logits: torch.Tensor, lens: torch.Tensor, k: int,
     values of ``logits[t, :lens[t]]``, ties to the lower entry, ascending, ``-1`` padded ->
     ``out [T, k]`` int32 (contiguous rows)."""
     check_topk_args(logits, lens, k, out)
+    if use_reference(logits.device, _index_topk_kernel):
+        return index_topk_ref(logits, lens, k, out)
     T, N = logits.shape
     if out is None:
         out = torch.empty(T, k, dtype=torch.int32, device=logits.device)
