@@ -89,6 +89,10 @@ AUTO_PAGED_ROWS_PER_TOKEN_HEAD = 4
 #: 292.4 us at 8K / 128K / 1M context against the slot-id path's 322.9 / 323.1 / 330.5, with
 #: 6.3 MiB at every context.
 PAGED_WINDOW_ROWS = True
+#: the StepMetadata tensors the layer reads (checked to be on the layer's device)
+_METADATA_TENSORS = ("positions", "query_start_loc", "seq_lens", "token_to_req", "is_valid_token",
+                     "swa_block_table", "swa_slot_mapping", "decode_swa_indices",
+                     "decode_swa_lens", "prefill_seq_lens", "prefill_gather_lens")
 
 
 # --------------------------------------------------------------------------------------------
@@ -538,8 +542,13 @@ class DeepseekV41Attention(nn.Module):
         return topk_indices
 
     def _check_step(self, md: StepMetadata, T: int, topk_indices, compressed_kv) -> None:
+        """Everything about the step that can be checked without reading device values (the
+        metadata's host fields, shapes, dtypes, devices), before anything is written."""
         if not isinstance(md, StepMetadata):
             raise TypeError(f"metadata: expected a StepMetadata, got {type(md).__name__}")
+        check_int("metadata.prefill_chunk_size", md.prefill_chunk_size, lo=1)
+        if md.max_workspace_rows is not None:
+            check_int("metadata.max_workspace_rows", md.max_workspace_rows, lo=1)
         if md.num_tokens != T:
             raise ValueError(f"hidden_states: {T} tokens, metadata describes {md.num_tokens}")
         if md.window_size != self.window_size:
@@ -552,25 +561,72 @@ class DeepseekV41Attention(nn.Module):
         if md.swa_page_size != self.swa_cache.shape[1]:
             raise ValueError(f"metadata: window page size {md.swa_page_size}, the cache's is "
                              f"{self.swa_cache.shape[1]}")
+        dev = self.swa_cache.device
         r = self.compress_ratio
+        cm = None
         if r > 0:
             if r not in md.compressed:
                 raise ValueError(f"metadata: no compressed block tables for ratio {r}")
-            if md.compressed[r].page_size != self.compressed_cache.shape[1]:
-                raise ValueError(f"metadata: compressed page size {md.compressed[r].page_size}, "
+            cm = md.compressed[r]
+            if cm.page_size != self.compressed_cache.shape[1]:
+                raise ValueError(f"metadata: compressed page size {cm.page_size}, "
                                  f"the cache's is {self.compressed_cache.shape[1]}")
-            if T > 0:
-                if topk_indices is None:
-                    raise ValueError(f"topk_indices: required for a ratio-{r} layer with an "
-                                     "indexer (only HCA layers build their own rows)")
-                check_tensor("topk_indices", topk_indices, dtypes=(torch.int32,), ndims=2)
-                if topk_indices.shape[0] != T:
-                    raise ValueError(f"topk_indices: expected {T} rows, got {topk_indices.shape[0]}")
-            if compressed_kv is not None:
-                check_tensor("compressed_kv", compressed_kv, dtypes=(torch.bfloat16,), ndims=2,
-                             last_dim=HEAD_DIM)
-                if compressed_kv.shape[0] != T:
-                    raise ValueError(f"compressed_kv: expected {T} rows, got {compressed_kv.shape[0]}")
+        self._check_step_devices(md, cm, dev)
+        # block ids against the bound caches: host ints recorded by build_step_metadata (no
+        # device read); an id past the cache would make the layer read unwritten workspace rows
+        nb = self.swa_cache.shape[0]
+        if md.swa_max_block_id is not None and md.swa_max_block_id >= nb:
+            raise ValueError(f"metadata: the window block tables hold block id "
+                             f"{md.swa_max_block_id}, the bound window cache (swa_cache) has "
+                             f"{nb} blocks (ids 0..{nb - 1})")
+        if cm is not None and cm.max_block_id is not None:
+            nc = self.compressed_cache.shape[0]
+            if cm.max_block_id >= nc:
+                raise ValueError(f"metadata: the ratio-{r} compressed block tables hold block id "
+                                 f"{cm.max_block_id}, the bound compressed cache "
+                                 f"(compressed_cache) has {nc} blocks (ids 0..{nc - 1})")
+        if r == 0:
+            # nothing of a window-only layer reads them: a caller passing them has mixed up
+            # its layers
+            for name, v in (("topk_indices", topk_indices), ("compressed_kv", compressed_kv)):
+                if v is not None:
+                    raise ValueError(f"{name}: layer {self.layer_id} is window-only (compress "
+                                     f"ratio 0) and does not use {name}; pass None (given or "
+                                     "bound by set_step)")
+            return
+        if T > 0:
+            if topk_indices is None:
+                raise ValueError(f"topk_indices: required for a ratio-{r} layer with an "
+                                 "indexer (only HCA layers build their own rows)")
+            check_tensor("topk_indices", topk_indices, dtypes=(torch.int32,), ndims=2,
+                         device=dev)
+            if topk_indices.shape[0] != T:
+                raise ValueError(f"topk_indices: expected {T} rows, got {topk_indices.shape[0]}")
+            k = self.config.index_topk
+            if self.has_indexer and topk_indices.shape[1] > k:
+                raise ValueError(f"topk_indices: {topk_indices.shape[1]} columns; the layer's "
+                                 f"indexer selects at most index_topk = {k} entries per token")
+        if compressed_kv is not None:
+            check_tensor("compressed_kv", compressed_kv, dtypes=(torch.bfloat16,), ndims=2,
+                         last_dim=HEAD_DIM, device=dev)
+            if compressed_kv.shape[0] != T:
+                raise ValueError(f"compressed_kv: expected {T} rows, got {compressed_kv.shape[0]}")
+
+    @staticmethod
+    def _check_step_devices(md: StepMetadata, cm, dev: torch.device) -> None:
+        """The metadata's tensors must be where the layer (its caches) is."""
+        for name in _METADATA_TENSORS:
+            t = getattr(md, name)
+            if t.device != dev:
+                raise ValueError(f"metadata: {name} is on {t.device}, the layer on {dev}; build "
+                                 f"the step metadata with device={str(dev)!r}")
+        if cm is not None:
+            for name in ("block_table", "slot_mapping"):
+                t = getattr(cm, name)
+                if t.device != dev:
+                    raise ValueError(f"metadata: compressed[{cm.ratio}].{name} is on {t.device}, "
+                                     f"the layer on {dev}; build the step metadata with "
+                                     f"device={str(dev)!r}")
 
     def _check_positions(self, positions, T) -> None:
         """Caller-given positions: ``[T]`` int and inside the RoPE table ``[0, max_model_len)``
@@ -578,7 +634,7 @@ class DeepseekV41Attention(nn.Module):
         device-to-host read, skipped while compiling or capturing a CUDA graph (there the
         metadata's positions, checked on the host, are the ones to pass)."""
         check_tensor("positions", positions, dtypes=(torch.int32, torch.int64), ndims=1,
-                     contiguous_last=False)
+                     contiguous_last=False, device=self.swa_cache.device)
         if positions.shape[0] != T:
             raise ValueError(f"positions: expected {T} entries, got {positions.shape[0]}")
         if (T == 0 or torch.compiler.is_compiling()
@@ -606,9 +662,15 @@ class DeepseekV41Attention(nn.Module):
             complete a compressed entry are RoPE'd at the entry's first position and inserted
             (None: nothing inserted, e.g. a layer sharing another layer's compressed cache).
         topk_indices: ``[T, K]`` int32 local compressed-entry indices from the indexer (``-1``
-            padded); required by compressed layers with an indexer. HCA layers (ratio in
-            ``config.hca_ratios``) given none attend to every completed entry
-            (:meth:`StepMetadata.all_entries_topk`).
+            padded), ``K <= config.index_topk``; required by compressed layers with an indexer.
+            HCA layers (ratio in ``config.hca_ratios``) given none attend to every completed
+            entry (:meth:`StepMetadata.all_entries_topk`; any ``K`` when given).
+            A window-only layer (ratio 0) takes neither (``ValueError``).
+
+        Everything is checked before anything is written (``ValueError`` / ``TypeError``
+        naming the argument), from host data only: the metadata's tensors must be on the
+        layer's device, its block ids (as recorded by :func:`build_step_metadata`) inside the
+        bound caches, its positions below ``max_model_len``.
 
         Given neither, a layer whose :attr:`compressed_block` is ready (its compressor /
         indexer weights loaded, caches allocated; V4.1 sharing wired by
@@ -634,6 +696,8 @@ class DeepseekV41Attention(nn.Module):
         md = metadata if metadata is not None else self._step.get("metadata")
         if md is None:
             raise ValueError("metadata: pass the step's StepMetadata (or set_step it first)")
+        if not isinstance(md, StepMetadata):
+            raise TypeError(f"metadata: expected a StepMetadata, got {type(md).__name__}")
         if compressed_kv is None:
             compressed_kv = self._step.get("compressed_kv")
         blk = self.compressed_block
@@ -641,7 +705,7 @@ class DeepseekV41Attention(nn.Module):
                 and self._step.get("topk_indices") is None and blk.ready)
         topk_indices = self._topk_rows(md, topk_indices)
         check_tensor("hidden_states", hidden_states, dtypes=(torch.bfloat16,), ndims=2,
-                     last_dim=self.config.hidden_size)
+                     last_dim=self.config.hidden_size, device=self.wq_b.weight.device)
         T = hidden_states.shape[0]
         # auto: the block computes the rows below; check the rest of the step now
         pending = torch.empty((T, 1), dtype=torch.int32, device=hidden_states.device)

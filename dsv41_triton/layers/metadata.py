@@ -20,10 +20,19 @@ batch. :func:`build_step_metadata` produces everything the kernels need (all on 
   other tokens ``-1``).
 
 Host-side copies (``*_cpu`` lists) carry what the layer needs to loop over chunks without a
-device sync.
+device sync; so do ``swa_max_block_id`` / ``CompressedMetadata.max_block_id`` (the largest block
+id of each cache's tables), which the layer checks against the caches it has bound.
+
+Block tables are host data (lists or CPU tensors of ints) and are checked here: every entry is
+an integer ``>= -1``; the blocks that cover the request's positions (``0 .. seq_len - 1``, or
+its entries ``0 .. seq_len // r - 1`` for a compressed cache) must be real blocks (``>= 0``);
+``-1`` only pads the table past them.
 """
 from __future__ import annotations
 
+import operator
+from collections.abc import Iterable as _Iterable
+from collections.abc import Mapping as _MappingABC
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Union
 
@@ -32,6 +41,8 @@ import torch
 from .._utils import cdiv, check_int
 
 IntSeq = Union[Sequence[int], torch.Tensor]
+#: block tables are int32 tensors
+_MAX_BLOCK_ID = 2**31 - 1
 
 
 @dataclass
@@ -41,9 +52,10 @@ class RequestSpec:
     query_len: tokens computed this step (0 allowed: the request is carried but idle).
     prefix_len: tokens already in the caches (computed in earlier steps).
     swa_block_table: block ids of the window cache covering positions ``0 .. seq_len - 1``
-        (position ``p`` lives in block ``swa_block_table[p // page]``).
+        (position ``p`` lives in block ``swa_block_table[p // page]``): a sequence of ints or
+        a 1-D integer tensor; the covering blocks ``>= 0``, ``-1`` only after them (padding).
     compressed_block_tables: ``{ratio: block ids}`` of each compressed cache (entry ``e``
-        in block ``table[e // compressed_page]``).
+        in block ``table[e // compressed_page]``), the same way.
     """
 
     query_len: int
@@ -77,6 +89,9 @@ class CompressedMetadata:
     block_table: torch.Tensor  # [B, max_blocks] int32, -1 padded
     slot_mapping: torch.Tensor  # [T] int64
     num_entries_cpu: List[int]  # seq_len // r per request
+    #: host int: the largest block id of ``block_table`` (-1 when none); None: unknown (not
+    #: checked against the bound cache)
+    max_block_id: Optional[int] = None
 
 
 @dataclass
@@ -107,6 +122,9 @@ class StepMetadata:
     compressed: Dict[int, CompressedMetadata]
     prefill_chunk_size: int
     max_workspace_rows: Optional[int]
+    #: host int: the largest block id of ``swa_block_table`` (-1 when none); None: unknown (not
+    #: checked against the bound cache)
+    swa_max_block_id: Optional[int] = None
     _plans: Dict[int, List[PrefillChunk]] = field(default_factory=dict)
     _all_entries: Dict[int, torch.Tensor] = field(default_factory=dict)
     #: scratch a backend keeps for the step's layers (e.g. FlashMLA's scheduler metadata);
@@ -173,6 +191,7 @@ def plan_prefill_chunks(
     single request always forms a chunk). ``N = max(seq_len // r)`` (0 when ``r == 0``),
     ``M = N + max(gather_len)``."""
     check_int("prefill_chunk_size", prefill_chunk_size, lo=1)
+    check_max_workspace_rows(max_workspace_rows)
     P = len(prefill_seq_lens)
     plan: List[PrefillChunk] = []
     s = 0
@@ -202,13 +221,66 @@ def _table(rows: List[List[int]], device) -> torch.Tensor:
     return t.to(device)
 
 
+def check_max_workspace_rows(v: object) -> Optional[int]:
+    """``max_workspace_rows``: None (no budget) or an int >= 1."""
+    if v is not None:
+        check_int("max_workspace_rows", v, lo=1)
+    return v
+
+
 def _as_list(name: str, v: IntSeq) -> List[int]:
+    """A block table as a list of Python ints: a sequence of integers (``int``, numpy integers,
+    0-d integer tensors; not bools, floats or strings) or a 1-D integer tensor."""
     if isinstance(v, torch.Tensor):
-        return [int(x) for x in v.reshape(-1).tolist()]
+        if v.dtype == torch.bool or v.dtype.is_floating_point or v.dtype.is_complex:
+            raise TypeError(f"{name}: expected an integer tensor, got dtype {v.dtype}")
+        if v.dim() != 1:
+            raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(v.shape)}")
+        return v.tolist()
+    if isinstance(v, (str, bytes, _MappingABC)) or not isinstance(v, _Iterable):
+        raise TypeError(f"{name}: expected a sequence of ints or a 1-D integer tensor, got "
+                        f"{type(v).__name__}")
+    v = list(v)
+    if all(type(x) is int for x in v):  # the common case (bool is not int here)
+        return v
+    out = []
+    for i, x in enumerate(v):
+        try:
+            if isinstance(x, bool):
+                raise TypeError
+            out.append(operator.index(x))
+        except TypeError:
+            raise TypeError(f"{name}[{i}]: expected an int block id, got {x!r} "
+                            f"({type(x).__name__})") from None
+    return out
+
+
+def _check_blocks(name: str, table: List[int], need: int, what: str) -> int:
+    """Entries in ``[-1, 2**31)`` (the tables are int32); the first ``need`` (the blocks that
+    hold ``what``) ``>= 0``. Returns the largest id (-1 when none)."""
+    if not table:
+        return -1
+    hi = max(table)
+    if hi > _MAX_BLOCK_ID or min(table) < -1 or (need and min(table[:need]) < 0):
+        for i, b in enumerate(table):
+            if b < -1 or b > _MAX_BLOCK_ID:
+                raise ValueError(f"{name}[{i}]: block id {b}; expected a block id in "
+                                 f"[0, {_MAX_BLOCK_ID}], or -1 (padding after the blocks in use)")
+            if b < 0 and i < need:
+                raise ValueError(f"{name}[{i}]: block id -1 for a block in use; the first "
+                                 f"{need} block(s) hold {what} and must be real blocks (>= 0); "
+                                 "-1 only pads the table after them")
+    return hi
+
+
+def _device(device: object) -> torch.device:
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device: expected a str or torch.device, got {type(device).__name__}")
     try:
-        return [int(x) for x in v]
-    except TypeError as e:
-        raise TypeError(f"{name}: expected a sequence of ints or a tensor, got {type(v).__name__}") from e
+        return torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"device: expected a torch device ('cpu', 'cuda', 'cuda:1', ...), "
+                         f"got {device!r}") from e
 
 
 def build_step_metadata(
@@ -229,21 +301,40 @@ def build_step_metadata(
         layers use; every request must then give a block table for that ratio.
     num_padding_tokens: invalid tokens appended after the real ones (CUDA-graph padding of a
         pure-decode step): position 0, slot -1, ``is_valid_token`` False, no keys.
+    prefill_chunk_size / max_workspace_rows: the chunk plan's limits (an int >= 1; None: no
+        row budget), checked here although the plan is built on first use.
+    device: where the tensors go (the layer's device).
+
+    Every argument is checked before anything is built (``TypeError`` / ``ValueError`` naming
+    it); block tables as the module docstring says.
     """
     check_int("window_size", window_size, lo=1)
     check_int("swa_page_size", swa_page_size, lo=1)
     check_int("decode_threshold", decode_threshold, lo=1)
     check_int("num_padding_tokens", num_padding_tokens, lo=0)
+    check_int("prefill_chunk_size", prefill_chunk_size, lo=1)
+    check_max_workspace_rows(max_workspace_rows)
+    dev = _device(device)
+    if compressed_page_sizes is not None and not isinstance(compressed_page_sizes, _MappingABC):
+        raise TypeError(f"compressed_page_sizes: expected a mapping {{ratio: page size}}, got "
+                        f"{type(compressed_page_sizes).__name__}")
     compressed_page_sizes = dict(compressed_page_sizes or {})
     for r, p in compressed_page_sizes.items():
         check_int(f"compressed ratio {r!r}", r, lo=1)
         check_int(f"compressed_page_sizes[{r}]", p, lo=1)
+    if isinstance(requests, (RequestSpec, str, bytes, _MappingABC)) or \
+            not isinstance(requests, _Iterable):
+        raise TypeError(f"requests: expected a sequence of RequestSpec, got "
+                        f"{type(requests).__name__}")
     reqs = list(requests)
     for i, rq in enumerate(reqs):
         if not isinstance(rq, RequestSpec):
             raise TypeError(f"requests[{i}]: expected a RequestSpec, got {type(rq).__name__}")
         check_int(f"requests[{i}].query_len", rq.query_len, lo=0)
         check_int(f"requests[{i}].prefix_len", rq.prefix_len, lo=0)
+        if compressed_page_sizes and not isinstance(rq.compressed_block_tables, _MappingABC):
+            raise TypeError(f"requests[{i}].compressed_block_tables: expected a mapping "
+                            f"{{ratio: block ids}}, got {type(rq.compressed_block_tables).__name__}")
 
     is_decode = [rq.query_len <= decode_threshold for rq in reqs]
     num_decodes = 0
@@ -271,11 +362,14 @@ def build_step_metadata(
 
     swa_tables = [_as_list(f"requests[{i}].swa_block_table", rq.swa_block_table)
                   for i, rq in enumerate(reqs)]
+    swa_max_block = -1
     for i, (tb, s) in enumerate(zip(swa_tables, seq)):
         need = cdiv(s, swa_page_size)
         if len(tb) < need:
             raise ValueError(f"requests[{i}].swa_block_table: {len(tb)} blocks cannot hold "
                              f"{s} positions at page size {swa_page_size} (need {need})")
+        swa_max_block = max(swa_max_block, _check_blocks(
+            f"requests[{i}].swa_block_table", tb, need, f"positions 0..{s - 1}"))
 
     positions, tok_req, swa_slots = [], [], []
     for b, rq in enumerate(reqs):
@@ -307,6 +401,7 @@ def build_step_metadata(
     compressed: Dict[int, CompressedMetadata] = {}
     for r, cpage in compressed_page_sizes.items():
         tables = []
+        max_block = -1
         for i, rq in enumerate(reqs):
             if r not in rq.compressed_block_tables:
                 raise ValueError(f"requests[{i}].compressed_block_tables: no table for ratio {r}")
@@ -316,6 +411,9 @@ def build_step_metadata(
             if len(tb) < need:
                 raise ValueError(f"requests[{i}].compressed_block_tables[{r}]: {len(tb)} blocks "
                                  f"cannot hold {rq.seq_len // r} entries at page size {cpage}")
+            max_block = max(max_block, _check_blocks(
+                f"requests[{i}].compressed_block_tables[{r}]", tb, need,
+                f"entries 0..{rq.seq_len // r - 1}"))
             tables.append(tb)
         slots = []
         for t in range(n_real):
@@ -327,12 +425,11 @@ def build_step_metadata(
                 slots.append(-1)
         slots += [-1] * num_padding_tokens
         compressed[r] = CompressedMetadata(
-            ratio=r, page_size=cpage, block_table=_table(tables, device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            num_entries_cpu=[s // r for s in seq],
+            ratio=r, page_size=cpage, block_table=_table(tables, dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            num_entries_cpu=[s // r for s in seq], max_block_id=max_block,
         )
 
-    dev = torch.device(device)
     return StepMetadata(
         num_reqs=len(reqs),
         num_decodes=num_decodes,
@@ -360,4 +457,5 @@ def build_step_metadata(
         compressed=compressed,
         prefill_chunk_size=prefill_chunk_size,
         max_workspace_rows=max_workspace_rows,
+        swa_max_block_id=swa_max_block,
     )

@@ -191,3 +191,95 @@ def test_chunk_workspace_matches_the_index_ops(ratio):
             assert got == sorted(want), (t, got, want)
             seen += 1
     assert seen == md.num_prefill_tokens
+
+
+# --------------------------------------------------------------------------------------------
+# argument checks (host data: everything is checked before any tensor is built)
+# --------------------------------------------------------------------------------------------
+def _md(reqs, **kw):
+    return build_step_metadata(reqs, window_size=W, swa_page_size=PAGE, **kw)
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(prefill_chunk_size=0), ValueError, "prefill_chunk_size"),
+    (dict(prefill_chunk_size="4"), TypeError, "prefill_chunk_size"),
+    (dict(prefill_chunk_size=2.0), TypeError, "prefill_chunk_size"),
+    (dict(max_workspace_rows=-5), ValueError, "max_workspace_rows"),
+    (dict(max_workspace_rows=0), ValueError, "max_workspace_rows"),
+    (dict(max_workspace_rows=2.5), TypeError, "max_workspace_rows"),
+    (dict(device="gpu"), ValueError, "device"),
+    (dict(compressed_page_sizes=[(2, 4)]), TypeError, "compressed_page_sizes"),
+])
+def test_step_arguments_are_checked_up_front(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        _md([RequestSpec(3, 0, [0])], **kw)
+    # a prefill-free step too: the plan is built later, but the values are checked now
+    with pytest.raises(exc, match=match):
+        _md([RequestSpec(1, 2, [0])], **kw)
+
+
+def test_plan_checks_the_row_budget():
+    with pytest.raises(ValueError, match="max_workspace_rows"):
+        plan_prefill_chunks([4], [4], [0, 4], 0, 0, 4, max_workspace_rows=-1)
+    with pytest.raises(TypeError, match="max_workspace_rows"):
+        plan_prefill_chunks([4], [4], [0, 4], 0, 0, 4, max_workspace_rows=2.5)
+
+
+@pytest.mark.parametrize("requests", [None, 3, RequestSpec(3, 0, [0])])
+def test_requests_must_be_a_sequence_of_request_specs(requests):
+    with pytest.raises(TypeError, match=r"^requests"):
+        _md(requests)
+
+
+@pytest.mark.parametrize("table,exc,match", [
+    ([1.9], TypeError, r"swa_block_table\[0\]: expected an int block id, got 1.9"),
+    ([0, 2.0], TypeError, r"swa_block_table\[1\]"),
+    ([True], TypeError, r"swa_block_table\[0\]"),
+    (["0"], TypeError, r"swa_block_table\[0\]"),
+    ("ab", TypeError, "swa_block_table: expected a sequence of ints"),
+    (torch.tensor([1.0]), TypeError, "swa_block_table: expected an integer tensor"),
+    (torch.tensor([True]), TypeError, "swa_block_table: expected an integer tensor"),
+    (torch.tensor([[0], [1]]), ValueError, "swa_block_table: expected a 1-D tensor"),
+    (torch.tensor(0), ValueError, "swa_block_table: expected a 1-D tensor"),
+    ([-1, 0], ValueError, r"swa_block_table\[0\]: block id -1 for a block in use"),
+    ([0, -1], ValueError, r"swa_block_table\[1\]: block id -1 for a block in use"),
+    ([-3, 0], ValueError, r"swa_block_table\[0\]: block id -3"),
+    ([0, 1, -2], ValueError, r"swa_block_table\[2\]: block id -2"),
+    ([0, 2**31], ValueError, r"swa_block_table\[1\]: block id 2147483648"),
+])
+def test_swa_block_ids_are_checked(table, exc, match):
+    """Block ids are ints (no truncation of 1.9 to 1), >= -1, and the blocks that hold the
+    request's positions are real (no negative slots)."""
+    with pytest.raises(exc, match=match):
+        _md([RequestSpec(5, 0, table)])  # positions 0..4: blocks 0 and 1 of the table
+
+
+@pytest.mark.parametrize("table,match", [
+    ([0.0], r"compressed_block_tables\[2\]\[0\]: expected an int"),
+    ([-1], r"compressed_block_tables\[2\]\[0\]: block id -1 for a block in use"),
+    ([-7], r"compressed_block_tables\[2\]\[0\]: block id -7"),
+    (torch.tensor([[3]]), r"compressed_block_tables\[2\]: expected a 1-D tensor"),
+    ("x", r"compressed_block_tables\[2\]: expected a sequence"),
+])
+def test_compressed_block_ids_are_checked(table, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        _md([RequestSpec(5, 0, [0, 1], {2: table})], compressed_page_sizes={2: CPAGE})
+    with pytest.raises(TypeError, match=r"compressed_block_tables: expected a mapping"):
+        _md([RequestSpec(5, 0, [0, 1], [[0]])], compressed_page_sizes={2: CPAGE})
+
+
+def test_block_tables_accept_ints_tensors_and_padding_and_record_the_largest_id():
+    """-1 pads a table after the blocks in use; integer tensors, numpy-style ints and 0-d
+    integer tensors are ids. The largest id of each cache's tables is kept on the host, for
+    the layer to check against its caches without reading the device tables."""
+    md = _md([RequestSpec(1, 4, torch.tensor([3, 9], dtype=torch.int64), {2: [torch.tensor(5), -1]}),
+              RequestSpec(5, 0, [2, 7, -1, -1], {2: (4, -1)})], compressed_page_sizes={2: CPAGE})
+    assert md.swa_max_block_id == 9 and md.compressed[2].max_block_id == 5
+    assert md.swa_block_table.tolist() == [[3, 9, -1, -1], [2, 7, -1, -1]]
+    assert md.swa_slot_mapping.tolist() == [9 * PAGE] + [2 * PAGE + i for i in range(4)] + [7 * PAGE]
+    assert md.compressed[2].block_table.tolist() == [[5, -1], [4, -1]]
+    # a request that holds no position yet needs no block: its table may be all padding
+    md = _md([RequestSpec(0, 0, [-1])])
+    assert md.swa_max_block_id == -1
+    assert _md([]).swa_max_block_id == -1
+
