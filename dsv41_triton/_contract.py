@@ -13,6 +13,7 @@ specializing on the token count. The edge-case semantics they encode are listed 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -295,7 +296,7 @@ def check_scale(v: object, name: str = "softmax_scale") -> float:
     """A finite float or None (``512 ** -0.5``); returns the scale."""
     if v is None:
         return HEAD_DIM ** -0.5
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
         raise TypeError(f"{name}: expected a float or None, got {type(v).__name__}")
     scale = float(v)
     if not math.isfinite(scale):

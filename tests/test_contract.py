@@ -97,3 +97,23 @@ def test_q_norm_rope_out_overlapping_q_and_token_positions_name():
         q_norm_rope(buf[1:], pos, cs, "standard", out=buf[:-1])
     with pytest.raises(TypeError, match="^token_positions: expected dtype"):
         q_norm_rope(buf[1:], pos.float(), cs, "standard")
+
+
+def test_allocate_k_cache_and_softmax_scale_arguments():
+    import numpy as np
+
+    from dsv41_triton.ops import allocate_k_cache
+
+    assert C.check_scale(np.float32(0.25)) == 0.25
+    with pytest.raises(TypeError, match="^softmax_scale"):
+        C.check_scale(True)
+    with pytest.raises(ValueError, match="^block_stride: expected a multiple of 16"):
+        allocate_k_cache(2, 4, 584, block_stride=4 * 584 + 8)
+    with pytest.raises(ValueError, match="^fill: expected <= 255"):
+        allocate_k_cache(2, 4, 584, fill=300)
+    with pytest.raises(ValueError, match="^fill: expected >= 0"):
+        allocate_k_cache(2, 4, 584, fill=-1)
+    with pytest.raises(ValueError, match="^device: expected"):
+        allocate_k_cache(2, 4, 584, device="gpu")
+    c = allocate_k_cache(2, 4, 584, block_stride=4 * 584 + 16, fill=7)
+    assert c.stride(0) == 4 * 584 + 16 and int(c[1, 3, 0]) == 7

@@ -63,6 +63,16 @@ def allocate_k_cache(
     check_int("page_size", page_size, lo=1)
     stride0 = fmt.block_bytes(page_size) if block_stride is None else block_stride
     check_int("block_stride", stride0, lo=page_size * fmt.record_bytes)
+    if stride0 % 16:
+        raise ValueError(f"block_stride: expected a multiple of 16 bytes (the ops' row loads), "
+                         f"got {stride0}")
+    if fill is not None:
+        check_int("fill", fill, lo=0, hi=255)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device: expected a torch.device or a device string such as "
+                         f"'cuda:0', got {device!r}") from e
     if fill is None:
         flat = torch.randint(0, 256, (num_blocks * stride0,), dtype=torch.uint8, device=device)
     else:
