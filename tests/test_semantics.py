@@ -337,3 +337,13 @@ def test_positions_outside_the_table_are_not_rotated_by_the_ops(device):
     ref = apply_rope_ref(x, pos, cs)
     assert torch.equal(out, ref)
     assert torch.equal(out[:3], x[:3]) and not torch.equal(out[3], x[3])
+
+
+@pytest.mark.parametrize("impl", ("torch", "triton"))
+def test_outputs_carry_no_autograd_graph(impl, device):
+    q, swa, si, sl, extra, ei, el = _decode_case(device, extra_record=288)
+    q.requires_grad_(True)
+    o, lse = decode(impl, device, q, swa, si, sl, extra, ei, el)
+    assert not o.requires_grad and not lse.requires_grad
+    o, lse = prefill(impl, device, q, torch.randn(9, 512).bfloat16().to(device), si % 9)
+    assert not o.requires_grad and not lse.requires_grad

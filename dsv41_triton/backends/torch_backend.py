@@ -42,6 +42,8 @@ class TorchBackend(ComposedFusedMixin, AttentionBackend):
         return Availability(True, f"PyTorch reference on {dev.type}")
 
     # ---------------------------------------------------------------------------------------
+    # no autograd graph, as on every other backend (the entry points are inference-only)
+    @torch.no_grad()
     def sparse_mla_decode(self, q, swa_cache, swa_indices, swa_lens, extra_cache=None,
                           extra_indices=None, extra_lens=None, attn_sink=None,
                           softmax_scale=None, out=None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -55,6 +57,7 @@ class TorchBackend(ComposedFusedMixin, AttentionBackend):
         )
         return _write_out(res, q, out), lse.float()
 
+    @torch.no_grad()
     def sparse_mla_prefill(self, q, kv, indices, lens=None, attn_sink=None, softmax_scale=None,
                            out=None) -> Tuple[torch.Tensor, torch.Tensor]:
         from ..attention.ref import sparse_mla_prefill_ref
@@ -67,6 +70,7 @@ class TorchBackend(ComposedFusedMixin, AttentionBackend):
     def supports_paged_window(self, heads: int) -> bool:
         return True
 
+    @torch.no_grad()
     def sparse_mla_prefill_paged_window(self, q, kv, window_rows, query_start_loc, topk_cache,
                                         topk_slots, topk_lens, attn_sink=None,
                                         softmax_scale=None, out=None
