@@ -97,11 +97,11 @@ class FlashMLAMegaBackend(AttentionBackend):
     # ---------------------------------------------------------------------------------------
     def _finish(self, o_data, o_scale, lse, T, H, layout, data, scale):
         """Copy the kernel's (padded-group, interleaved) output into the caller's pair."""
-        from ..attention.fused import check_fused_output
+        from ..ops import mxfp8
 
         G = H // WV_GROUP_SIZE
-        if data is None or scale is None:
-            data, scale = check_fused_output(data, scale, T, G, o_data.device)
+        if data is None:
+            data, scale = mxfp8.alloc_mxfp8_output(T, G, o_data.device)
         od, osc = o_data[:, :G], o_scale[:, :G]
         if layout == "standard":
             od, sb = _permute_chunks(od, osc, _STD_FROM_INTERLEAVED)
@@ -115,15 +115,15 @@ class FlashMLAMegaBackend(AttentionBackend):
     def _prep(self, q, positions, cos_sin_cache, layout, q_norm_eps, data, scale, attn_sink):
         T, H = check_fused_common(q, positions, cos_sin_cache, layout, q_norm_eps)
         _checks.check_sink(attn_sink, H)
-        if data is not None or scale is not None:  # checked here, the missing half made in _finish
+        if data is not None or scale is not None:  # the missing half is allocated
             from ..attention.fused import check_fused_output
 
-            check_fused_output(data, scale, T, H // WV_GROUP_SIZE, q.device)
+            data, scale = check_fused_output(data, scale, T, H // WV_GROUP_SIZE, q.device)
         ops, why = load_flashmla()
         if ops is None:
             raise RuntimeError(f"FlashMLA is not available: {why}")
         hp = padded_heads(H)
-        return ops, T, H, hp, _to_kernel_q(q, layout, hp)
+        return ops, T, H, hp, _to_kernel_q(q, layout, hp), data, scale
 
     def sparse_mla_decode_fused(self, q, positions, cos_sin_cache, swa_cache, swa_indices,
                                 swa_lens, extra_cache=None, extra_indices=None, extra_lens=None,
@@ -131,8 +131,8 @@ class FlashMLAMegaBackend(AttentionBackend):
                                 layout="standard", data=None, scale=None):
         _checks.check_decode(q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices,
                              extra_lens, attn_sink, None, softmax_scale=softmax_scale)
-        ops, T, H, hp, qk = self._prep(q, positions, cos_sin_cache, layout, q_norm_eps, data,
-                                       scale, attn_sink)
+        ops, T, H, hp, qk, data, scale = self._prep(q, positions, cos_sin_cache, layout,
+                                                    q_norm_eps, data, scale, attn_sink)
         sm = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
         norm = (q_norm_eps is not None, 0.0 if q_norm_eps is None else float(q_norm_eps))
         pos = positions.to(torch.int32).contiguous()
@@ -164,8 +164,8 @@ class FlashMLAMegaBackend(AttentionBackend):
                                  attn_sink=None, softmax_scale=None, q_norm_eps=None,
                                  layout="standard", data=None, scale=None):
         _checks.check_prefill(q, kv, indices, lens, attn_sink, None, softmax_scale=softmax_scale)
-        ops, T, H, hp, qk = self._prep(q, positions, cos_sin_cache, layout, q_norm_eps, data,
-                                       scale, attn_sink)
+        ops, T, H, hp, qk, data, scale = self._prep(q, positions, cos_sin_cache, layout,
+                                                    q_norm_eps, data, scale, attn_sink)
         sm = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
         norm = (q_norm_eps is not None, 0.0 if q_norm_eps is None else float(q_norm_eps))
         pos = positions.to(torch.int32).contiguous()
