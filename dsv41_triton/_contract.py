@@ -138,6 +138,16 @@ def check_same_device(**tensors: Optional[torch.Tensor]) -> torch.device:
     return first
 
 
+def check_device(device: object, name: str = "device") -> torch.device:
+    """A ``torch.device`` or a device string (``'cpu'``, ``'cuda:1'``) -> ``torch.device``;
+    ``ValueError`` naming ``name`` for one torch cannot parse."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ValueError(f"{name}: expected a torch.device or a device string such as 'cpu' or "
+                         f"'cuda:1', got {device!r}") from e
+
+
 def check_distinct_elements(name: str, t: torch.Tensor) -> None:
     """An output must not map two of its elements to one address (a dim of size > 1 with
     stride 0, as ``expand`` makes): the kernels would race on it."""

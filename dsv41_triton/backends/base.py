@@ -23,7 +23,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._contract import KINDS, LAYOUTS, SWA_RECORDS, WV_GROUP_SIZE, problem_error  # noqa: F401
+from .._contract import (KINDS, LAYOUTS, SWA_RECORDS, WV_GROUP_SIZE,  # noqa: F401
+                         check_device, problem_error)
 from ._checks import check_shared_window_hint
 
 
@@ -174,8 +175,7 @@ def check_problem(problem: Problem) -> Optional[str]:
         return (f"swa_record: expected a window cache record width in {SWA_RECORDS}, got "
                 f"{problem.swa_record}")
     try:
-        torch.device(problem.device)
-    except (RuntimeError, TypeError, ValueError):
-        return (f"device: expected a torch.device or a device string such as 'cuda:0', got "
-                f"{problem.device!r}")
+        check_device(problem.device)
+    except ValueError as e:
+        return str(e)
     return None

@@ -38,6 +38,7 @@ from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 
+from .._contract import check_device
 from .._utils import cdiv, check_int
 
 IntSeq = Union[Sequence[int], torch.Tensor]
@@ -276,11 +277,7 @@ def _check_blocks(name: str, table: List[int], need: int, what: str) -> int:
 def _device(device: object) -> torch.device:
     if not isinstance(device, (str, torch.device)):
         raise TypeError(f"device: expected a str or torch.device, got {type(device).__name__}")
-    try:
-        return torch.device(device)
-    except (RuntimeError, ValueError) as e:
-        raise ValueError(f"device: expected a torch device ('cpu', 'cuda', 'cuda:1', ...), "
-                         f"got {device!r}") from e
+    return check_device(device)
 
 
 def build_step_metadata(

@@ -31,6 +31,7 @@ from .._contract import (  # noqa: F401  (records and the cache check are part o
     RECORD_FORMATS,
     UE8M0_AMAX_FLOOR,
     RecordFormat,
+    check_device,
     check_k_cache,
     get_record_format,
 )
@@ -68,11 +69,7 @@ def allocate_k_cache(
                          f"got {stride0}")
     if fill is not None:
         check_int("fill", fill, lo=0, hi=255)
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device: expected a torch.device or a device string such as "
-                         f"'cuda:0', got {device!r}") from e
+    device = check_device(device)
     if fill is None:
         flat = torch.randint(0, 256, (num_blocks * stride0,), dtype=torch.uint8, device=device)
     else:
