@@ -170,17 +170,22 @@ def test_gluon_picks_compile_at_launch_values(entry, shape):
 @pytest.mark.parametrize("T,H,src,persist", [(512, 8, 584, False), (512, 8, 528, False),
                                              (7, 16, 584, False), (1, 3, 528, False),
                                              (300, 40, 584, False), (512, 8, 584, True),
-                                             (7, 16, 528, True), (300, 40, 584, True)])
+                                             (7, 16, 528, True), (300, 40, 584, True),
+                                             (512, 8, 584, None), (7, 16, 528, None)])
 def test_gluon_prior_launch_compiles(T, H, src, persist):
     """``launch.launch(..., prior=True)`` over one key set (the shared-window prefill's top-k
     records) starts the warp-specialized few-heads kernel once, unsplit (one CTA per token and
-    head tile, or with ``persist`` at most one per SM: 132 here), with ``PRIOR``; compiled as
-    the GPU builds it, nothing spills."""
+    head tile, or with ``persist`` at most one per SM: 132 here; ``None``: the launch's
+    default, ``PRIOR_PERSIST``), with ``PRIOR``; compiled as the GPU builds it, nothing
+    spills."""
     if not gluon_pkg.AVAILABLE:
         pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
     import json
     rows = _compile_facts("launch", json.dumps(dict(T=T, H=H, src_a=src, src_b=0, prior=True,
                                                     persist=persist)))
+    if persist is None:
+        from dsv41_triton.attention.gluon import launch as gl_launch
+        persist = gl_launch.PRIOR_PERSIST
     bh = 8 if H <= 8 else 16
     items = T * -(-H // bh)
     assert [r["kernel"].split(".")[0] for r in rows] == ["decode_few_ws"], rows

@@ -128,12 +128,13 @@ def _recording(kernels, sms: int, run) -> list:
 
 def capture_decode(T: int, H: int, src_a: int, src_b: int, shape: str = "", W: int = 128,
                    K: int = 512, page: int = 64, sms: int = 132, prior: bool = False,
-                   persist: bool = False) -> list:
+                   persist: bool | None = None) -> list:
     """The kernel launches ``launch.launch`` makes for a decode of ``T`` tokens x ``H`` heads
     (``W`` window slot ids of ``src_a`` records, ``K`` extra ones of ``src_b`` (0: none), lens
     and a sink; caches of ``perf/bench_decode_hopper.py``'s sizes) on an sm_90 GPU of ``sms``
     SMs, at launch shape ``shape`` (empty: the pick table's), merging a prior partial with
-    ``prior``, on the few-heads ws kernel's persistent grid with ``persist``. Runs on the CPU
+    ``prior``, on the few-heads ws kernel's persistent grid with ``persist`` True, on its
+    per-token grid with False, on the launch's default grid with None. Runs on the CPU
     (``_recording``). Each launch: ``{kernel, real, grid, args, kwargs}``."""
     import torch
 
@@ -151,8 +152,8 @@ def capture_decode(T: int, H: int, src_a: int, src_b: int, shape: str = "", W: i
         try:
             gl_launch.OVERRIDE.clear()
             gl_launch.OVERRIDE.update(gl_launch.parse_shape(shape))
-            if persist:
-                gl_launch.OVERRIDE["persist"] = True
+            if persist is not None:
+                gl_launch.OVERRIDE["persist"] = bool(persist)
             a = keys(3 * T + 8, src_a, W)
             b = keys(max(2048, 8 * T), src_b, K) if src_b else None
             q = torch.empty(T, H, 512, dtype=torch.bfloat16)
@@ -544,7 +545,7 @@ if __name__ == "__main__":
         else:
             recs = capture_decode(c["T"], c["H"], c["src_a"], c["src_b"], c.get("shape", ""),
                                   prior=bool(c.get("prior", False)),
-                                  persist=bool(c.get("persist", False)))
+                                  persist=c.get("persist"))
         rows = []
         for rec in recs:
             k = compile_launch(rec)
