@@ -173,10 +173,7 @@ def index_rows_i32(idx: torch.Tensor, lens: Optional[torch.Tensor], num_rows: in
     compared at 64 bits, so ``2**32 + 5`` is skipped, never slot 5), a column past ``lens[t]``
     and the padding are ``-1``, the only id FlashMLA's kernels skip (any other id is read,
     unchecked). Device ops only: no host sync, CUDA-graph safe."""
-    rows = mask_index_rows(idx, lens, multiple)
-    if num_rows <= INT32_MAX:
-        rows.masked_fill_(rows >= num_rows, -1)
-    return rows
+    return mask_index_rows(idx, lens, multiple, num_rows=num_rows)
 
 
 def as_cache4(cache: torch.Tensor) -> torch.Tensor:

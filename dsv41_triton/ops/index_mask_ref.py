@@ -17,11 +17,13 @@ def masked_width(K: int, multiple: int) -> int:
 
 
 def mask_index_rows_ref(idx: torch.Tensor, lens: Optional[torch.Tensor], multiple: int,
-                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        out: Optional[torch.Tensor] = None,
+                        num_rows: Optional[int] = None) -> torch.Tensor:
     """``idx [T, K]`` int32/int64 -> ``[T, Kp]`` int32, ``Kp = masked_width(K, multiple)``.
 
     Entry ``[t, c]`` is ``idx[t, c]`` when ``c < K``, ``0 <= idx[t, c] <= INT32_MAX`` (an int64
-    id past int32 is past every cache, so skipped, never truncated into one) and
+    id past int32 is past every cache, so skipped, never truncated into one),
+    ``idx[t, c] < num_rows`` (None: no bound) and
     ``c < lens[t]`` (``lens`` None: every column), else ``-1``. ``lens [T]`` int is clamped
     by the comparison itself: ``lens[t] >= K`` keeps every column, ``lens[t] <= 0`` none.
     ``out``: an optional ``[T, Kp]`` int32 tensor to fill (returned)."""
@@ -29,6 +31,8 @@ def mask_index_rows_ref(idx: torch.Tensor, lens: Optional[torch.Tensor], multipl
     Kp = masked_width(K, multiple)
     src = torch.nn.functional.pad(idx.to(torch.int64), (0, Kp - K), value=-1)
     keep = (src >= 0) & (src <= INT32_MAX)
+    if num_rows is not None:
+        keep = keep & (src < num_rows)
     if lens is not None:
         cols = torch.arange(Kp, device=idx.device, dtype=torch.int64)
         keep = keep & (cols[None, :] < lens.to(torch.int64)[:, None])

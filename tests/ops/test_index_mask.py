@@ -7,8 +7,9 @@ from dsv41_triton.ops.index_mask_ref import mask_index_rows_ref, masked_width
 from dsv41_triton.testing import POISON_INT, poison_
 
 
-def mask_loop(idx, lens, multiple):
+def mask_loop(idx, lens, multiple, num_rows=None):
     T, K = idx.shape
+    bound = 2 ** 31 if num_rows is None else min(num_rows, 2 ** 31)
     Kp = max(-(-K // multiple) * multiple, multiple)
     rows = []
     for t in range(T):
@@ -16,7 +17,7 @@ def mask_loop(idx, lens, multiple):
         row = []
         for c in range(Kp):
             e = int(idx[t, c]) if c < K else -1
-            row.append(e if (0 <= e < 2 ** 31 and c < n) else -1)
+            row.append(e if (0 <= e < bound and c < n) else -1)
         rows.append(row)
     return rows
 
@@ -42,17 +43,17 @@ def _lens(kind, T, K, device):
     raise AssertionError(kind)
 
 
-def _check(idx, lens, multiple):
+def _check(idx, lens, multiple, num_rows=None):
     out = poison_(torch.empty((idx.shape[0], masked_width(idx.shape[1], multiple)),
                               dtype=torch.int32, device=idx.device))
-    got = mask_index_rows(idx, lens, multiple, out=out)
+    got = mask_index_rows(idx, lens, multiple, out=out, num_rows=num_rows)
     assert got is out
-    ref = mask_index_rows_ref(idx, lens, multiple)
+    ref = mask_index_rows_ref(idx, lens, multiple, num_rows=num_rows)
     assert ref.dtype == torch.int32 and got.dtype == torch.int32
     assert torch.equal(got.cpu(), ref.cpu())
     assert ref.cpu().tolist() == mask_loop(idx.cpu(), None if lens is None else lens.cpu(),
-                                           multiple)
-    fresh = mask_index_rows(idx, lens, multiple)
+                                           multiple, num_rows)
+    fresh = mask_index_rows(idx, lens, multiple, num_rows=num_rows)
     assert torch.equal(fresh.cpu(), ref.cpu())
     return got
 
@@ -90,6 +91,27 @@ def test_mask_index_rows_int64_past_int32(device):
     assert bool(wide.any()) and bool((got[wide] == -1).all())
     assert bool((got[idx.cpu() == 2 ** 31 - 1] == 2 ** 31 - 1).all())
     _check(idx, _lens("ragged", 7, 90, device), 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_mask_index_rows_num_rows(device, dtype):
+    """Ids at or past ``num_rows`` are -1; ``num_rows - 1`` is kept; int64 ids past int32 never
+    wrap into a row below the bound; a bound of 0 keeps nothing, one past int32 bounds nothing."""
+    idx = _idx(11, 150, dtype, device)  # ids up to 2**20
+    for n in (1, 1000, (1 << 19) + 3):
+        idx[:, 7] = n - 1
+        idx[:, 9] = n
+        got = _check(idx, _lens("ragged", 11, 150, device), 64, num_rows=n).cpu()
+        got = _check(idx, None, 64, num_rows=n).cpu()
+        assert bool((got[:, 7] == n - 1).all()) and bool((got[:, 9] == -1).all())
+        kept = got[got >= 0]
+        assert kept.numel() > 0 and int(kept.max()) < n
+    assert bool((_check(idx, None, 64, num_rows=0) == -1).all())
+    assert torch.equal(_check(idx, None, 64, num_rows=2 ** 40).cpu(),
+                       _check(idx, None, 64).cpu())
+    if dtype == torch.int64:
+        idx[:, 3] = 2 ** 32 + 5  # slot 5 if truncated
+        assert bool((_check(idx, None, 64, num_rows=10).cpu()[:, 3] == -1).all())
 
 
 def test_mask_index_rows_edges(device):
@@ -132,6 +154,8 @@ def test_mask_index_rows_bad_input():
         mask_index_rows(idx, torch.zeros(2), 8)
     with pytest.raises(ValueError, match="multiple"):
         mask_index_rows(idx, None, 0)
+    with pytest.raises(ValueError, match="num_rows"):
+        mask_index_rows(idx, None, 8, num_rows=-1)
     with pytest.raises(ValueError, match="out"):
         mask_index_rows(idx, None, 8, out=torch.empty((2, 4), dtype=torch.int32))
     with pytest.raises(TypeError, match="out"):
