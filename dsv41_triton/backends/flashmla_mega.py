@@ -61,6 +61,15 @@ def _permute_chunks(data: torch.Tensor, scale: torch.Tensor, perm: torch.Tensor)
     return d, sb
 
 
+def rope_rows_i32(positions: torch.Tensor, max_pos: int) -> torch.Tensor:
+    """``positions [T]`` int32 or int64 -> the int32 table rows the mega kernels read
+    (unchecked). A position outside ``[0, max_pos)`` (int64 compared at 64 bits) reads row 0,
+    angle 0 (cos 1, sin 0) in every RoPE table: the token is not rotated, as on every backend.
+    Device ops only."""
+    p = positions.to(torch.int64)
+    return torch.where((p >= 0) & (p < max_pos), p, 0).to(torch.int32).contiguous()
+
+
 class FlashMLAMegaBackend(AttentionBackend):
     name = "flashmla_mega"
     description = "FlashMLA fused norm+RoPE+attention+RoPE+MXFP8 kernels (SM100 only)"
@@ -135,7 +144,7 @@ class FlashMLAMegaBackend(AttentionBackend):
                                                     q_norm_eps, data, scale, attn_sink)
         sm = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
         norm = (q_norm_eps is not None, 0.0 if q_norm_eps is None else float(q_norm_eps))
-        pos = positions.to(torch.int32).contiguous()
+        pos = rope_rows_i32(positions, cos_sin_cache.shape[0])
         cache4 = as_cache4(swa_cache)
         idx = index_rows_i32(swa_indices, swa_lens, cache4.shape[0] * cache4.shape[1],
                              _TOPK_MULTIPLE)
@@ -168,7 +177,7 @@ class FlashMLAMegaBackend(AttentionBackend):
                                                     q_norm_eps, data, scale, attn_sink)
         sm = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
         norm = (q_norm_eps is not None, 0.0 if q_norm_eps is None else float(q_norm_eps))
-        pos = positions.to(torch.int32).contiguous()
+        pos = rope_rows_i32(positions, cos_sin_cache.shape[0])
         kv3 = kv.reshape(-1, 1, kv.shape[-1])
         idx2 = indices.reshape(T, -1)
         idx = index_rows_i32(idx2, lens, kv3.shape[0], _TOPK_MULTIPLE).unsqueeze(1)

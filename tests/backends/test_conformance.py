@@ -295,6 +295,7 @@ def _fake_mega_common(enable_q_norm, eps, positions, neox, rope_dim, cs, n_wv_gr
     assert (neox, rope_dim, npc, tma, round_sf, packed) == (False, 64, 32, True, True, True)
     T, h_q, _ = q.shape
     assert h_q in (64, 128) and n_wv_group == h_q // 8 and positions.dtype == torch.int32
+    assert bool(((positions >= 0) & (positions < cs.shape[0])).all()), "table row read unchecked"
     qs = layouts.q_from_interleaved(q)  # the kernel reads the interleaved layout
     if enable_q_norm:
         qf = qs.float()
@@ -441,6 +442,25 @@ def test_flashmla_mega_takes_int64_ids_and_lens(fake_flashmla, H):
     args = (q, pos, cs, kv, _wild_ids(idx.clamp(min=-1, max=19), 20, g), _wild_lens(lens))
     d1, s1, _ = mega.sparse_mla_prefill_fused(*args, attn_sink=sink)
     d2, s2, _ = ref.sparse_mla_prefill_fused(*args, attn_sink=sink)
+    assert torch.equal(d1.view(torch.uint8), d2.view(torch.uint8)) and torch.equal(s1, s2)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_flashmla_mega_positions_outside_the_table(fake_flashmla, dtype):
+    """A position outside the table (negative, ``max_pos``, int64 past int32 that would wrap
+    to a row) is not rotated on the mega backend either (the stand-in asserts every row it is
+    handed lies in the table), bit-equal to the torch backend."""
+    mega, ref = B.get_backend("flashmla_mega"), B.get_backend("torch")
+    c = make_decode(5, 64, 528, 288, "rand", "cpu", seed=3)
+    cs = make_cos_sin_cache(16, device="cpu")
+    pos = torch.tensor([-1, 16, 3, 2 ** 32 + 5 if dtype == torch.int64 else 2 ** 31 - 1, 15],
+                       dtype=dtype)
+    d1, s1, l1 = mega.sparse_mla_decode_fused(c.q, pos, cs, *c.args()[1:], attn_sink=c.sink)
+    d2, s2, l2 = ref.sparse_mla_decode_fused(c.q, pos, cs, *c.args()[1:], attn_sink=c.sink)
+    assert torch.equal(d1.view(torch.uint8), d2.view(torch.uint8)) and torch.equal(s1, s2)
+    q, kv, idx, lens, sink = make_prefill(5, 64, 20, 10, "rand", "cpu", seed=4)
+    d1, s1, _ = mega.sparse_mla_prefill_fused(q, pos, cs, kv, idx, lens, attn_sink=sink)
+    d2, s2, _ = ref.sparse_mla_prefill_fused(q, pos, cs, kv, idx, lens, attn_sink=sink)
     assert torch.equal(d1.view(torch.uint8), d2.view(torch.uint8)) and torch.equal(s1, s2)
 
 
