@@ -42,6 +42,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from dsv41_triton.attention.gluon._api import async_load, barrier, reinterpret
+
 PAGE = 64
 DATA = 576
 SCALES = 8
@@ -86,7 +88,7 @@ def _tma_ring(NS: gl.constexpr, RING: gl.constexpr):
     """The TMA ring ``[NS, 64, 1, 2, 256]`` (one box per key) and its ``[NS, 64, 512]`` byte
     view."""
     ring = gl.allocate_shared_memory(gl.uint8, [NS, 64, 1, 2, 256], RING)
-    flat = ring._reinterpret(gl.uint8, [NS, 64, 512], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    flat = reinterpret(ring, gl.uint8, [NS, 64, 512], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     return ring, flat
 
 
@@ -125,9 +127,9 @@ def _issue_cp(cache_ptr, ids_ptr, ring, ids_smem, ids_rows, k, total, pid, G, bs
                 cc = gl.arange(0, 64, layout=gl.SliceLayout(0, LT))[None, :]
                 allids = gl.load(ids_ptr + _block_off(k, pid, G, NB) + rr * 64 + cc,
                                  mask=rr < NB, other=-1)
-                gl.thread_barrier()
+                barrier()
                 ids_smem.store(allids)
-                gl.thread_barrier()
+                barrier()
             idx = ids_rows.index(k % NB).load(gl.SliceLayout(1, L))
         else:
             idx = _ids_of(ids_ptr, k, pid, G, NB, gl.SliceLayout(1, L))
@@ -141,12 +143,12 @@ def _issue_cp(cache_ptr, ids_ptr, ring, ids_smem, ids_rows, k, total, pid, G, bs
             c = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
             for g in gl.static_range(RB // 64):
                 p = cache_ptr + (base + g * 64)[:, None] + c[None, :]
-                cp.async_copy_global_to_shared(st.slice(g * 64, 64, dim=1), p,
+                async_load(st.slice(g * 64, 64, dim=1), p,
                                                mask=valid[:, None])
         else:
             c = gl.arange(0, RB, layout=gl.SliceLayout(0, L))
             p = cache_ptr + base[:, None] + c[None, :]
-            cp.async_copy_global_to_shared(st, p, mask=valid[:, None])
+            async_load(st, p, mask=valid[:, None])
     cp.commit_group()
 
 
@@ -160,7 +162,7 @@ def _probe_cp_kernel(cache_ptr, ids_ptr, out_ptr, n_tok, bstride, kstride,
                                      gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     ids_smem = gl.allocate_shared_memory(gl.int32, [16, 64],
                                          gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    ids_rows = ids_smem._reinterpret(gl.int32, [16, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    ids_rows = reinterpret(ids_smem, gl.int32, [16, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     for k in gl.static_range(NS - 1):
         _issue_cp(cache_ptr, ids_ptr, ring, ids_smem, ids_rows, k, total, pid, G, bstride,
                   kstride, MODE, NS, NB, RB)
@@ -169,9 +171,9 @@ def _probe_cp_kernel(cache_ptr, ids_ptr, out_ptr, n_tok, bstride, kstride,
         _issue_cp(cache_ptr, ids_ptr, ring, ids_smem, ids_rows, j + NS - 1, total, pid, G,
                   bstride, kstride, MODE, NS, NB, RB)
         cp.wait_group(NS - 1)
-        gl.thread_barrier()
+        barrier()
         acc = _touch(acc, ring.index(j % NS))
-        gl.thread_barrier()
+        barrier()
     _store_sum(out_ptr, pid, acc)
 
 
@@ -205,7 +207,7 @@ def _probe_tma_kernel(desc, ids_ptr, out_ptr, n_tok, NS: gl.constexpr, NB: gl.co
         s = j % NS
         mbarrier.wait(bars.index(s), (j // NS) & 1)
         acc = _touch(acc, flat.index(s))
-        gl.thread_barrier()
+        barrier()
         fence_async_shared()  # the reads above precede the next TMA writes into the stage
     for st in gl.static_range(NS):
         mbarrier.invalidate(bars.index(st))
@@ -234,7 +236,7 @@ def _tma_consumer(flat, ready, free, total, out_ptr, pid, NS: gl.constexpr):
         s = j % NS
         mbarrier.wait(ready.index(s), (j // NS) & 1)
         acc = _touch(acc, flat.index(s))
-        gl.thread_barrier()
+        barrier()
         fence_async_shared()
         mbarrier.arrive(free.index(s))
     _store_sum(out_ptr, pid, acc)

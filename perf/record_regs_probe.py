@@ -43,6 +43,7 @@ except ImportError:  # run from a checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dsv41_triton.attention.gluon.common import _finish_rows  # noqa: E402
 from dsv41_triton.attention.gluon.gather import _key_ranges, _pick  # noqa: E402
+from dsv41_triton.attention.gluon._api import async_load, barrier  # noqa: E402
 
 NUM_WARPS = 4
 DATA = gl.constexpr(576)
@@ -92,7 +93,7 @@ def _issue_ids(cache_ptr, bstride, rows, id3, idr, ids, nope, rope, scl, s,
     b3 = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
     p3 = cache_ptr + base3[None, :, None] + (g3 * 64)[:, None, None] + b3[None, None, :]
     m3 = ok3[None, :, None] & (g3 < 7)[:, None, None] & (b3 >= 0)[None, None, :]
-    cp.async_copy_global_to_shared(nope.index(s), p3, mask=m3)
+    async_load(nope.index(s), p3, mask=m3)
     okr = (idr >= 0) & (idr < rows)
     ir = idr.to(gl.int64)
     pgr = gl.where(okr, ir >> PAGE_LOG2, 0)
@@ -100,14 +101,14 @@ def _issue_ids(cache_ptr, bstride, rows, id3, idr, ids, nope, rope, scl, s,
     baser = gl.multiple_of(pgr * bstride + ofr * DATA + 448, 16)
     dr = gl.arange(0, 64, layout=gl.SliceLayout(0, LR))
     pr = (cache_ptr + baser[:, None]).to(gl.pointer_type(gl.bfloat16)) + dr[None, :]
-    cp.async_copy_global_to_shared(rope.index(s), pr, mask=okr[:, None] & (dr >= 0)[None, :])
+    async_load(rope.index(s), pr, mask=okr[:, None] & (dr >= 0)[None, :])
     oks = (ids >= 0) & (ids < rows)
     is_ = ids.to(gl.int64)
     pgs = gl.where(oks, is_ >> PAGE_LOG2, 0)
     ofs = gl.where(oks, is_ & (PAGE - 1), 0)
     bases = gl.multiple_of(pgs * bstride + PAGE * DATA + ofs * SCALE_W, 8)
     ds = gl.arange(0, 8, layout=gl.SliceLayout(0, LS))
-    cp.async_copy_global_to_shared(scl.index(s), cache_ptr + bases[:, None] + ds[None, :],
+    async_load(scl.index(s), cache_ptr + bases[:, None] + ds[None, :],
                                    mask=oks[:, None] & (ds >= 0)[None, :])
     cp.commit_group()
 
@@ -214,7 +215,7 @@ def _rec_regs_kernel(
         s = j % 2
         cp.wait_group(0)
         fence_async_shared()
-        gl.thread_barrier()
+        barrier()
         if j + 1 < nblk_a:
             _issue_ids(cache_ptr, bstride, rows, id3, idr, ids, nope, rope, scl, 1 - s, PAGE,
                        PAGE_LOG2)
@@ -285,7 +286,7 @@ def _rec_regs_kernel(
                         [64, 8])
         p16.store(pp)
         fence_async_shared()
-        gl.thread_barrier()
+        barrier()
         # ---- O^T
         orp = warpgroup_mma(rope.index(s).permute((1, 0)), pbf, orp, is_async=True)
         for b in gl.static_range(4):

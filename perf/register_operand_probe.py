@@ -43,6 +43,7 @@ try:
 except ImportError:  # run from a checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dsv41_triton.attention.gluon import compile_check as cc  # noqa: E402
+from dsv41_triton.attention.gluon._api import barrier  # noqa: E402
 
 ROW_BYTES = 584
 
@@ -139,7 +140,7 @@ def ring_probe_kernel(k_ptr, o_ptr, SWIZZLE: gl.constexpr = True):
     b = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, BL)))
     off = g[:, None, None] * 4096 + k[None, :, None] * 64 + b[None, None, :]
     ring.store(gl.load(k_ptr + off))
-    gl.thread_barrier()
+    barrier()
     x = gl.convert_layout(ring.load(SL), BL) + gl.convert_layout(ring.load(OL), BL)
     gl.store(o_ptr + off, x)
 

@@ -98,11 +98,13 @@ class _Recorder:
 
 def _recording(kernels, sms: int, run) -> list:
     """``run()`` with ``kernels`` (module, name) replaced by recorders, the launch modules' SM
-    count and capability queries answering ``sms`` and sm_90, and the split merge a no-op;
-    everything restored after. Returns the recorded launches."""
+    count and capability queries answering ``sms`` and sm_90, their gate open wherever the
+    kernels compile (``COMPILABLE``), and the split merge a no-op; everything restored after.
+    Returns the recorded launches."""
     import importlib
 
     from .. import _launch
+    from . import COMPILABLE
     from . import launch as gl_launch
     from . import prefill_launch as pf_launch
 
@@ -111,7 +113,7 @@ def _recording(kernels, sms: int, run) -> list:
         mod = importlib.import_module(f"{__package__}.{m}")
         saved.append((mod, name, getattr(mod, name)))
         setattr(mod, name, _Recorder(f"{m}.{name}", getattr(mod, name), log))
-    fakes = {"_sms": lambda device: sms, "_cap": lambda device: (9, 0)}
+    fakes = {"_sms": lambda device: sms, "_cap": lambda device: (9, 0), "AVAILABLE": COMPILABLE}
     for mod in (gl_launch, pf_launch):
         for name, fake in fakes.items():
             saved.append((mod, name, getattr(mod, name)))

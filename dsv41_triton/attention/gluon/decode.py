@@ -51,6 +51,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from ._api import barrier, reinterpret
 from .common import _finish_rows
 from .dequant import R_MIN, _dequant, _exp2i, _prep_f16
 from .gather import (_alloc_rings, _check_idx, _copy_layout, _issue, _key_ranges, _load_idx_raw,
@@ -310,7 +311,7 @@ def _sparse_mla_decode_gluon_kernel(
         na, nb = _load_idx_raw(i + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b,
                                hi_b, HAS_B, LI)
     fence_async_shared()
-    gl.thread_barrier()
+    barrier()
 
     m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ACC))
     zero = gl.full([64, BH], 0.0, gl.float32, layout=ACC)
@@ -335,7 +336,7 @@ def _sparse_mla_decode_gluon_kernel(
             na, nb = _load_idx_raw(kn + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row,
                                    lo_b, hi_b, HAS_B, LI)
         cp.wait_group(0 if ONE else NS - 1)
-        gl.thread_barrier()
+        barrier()
         scale_s = scale_ring.index(s)
         if USE_584:
             rope_s = rope_ring.index(s)
@@ -347,7 +348,7 @@ def _sparse_mla_decode_gluon_kernel(
         else:
             g7 = rope_s
         if F16:
-            k7 = rope_s._reinterpret(gl.float16, [64, 64], KL)
+            k7 = reinterpret(rope_s, gl.float16, [64, 64], KL)
             r_old = R
             if HAS_B and SRC_A != SRC_B:
                 if j < nblk_a:
@@ -385,7 +386,7 @@ def _sparse_mla_decode_gluon_kernel(
                     k7t.store(rope_s.load(L16))
             kidx = idx_ring.index(s).load(gl.SliceLayout(1, ACC))
         fence_async_shared()
-        gl.thread_barrier()
+        barrier()
         if ONE:
             _issue(j + 1, _check_idx(na, nb, a_rows, b_rows, HAS_B), nblk_a, nblk, a_ptr,
                    a_bstride, a_page, b_ptr, b_bstride, b_page, r0, r1, r2, r3, r4, r5, r6, r7,
@@ -403,12 +404,12 @@ def _sparse_mla_decode_gluon_kernel(
             if ALL584:
                 p_r.store(gl.permute((p * _exp2i(127 - R)).to(gl.bfloat16), (1, 0)))
             fence_async_shared()
-            gl.thread_barrier()
+            barrier()
             alpha = alpha * _exp2i(r_old - R)
             o0, o1, o2, o3, o4, o5, o6, o7 = _pv(k0, k1, k2, k3, k4, k5, k6, k7, g7, p_smem,
                                                  p_r, o0, o1, o2, o3, o4, o5, o6, o7, alpha,
                                                  ALL584)
-            gl.thread_barrier()
+            barrier()
         else:
             sT = _qk(k0, k1, k2, k3, k4, k5, k6, g7, q_smem, zero)
 
@@ -417,13 +418,13 @@ def _sparse_mla_decode_gluon_kernel(
             p, alpha, m_i, l_part = _online_softmax(sT * qk_scale, kidx >= 0, m_i, l_part)
             p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
             fence_async_shared()
-            gl.thread_barrier()
+            barrier()
 
             # O^T_g = O^T_g * alpha + K_g^T P^T
             o0, o1, o2, o3, o4, o5, o6, o7 = _pv(k0, k1, k2, k3, k4, k5, k6, g7, g7, p_smem,
                                                  p_smem, o0, o1, o2, o3, o4, o5, o6, o7, alpha,
                                                  False)
-            gl.thread_barrier()
+            barrier()
     cp.wait_group(0)
     l_i = gl.sum(l_part, axis=0)
     if F16:

@@ -36,6 +36,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
+from ._api import barrier
 from .common import _load_sink, _merge_prior, _prior_tiles
 from .decode import (_acc_layout, _few_heads_epilogue, _online_softmax, _pv, _q_group, _q_rows,
                      _qk, _store_q)
@@ -115,7 +116,7 @@ def _dequant_part(nblk_a, nblk, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale
                            k3, k4, k5, k6, k7, SRC_A, PREFETCH)
         kid.index(t).store(idx_ring.index(s).load(LI))
         fence_async_shared()
-        gl.thread_barrier()  # every thread's stage reads and tile stores precede the arrives
+        barrier()  # every thread's stage reads and tile stores precede the arrives
         mbarrier.arrive(free.index(s))
         mbarrier.arrive(tready.index(t))
 
@@ -160,7 +161,7 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
         qrow, hq, dq = _q_rows(q_ptr, t_tok, stride_qt, stride_qh, ht, BH, LQ)
         _store_q(qrow, hq, dq, H, q_smem)
     fence_async_shared()
-    gl.thread_barrier()
+    barrier()
 
     m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ACC))
     zero = gl.full([64, BH], 0.0, gl.float32, layout=ACC)
@@ -189,12 +190,12 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
         p, alpha, m_i, l_part = _online_softmax(sT * qk_scale, kidx >= 0, m_i, l_part)
         p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
         fence_async_shared()
-        gl.thread_barrier()
+        barrier()
         # O^T_g = O^T_g * alpha + K_g^T P^T (waited: the tile and P are free after it)
         o0, o1, o2, o3, o4, o5, o6, o7 = _pv(kt0, kt1, kt2, kt3, kt4, kt5, kt6, kt7, kt7,
                                              p_smem, p_smem, o0, o1, o2, o3, o4, o5, o6, o7,
                                              alpha, False)
-        gl.thread_barrier()
+        barrier()
         mbarrier.arrive(tfree.index(t))
     l_i = gl.sum(l_part, axis=0)
     if PRIOR:

@@ -34,6 +34,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from ._api import barrier
 from .common import _finish_rows, row_store_layout
 from .dequant import _dequant_group
 from .gather import _alloc_rings, _copy_layout, _issue, _key_ranges, _load_idx, _program_ids
@@ -133,7 +134,7 @@ def _qk_softmax(q_smem, k_smem, p_smem, mx_smem, kidx, m_i, l_part, zero_s, qk_s
     sc = gl.where((kidx >= 0)[None, :], sc * qk_scale, float("-inf"))
     # row max: each warpgroup's over its 32 keys (in-warp), exchanged through shared memory
     mx_smem.store(gl.max(gl.reshape(sc, [BH, 2, 32]), axis=2))
-    gl.thread_barrier()
+    barrier()
     m_blk = gl.convert_layout(gl.max(mx_smem.load(MX2), axis=1), gl.SliceLayout(1, SACC))
     m_new = gl.maximum(m_i, m_blk)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -143,7 +144,7 @@ def _qk_softmax(q_smem, k_smem, p_smem, mx_smem, kidx, m_i, l_part, zero_s, qk_s
     m_i = m_new
     p_smem.store(p.to(gl.bfloat16))
     fence_async_shared()
-    gl.thread_barrier()
+    barrier()
     return alpha, m_i, l_part
 
 
@@ -175,9 +176,9 @@ def _heads_epilogue(o, l_part, m_i, t, split, ht, H, num_splits, sink_ptr, sink_
     else:
         inv, lse = _finish_rows(l_i, m_o, h64, hmask, sink_ptr, sink_st, HAS_SINK)
         gl.store(lse_ptr + t * stride_lt + h64 * stride_lh, lse, mask=hmask)
-        gl.thread_barrier()  # every warp's last O wgmma has read k_smem
+        barrier()  # every warp's last O wgmma has read k_smem
         k_smem.store((o * inv[:, None]).to(gl.bfloat16))
-        gl.thread_barrier()
+        barrier()
         hs = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, O_ST))
         ds = gl.arange(0, 512, layout=gl.SliceLayout(0, O_ST))
         orow = out_ptr + t * stride_ot + hs.to(gl.int64) * stride_oh
@@ -243,7 +244,7 @@ def _sparse_mla_decode_heads_kernel(
     if OVERLAP:
         # block 0's keys into registers; each later block's under the previous O wgmma
         cp.wait_group(NS - 1)
-        gl.thread_barrier()
+        barrier()
         kt = _dequant_keys(0, nblk_a, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
                            SRC_A, SRC_B, HAS_B, NS)
 
@@ -251,7 +252,7 @@ def _sparse_mla_decode_heads_kernel(
         s = j % NS
         if not OVERLAP:
             cp.wait_group(NS - 1)
-            gl.thread_barrier()
+            barrier()
             kt = _dequant_keys(j, nblk_a, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
                                SRC_A, SRC_B, HAS_B, NS)
         # read before the next block's ids overwrite the other stage (no extra barrier)
@@ -261,10 +262,10 @@ def _sparse_mla_decode_heads_kernel(
         nidx_next = _load_idx(kn + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row,
                               lo_b, hi_b, b_rows, HAS_B, LI)
         if OVERLAP:
-            gl.thread_barrier()  # both warpgroups' O wgmmas of block j - 1 are done with k_smem
+            barrier()  # both warpgroups' O wgmmas of block j - 1 are done with k_smem
         k_smem.store(kt)
         fence_async_shared()
-        gl.thread_barrier()
+        barrier()
 
         alpha, m_i, l_part = _qk_softmax(q_smem, k_smem, p_smem, mx_smem, kidx, m_i, l_part,
                                          zero_s, qk_scale)
@@ -280,7 +281,7 @@ def _sparse_mla_decode_heads_kernel(
         if OVERLAP:
             # block j + 1's raw bytes -> bf16 registers while the O wgmma runs
             cp.wait_group(NS - 1)
-            gl.thread_barrier()
+            barrier()
             if j + 1 < nblk:
                 kt = _dequant_keys(j + 1, nblk_a, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring,
                                    scale_ring, SRC_A, SRC_B, HAS_B, NS)

@@ -28,6 +28,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
+from ._api import barrier, reinterpret
 from .gather import (_alloc_rings, _check_idx, _copy_block, _copy_layout, _idx_at, _key_ranges,
                      _load_idx_raw, _program_ids)
 from .decode_heads import (BH, NW, _alloc_tiles, _dequant_keys, _heads_epilogue, _qk_softmax,
@@ -50,7 +51,7 @@ def _fill_stage(j, s, idx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstr
                 r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, SRC_A, SRC_B,
                 HAS_B, PRODUCER_WARPS, False)
     cp.mbarrier_arrive(ready.index(s), increment_count=False)
-    gl.thread_barrier()  # every producer thread's id stores precede the one arrive
+    barrier()  # every producer thread's id stores precede the one arrive
     mbarrier.arrive(ready.index(s))
 
 
@@ -135,13 +136,13 @@ def _producer_preload(a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_
     ahead of time)."""
     LI: gl.constexpr = gl.SliceLayout(1, _copy_layout(16, PRODUCER_WARPS))
     # row views of the chunk (the same bytes: both layouts unswizzled row-major)
-    rows = ids_pre._reinterpret(gl.int32, [PRELOAD_BLOCKS, 64],
+    rows = reinterpret(ids_pre, gl.int32, [PRELOAD_BLOCKS, 64],
                                 gl.SwizzledSharedLayout(1, 1, 1, [0]))
     if FIRST:  # chunk 0 stored before the loop (fa / fb not live in it)
         chunk = _check_idx(fa, fb, a_rows, b_rows, HAS_B)
-        gl.thread_barrier()  # the last chunk's rows are read
+        barrier()  # the last chunk's rows are read
         ids_pre.store(chunk)
-        gl.thread_barrier()
+        barrier()
     for j in range(nblk):
         s = (g0 + j) % NS
         c = j % PRELOAD_BLOCKS
@@ -166,9 +167,9 @@ def _store_idx_chunk(j, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, 
     """The checked ids of the ``PRELOAD_BLOCKS`` blocks from ``j`` into ``ids_pre``."""
     chunk = _load_idx_chunk(j, nblk_a, nblk, a_idx_row, lo_a, hi_a, a_rows, b_idx_row, lo_b,
                             hi_b, b_rows, HAS_B, PRELOAD_BLOCKS, PRODUCER_WARPS)
-    gl.thread_barrier()  # the last chunk's rows are read
+    barrier()  # the last chunk's rows are read
     ids_pre.store(chunk)
-    gl.thread_barrier()
+    barrier()
 
 
 @gluon.jit
@@ -247,7 +248,7 @@ def _consumer(q_ptr, stride_qt, stride_qh, t, split, ht, H, qk_scale, num_splits
         # waited: membar's barrier around the mbarrier ops above orders it)
         k_smem.store(kt)
         fence_async_shared()
-        gl.thread_barrier()
+        barrier()
         alpha, m_i, l_part = _qk_softmax(q_smem, k_smem, p_smem, mx_smem, kidx, m_i, l_part,
                                          zero_s, qk_scale)
         # O = O * alpha + P K  [64 heads, 512]

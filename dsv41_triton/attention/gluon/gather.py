@@ -8,6 +8,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from ._api import async_load
 
 
 #: keys per block (the wgmma M of the swap-AB products)
@@ -149,22 +150,22 @@ def _copy_keys(base, idx, bstride, page, s, r0, r1, r2, r3, r4, r5, r6, r7, rope
         for g in gl.static_range(4):
             p = base + (data_off + g * 64)[:, None] + c16[None, :]
             dst = _pick(g, r0, r1, r2, r3, r4, r5, r6, r7).index(s)
-            cp.async_copy_global_to_shared(dst, p, mask=vm)
+            async_load(dst, p, mask=vm)
     else:
         NG: gl.constexpr = 7 if SRC == 584 else 8
         for g in gl.static_range(NG):
             p = base + (data_off + g * 64)[:, None] + c16[None, :]
             dst = _pick(g, r0, r1, r2, r3, r4, r5, r6, r7).index(s)
-            cp.async_copy_global_to_shared(dst, p, mask=vm)
+            async_load(dst, p, mask=vm)
         if SRC == 584:
             # the raw bf16 RoPE tail (bytes 448..575) goes straight into its wgmma tile
             rp = (base + (data_off + 448)).to(gl.pointer_type(gl.bfloat16))
-            cp.async_copy_global_to_shared(rope_s, rp[:, None] + c16[None, :], mask=vm)
+            async_load(rope_s, rp[:, None] + c16[None, :], mask=vm)
     cs = gl.arange(0, SW, layout=gl.SliceLayout(0, LS))
     so = gl.convert_layout(scale_off, gl.SliceLayout(1, LS))
     sp = base + so[:, None] + cs[None, :]
     svm = gl.convert_layout(valid, gl.SliceLayout(1, LS))[:, None]
-    cp.async_copy_global_to_shared(scale_s, sp, mask=svm & (cs < SB)[None, :])
+    async_load(scale_s, sp, mask=svm & (cs < SB)[None, :])
 
 
 @gluon.jit

@@ -27,6 +27,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from ._api import async_load, barrier
 from .common import _finish_rows
 
 #: keys per block (the N of S, the K of P V)
@@ -57,7 +58,7 @@ def _issue_keys(kv_ptr, off, ring, s, LC: gl.constexpr):
     row_off = gl.multiple_of(gl.where(ok, off, 0), 8)  # 16-byte rows (host check)
     d = gl.arange(0, 512, layout=gl.SliceLayout(0, LC))
     p = kv_ptr + row_off[:, None] + d[None, :]
-    cp.async_copy_global_to_shared(ring.index(s), p, mask=ok[:, None])
+    async_load(ring.index(s), p, mask=ok[:, None])
     cp.commit_group()
 
 
@@ -107,7 +108,7 @@ def _sparse_mla_prefill_gluon_kernel(
     dq = gl.arange(0, 512, layout=gl.SliceLayout(0, LC))
     q_off = gl.multiple_of(t * stride_qt + hq.to(gl.int64) * stride_qh, 8)
     qp = q_ptr + q_off[:, None] + dq[None, :]
-    cp.async_copy_global_to_shared(q_smem, qp, mask=(hq < H)[:, None])
+    async_load(q_smem, qp, mask=(hq < H)[:, None])
     _issue_keys(kv_ptr, _row_offsets(idx_row, 0, n, rows, kv_stride, LC), ring, 0, LC)
     # the row offsets of block 1, loaded a block ahead of their copies (the index loads'
     # latency stays off the loop's critical path)
@@ -125,7 +126,7 @@ def _sparse_mla_prefill_gluon_kernel(
         # of block j - 1, the last reader of the other stage
         cp.wait_group(0)
         fence_async_shared()
-        gl.thread_barrier()
+        barrier()
         kt = ring.index(s)
 
         # S = Q K^T: each warpgroup its 32 keys over all 512 dims; the next block's rows are
@@ -163,7 +164,7 @@ def _sparse_mla_prefill_gluon_kernel(
             m_i = m_new
         p_smem.store(p.to(gl.bfloat16))
         fence_async_shared()
-        gl.thread_barrier()
+        barrier()
 
         # O += P V: each warpgroup its 256 value dims
         o = warpgroup_mma(p_smem, kt, o, is_async=True)

@@ -43,6 +43,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
+from ._api import async_load, barrier, reinterpret
 from .common import _finish_rows, _load_sink, _merge_prior, _prior_group, _prior_tiles
 
 __all__ = ["NUM_WARPS", "MAX_HEADS", "MAX_WIDTH", "NS", "index_blocks",
@@ -92,7 +93,7 @@ def _copy_index_row(k, item, T, idx_ptr, idx_st, width, idx_smem, i_ready, i_fre
         rb = gl.arange(0, WB, layout=gl.SliceLayout(1, LI))
         cb = gl.arange(0, 64, layout=gl.SliceLayout(0, LI))
         col = rb[:, None] * 64 + cb[None, :]
-        cp.async_copy_global_to_shared(idx_smem.index(s),
+        async_load(idx_smem.index(s),
                                        idx_ptr + item.to(gl.int64) * idx_st + col,
                                        mask=col < width)
         cp.mbarrier_arrive(i_ready.index(s), increment_count=False)
@@ -122,7 +123,7 @@ def _producer(pid, grid, T, width, len_ptr, len_st, q_ptr, stride_qt, stride_qh,
         mbarrier.wait(q_free.index(qs), ((k // 2) & 1) ^ 1)
         qrow = q_ptr + item.to(gl.int64) * stride_qt + hq.to(gl.int64)[:, None] * stride_qh
         for grp in gl.static_range(8):
-            cp.async_copy_global_to_shared(q_smem.index(qs * 8 + grp),
+            async_load(q_smem.index(qs * 8 + grp),
                                            qrow + (grp * 64 + dq)[None, :], mask=qmask)
         cp.mbarrier_arrive(q_ready.index(qs), increment_count=False)
         si = k % IDX_SLOTS
@@ -136,7 +137,7 @@ def _producer(pid, grid, T, width, len_ptr, len_st, q_ptr, stride_qt, stride_qh,
             mbarrier.wait(free.index(s), ((g // NS) & 1) ^ 1)
             if MODE != 2:
                 for grp in gl.static_range(8):
-                    cp.async_copy_global_to_shared(
+                    async_load(
                         ring.index(s * 8 + grp), kv_ptr + off[:, None] + (grp * 64 + c)[None, :],
                         mask=ok[:, None], eviction_policy="evict_last")
             cp.mbarrier_arrive(ready.index(s), increment_count=False)
@@ -180,7 +181,7 @@ def _token_slots(q_ready, i_ready, q_free, i_free, qs, si, k, hand_back):
     handed back at once when ``hand_back`` (a token without blocks of this consumer's)."""
     mbarrier.wait(q_ready.index(qs), (k // 2) & 1)
     mbarrier.wait(i_ready.index(si), (k // IDX_SLOTS) & 1)
-    gl.thread_barrier()
+    barrier()
     mbarrier.arrive(q_free.index(qs), pred=hand_back)
     mbarrier.arrive(i_free.index(si), pred=hand_back)
 
@@ -241,7 +242,7 @@ def _consumer(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink_ptr,
             mbarrier.wait(ready.index(s), (g // NS) & 1)
             last = b == nblk - 1
             if MODE == 1:
-                gl.thread_barrier()
+                barrier()
                 mbarrier.arrive(free.index(s))
                 mbarrier.arrive(q_free.index(qs), pred=last)
                 mbarrier.arrive(i_free.index(si), pred=last)
@@ -254,7 +255,7 @@ def _consumer(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink_ptr,
                                         q_smem.index(qb + grp).permute((1, 0)), acc,
                                         is_async=True)
                 acc = warpgroup_mma_wait(0, deps=[acc])
-                gl.thread_barrier()
+                barrier()
                 mbarrier.arrive(q_free.index(qs), pred=last)
                 mbarrier.arrive(i_free.index(si), pred=last)
                 sc = gl.where(ok[:, None], acc * qk_scale, float("-inf"))
@@ -265,7 +266,7 @@ def _consumer(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink_ptr,
                 l_i = l_i * alpha + gl.sum(p, axis=0)
                 p_smem.store(p.to(gl.bfloat16))
                 fence_async_shared()
-                gl.thread_barrier()
+                barrier()
                 a2 = alpha[None, :]
                 o0 = warpgroup_mma(ring.index(base).permute((1, 0)), p_smem, o0 * a2,
                                    is_async=True)
@@ -285,7 +286,7 @@ def _consumer(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink_ptr,
                                    is_async=True)
                 o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(
                     0, deps=[o0, o1, o2, o3, o4, o5, o6, o7])
-                gl.thread_barrier()
+                barrier()
                 mbarrier.arrive(free.index(s))
                 m_i = m_new
             g += 1
@@ -310,7 +311,7 @@ def _shared(NS: gl.constexpr, WB: gl.constexpr, TOKEN_FREES: gl.constexpr,
     ring = gl.allocate_shared_memory(gl.bfloat16, [NS * 8, 64, 64], KL)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * 8, 8, 64], QL)
     idx_smem = gl.allocate_shared_memory(gl.int32, [IDX_SLOTS, WB, 64], IL)
-    idx_rows = idx_smem._reinterpret(gl.int32, [IDX_SLOTS * WB, 64],
+    idx_rows = reinterpret(idx_smem, gl.int32, [IDX_SLOTS * WB, 64],
                                      gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -435,7 +436,7 @@ def _consumer_sync(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink
             mbarrier.wait(ready.index(s), (gg // NS) & 1)
             last = j == nb - 1
             if MODE == 1:
-                gl.thread_barrier()
+                barrier()
                 mbarrier.arrive(free.index(s))
                 mbarrier.arrive(q_free.index(qs), pred=last)
                 mbarrier.arrive(i_free.index(si), pred=last)
@@ -449,7 +450,7 @@ def _consumer_sync(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink
                 s1 = mma_v2(ring.index(base + 5).load(A2), _q_b(q_smem, qb + 5), s1)
                 s2 = mma_v2(ring.index(base + 6).load(A2), _q_b(q_smem, qb + 6), s2)
                 s3 = mma_v2(ring.index(base + 7).load(A2), _q_b(q_smem, qb + 7), s3)
-                gl.thread_barrier()
+                barrier()
                 mbarrier.arrive(q_free.index(qs), pred=last)
                 mbarrier.arrive(i_free.index(si), pred=last)
                 acc = (s0 + s1) + (s2 + s3)
@@ -469,7 +470,7 @@ def _consumer_sync(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink
                 o5 = _o_sync(ring, base + 5, pb, o5, a2)
                 o6 = _o_sync(ring, base + 6, pb, o6, a2)
                 o7 = _o_sync(ring, base + 7, pb, o7, a2)
-                gl.thread_barrier()
+                barrier()
                 mbarrier.arrive(free.index(s))
                 m_i = m_new
         if C == 1:  # hand this token's state to consumer 0
@@ -484,7 +485,7 @@ def _consumer_sync(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink
             mg_o.index(5).store(o5)
             mg_o.index(6).store(o6)
             mg_o.index(7).store(o7)
-            gl.thread_barrier()
+            barrier()
             mbarrier.arrive(mg_ready)
         else:
             mbarrier.wait(mg_ready, k & 1)
@@ -504,7 +505,7 @@ def _consumer_sync(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink
             o5 = o5 * wi + mg_o.index(5).load(MMA2) * w1
             o6 = o6 * wi + mg_o.index(6).load(MMA2) * w1
             o7 = o7 * wi + mg_o.index(7).load(MMA2) * w1
-            gl.thread_barrier()
+            barrier()
             mbarrier.arrive(mg_free)
             l_i = l_i * w_i + l_1 * w_1
             m_i = m_c

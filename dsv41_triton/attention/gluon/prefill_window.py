@@ -17,6 +17,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
+from ._api import async_load, barrier
 from .prefill_ws import (BH, BN, CONSUMER_REGS, NUM_WARPS, O_L, ROW_S, _consumer_pair,
                          _consumer_rows, _fill_pairs)
 
@@ -67,7 +68,7 @@ def _producer(pid, grid, num_items, tiles_ptr, ws_ptr, ws_st, wl_ptr, wl_st, q_p
         qm = (rq % HP < H) & (rq // HP < nt)
         mbarrier.wait(q_free, (k & 1) ^ 1)
         for h in gl.static_range(2):
-            cp.async_copy_global_to_shared(q_smem.index(0).slice(256 * h, 256, dim=1),
+            async_load(q_smem.index(0).slice(256 * h, 256, dim=1),
                                            q_ptr + q_off[:, None] + (256 * h + d)[None, :],
                                            mask=qm[:, None], eviction_policy="evict_first")
         cp.mbarrier_arrive(q_ready, increment_count=False)
@@ -94,7 +95,7 @@ def _consumer(C: gl.constexpr, pid, grid, num_items, tiles_ptr, ws_ptr, ws_st, w
         l_i = gl.full([BH], 0.0, gl.float32, layout=ROW_S)
         o = gl.full([BH, 256], 0.0, gl.float32, layout=O_L)
         mbarrier.wait(q_ready, k & 1)
-        gl.thread_barrier()
+        barrier()
         mbarrier.arrive(q_free, pred=npair == 0)
         for i in range(npair):
             m_i, l_i, o = _consumer_pair(C, i, (g + i) & 1, i == npair - 1, n, ws_ptr, rows,

@@ -28,6 +28,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
+from ._api import async_load, barrier
 from .common import _finish_rows, row_store_layout
 
 BN = gl.constexpr(64)
@@ -63,7 +64,7 @@ def _producer(q_ptr, stride_qt, stride_qh, kv_ptr, kv_stride, rows, idx_ptr, idx
     d = gl.arange(0, 256, layout=gl.SliceLayout(0, LC))
     q_off = gl.multiple_of(t * stride_qt + hq.to(gl.int64) * stride_qh, 8)
     for h in gl.static_range(2):
-        cp.async_copy_global_to_shared(q_smem.index(0).slice(256 * h, 256, dim=1),
+        async_load(q_smem.index(0).slice(256 * h, 256, dim=1),
                                        q_ptr + q_off[:, None] + (256 * h + d)[None, :],
                                        mask=(hq < H)[:, None], eviction_policy="evict_first")
     cp.mbarrier_arrive(q_bar, increment_count=False)
@@ -122,7 +123,7 @@ def _fill(kv_ptr, off, ok, d, ring, ready, free, S: gl.constexpr, HF: gl.constex
     fill) into ring stage ``S`` once it is free; its ``ready`` barrier completes when every
     producer thread's copies landed."""
     mbarrier.wait(free.index(2 * S + HF), ph)
-    cp.async_copy_global_to_shared(ring.index(S).slice(256 * HF, 256, dim=1),
+    async_load(ring.index(S).slice(256 * HF, 256, dim=1),
                                    kv_ptr + off[:, None] + (256 * HF + d)[None, :],
                                    mask=ok[:, None], eviction_policy="evict_last")
     cp.mbarrier_arrive(ready.index(2 * S + HF), increment_count=False)
@@ -176,13 +177,13 @@ def _pair_max(C: gl.constexpr, sc, ok, qk_scale, m_i, m_smem, m_bar, ph):
     if C == 0:
         m_new = gl.maximum(m_i, gl.max(sc, axis=1))
         m_smem.slice(0, BH).store(m_new)
-        gl.thread_barrier()
+        barrier()
         mbarrier.arrive(m_bar.index(0))
     else:
         mbarrier.wait(m_bar.index(0), ph)
         m_new = gl.maximum(m_smem.slice(0, BH).load(ROW_S), gl.max(sc, axis=1))
         m_smem.slice(BH, BH).store(m_new)
-        gl.thread_barrier()
+        barrier()
         mbarrier.arrive(m_bar.index(1))
     return sc, m_new
 
@@ -236,7 +237,7 @@ def _consumer_pair(C: gl.constexpr, i, ph, last, n, idx_row, rows, qk_scale, q_s
     opaque, mine, v_mine, v_other = _pair_views(C, i, ring)
     ok = _block_ok(C, i, n, idx_row, rows, BAND, base)
     sc = _qk(q_smem.index(opaque), mine, ready, C, ph, s_zero)
-    gl.thread_barrier()
+    barrier()
     if FREES_Q:
         mbarrier.arrive(q_free, pred=last)  # the item's last QK: Q free
     mbarrier.arrive(free.index(2 * C + 1 - C))  # the other half of my stage: QK done
@@ -254,7 +255,7 @@ def _consumer_pair(C: gl.constexpr, i, ph, last, n, idx_row, rows, qk_scale, q_s
         # (from the bf16 P: the fp32 one is dead once the local PV is issued)
         p_smem.index(0).store((pb.to(gl.float32) * scale[:, None]).to(gl.bfloat16))
         fence_async_shared()
-        gl.thread_barrier()
+        barrier()
         mbarrier.arrive(p_bar.index(0))
         o = warpgroup_mma_wait(0, deps=[o])
         o = o * gl.convert_layout(scale, ROW_O)[:, None]
@@ -263,16 +264,16 @@ def _consumer_pair(C: gl.constexpr, i, ph, last, n, idx_row, rows, qk_scale, q_s
     else:
         p_smem.index(1).store(pb)
         fence_async_shared()
-        gl.thread_barrier()
+        barrier()
         mbarrier.arrive(p_bar.index(1))
         o = warpgroup_mma_wait(0, deps=[o])
         m_i = m_new
-    gl.thread_barrier()
+    barrier()
     mbarrier.arrive(free.index(2 * C + C))  # my half of my stage: local PV done
     mbarrier.wait(p_bar.index(1 - C), ph)
     o = warpgroup_mma(p_smem.index(1 - C), v_other, o, is_async=True)
     o = warpgroup_mma_wait(0, deps=[o])
-    gl.thread_barrier()
+    barrier()
     mbarrier.arrive(free.index(2 * (1 - C) + C))  # my half of the other stage
     return m_i, l_i, o
 
@@ -288,7 +289,7 @@ def _consumer_rows(C: gl.constexpr, l_i, m_i, o, t, ht, H, sink_ptr, sink_st, ou
     BH + r % HP``: ``HP = BH``, ``nt = 1`` for one token's head tile, ``HP`` heads a token for
     the window kernel's tile of tokens (``prefill_window.py``)."""
     l_buf.slice(BH * C, BH).store(l_i)
-    gl.thread_barrier()
+    barrier()
     mbarrier.arrive(l_mine)
     mbarrier.wait(l_other, ph)
     l_tot = l_i + l_buf.slice(BH * (1 - C), BH).load(ROW_S)

@@ -52,6 +52,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
+from ._api import async_load, barrier
 from .prefill_ws import (BH, BN, CONSUMER_REGS, NUM_WARPS, O_L, ROW_S, _consumer_pair,
                          _consumer_rows, _fill_pairs)
 
@@ -89,7 +90,7 @@ def _producer(pid, grid, num_items, num_ht, width, len_ptr, len_st, q_ptr, strid
         q_off = gl.multiple_of(t * stride_qt + hq.to(gl.int64) * stride_qh, 8)
         mbarrier.wait(q_free, (k & 1) ^ 1)
         for h in gl.static_range(2):
-            cp.async_copy_global_to_shared(q_smem.index(0).slice(256 * h, 256, dim=1),
+            async_load(q_smem.index(0).slice(256 * h, 256, dim=1),
                                            q_ptr + q_off[:, None] + (256 * h + d)[None, :],
                                            mask=(hq < H)[:, None], eviction_policy="evict_first")
         cp.mbarrier_arrive(q_ready, increment_count=False)
@@ -121,7 +122,7 @@ def _consumer(C: gl.constexpr, pid, grid, num_items, num_ht, width, len_ptr, len
 
         mbarrier.wait(q_ready, k & 1)
         # an item without keys reads no Q: hand it back at once (after every warp's wait)
-        gl.thread_barrier()
+        barrier()
         mbarrier.arrive(q_free, pred=npair == 0)
         for i in range(npair):
             m_i, l_i, o = _consumer_pair(C, i, (g + i) & 1, i == npair - 1, n, idx_row, rows,
