@@ -109,6 +109,22 @@ def test_gluon_prefill_launch_wiring(variant, T, H, has_len):
         cc.launch_signature(dict(rec, kwargs=dict(rec["kwargs"], NOT_A_PARAM=1)))
 
 
+@pytest.mark.parametrize("T,H,K,has_len", [(4096, 8, 640, True), (7, 3, 96, False),
+                                           (1, 1, 512, True)])
+def test_gluon_prefill_few_launch_compiles(T, H, K, has_len):
+    """The few-heads prefill (issue 11's 8-head kernel) as ``prefill_launch.launch`` starts it:
+    one launch of ``prefill_few``'s kernel on at most one CTA per SM (132 here), compiled at
+    the launch's values as the GPU builds it, with nothing spilled."""
+    if not gluon_pkg.AVAILABLE:
+        pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
+    import json
+    rows = _compile_facts("launch", json.dumps(dict(kind="prefill", T=T, H=H, S=8192, K=K,
+                                                    variant="few", has_len=has_len)))
+    assert [r["kernel"] for r in rows] == ["prefill_few._sparse_mla_prefill_gluon_few_kernel"]
+    assert rows[0]["grid"] == [min(132, T)], rows
+    assert 0 < rows[0]["regs"] <= 255 and rows[0]["stack"] == 0, rows
+
+
 def test_gluon_prefill_pick_table():
     """Every pick entry names a tested variant on a known heads bucket."""
     from dsv41_triton.attention.gluon import prefill_launch as pl

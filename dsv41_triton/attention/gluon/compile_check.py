@@ -78,7 +78,9 @@ _DECODE_KERNELS = (("decode", "_sparse_mla_decode_gluon_kernel"),
                    ("decode_heads_ws", "_sparse_mla_decode_heads_ws_kernel"))
 _PREFILL_KERNELS = (("prefill", "_sparse_mla_prefill_gluon_kernel"),
                     ("prefill_ws", "_sparse_mla_prefill_gluon_ws_kernel"),
-                    ("prefill_wsp", "_sparse_mla_prefill_gluon_wsp_kernel"))
+                    ("prefill_wsp", "_sparse_mla_prefill_gluon_wsp_kernel"),
+                    ("prefill_few", "_sparse_mla_prefill_gluon_few_kernel"),
+                    ("prefill_few", "_sparse_mla_prefill_gluon_few_sync_kernel"))
 
 
 class _Recorder:
@@ -539,11 +541,13 @@ if __name__ == "__main__":
         # python -m ...compile_check launch JSON -> JSON line: the launches of a decode
         # {"T", "H", "src_a", "src_b", "shape", "prior", "persist"} (``capture_decode``; with
         # "load_waits": true also ``loops_sass`` and ``early_load_waits``) or of a
-        # prefill {"kind": "prefill", "T", "H", "S", "K", "variant"} (``capture_prefill``)
+        # prefill {"kind": "prefill", "T", "H", "S", "K", "variant", "has_len"}
+        # (``capture_prefill``)
         # compiled as the GPU builds them: kernel, grid, registers and stack bytes of each
         c = json.loads(sys.argv[2])
         if c.get("kind") == "prefill":
-            recs = capture_prefill(c["T"], c["H"], c["S"], c["K"], c.get("variant", ""))
+            recs = capture_prefill(c["T"], c["H"], c["S"], c["K"], c.get("variant", ""),
+                                   has_len=bool(c.get("has_len", False)))
         else:
             recs = capture_decode(c["T"], c["H"], c["src_a"], c["src_b"], c.get("shape", ""),
                                   prior=bool(c.get("prior", False)),
