@@ -32,7 +32,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from .._contract import INDEX_DTYPES, INT_DTYPES, check_bool, check_int, check_tensor
+from .._contract import (INDEX_DTYPES, INT_DTYPES, check_bool, check_int, check_shape,
+                         check_tensor)
 from ..ops import indexer as K
 from ..ops import indexer_ref as R
 from .compressor import (
@@ -296,11 +297,7 @@ class LightningIndexer(nn.Module):
         if candidates is not None:
             check_tensor("candidates", candidates, dtypes=INT_DTYPES, ndims=2,
                          contiguous_last=False, device=dev)
-            if candidates.shape[0] != T:
-                raise ValueError(f"candidates: expected {T} rows (one per token), got shape "
-                                 f"{tuple(candidates.shape)}")
-        if candidates is not None or publish_candidates:
-            check_int("spec.candidate_block_size", s.candidate_block_size, lo=1)
+            check_shape("candidates", candidates, (T, None))
         if publish_candidates:
             check_int("spec.candidate_topk_blocks", s.candidate_topk_blocks, lo=1)
 
