@@ -214,6 +214,36 @@ def test_gluon_persistent_launch_compiles(shape, H, src_a, src_b):
         assert 0 < r["regs"] <= 255 and r["stack"] == 0, r
 
 
+@pytest.mark.parametrize("T,H,src_b,shape,persist", [
+    (512, 8, 584, "", True), (2048, 8, 584, "", True), (133, 8, 584, "", True),
+    (132, 8, 584, "", False), (128, 8, 584, "", False), (512, 16, 584, "", True),
+    (512, 8, 288, "4:8:2:w", True), (512, 8, 584, "4:8:2:w:0:p", True)])
+def test_gluon_decode_persists_past_one_item_per_sm(T, H, src_b, shape, persist):
+    """A decode launch (no prior) of the few-heads ws kernel runs on the persistent grid
+    (``DECODE_PERSIST``: at most one CTA per SM) exactly when it has more items than SMs;
+    with the default off, or ``persist: False`` in the shape override, on one CTA per item."""
+    if not gluon_pkg.AVAILABLE:
+        pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
+    from dsv41_triton.attention.gluon import compile_check as cc
+    from dsv41_triton.attention.gluon import launch as gl_launch
+    src_a = 528 if src_b == 288 else 584
+    (r,) = cc.capture_decode(T, H, src_a, src_b, shape)
+    items = r["args"][-1]  # the kernel's num_items
+    assert r["kernel"].startswith("decode_few_ws"), r["kernel"]
+    assert r["kwargs"]["PERSIST"] is persist and r["kwargs"]["PRIOR"] is False
+    assert r["grid"] == ((min(132, items),) if persist else (items,)), r["grid"]
+    assert items == T * -(-H // r["kwargs"]["BH"]) * r["args"][-3]
+    (r,) = cc.capture_decode(T, H, src_a, src_b, shape, persist=False)
+    assert r["kwargs"]["PERSIST"] is False and r["grid"] == (items,)
+    old = gl_launch.DECODE_PERSIST
+    try:
+        gl_launch.DECODE_PERSIST = False
+        (r,) = cc.capture_decode(T, H, src_a, src_b, shape)
+    finally:
+        gl_launch.DECODE_PERSIST = old
+    assert r["kwargs"]["PERSIST"] is False and r["grid"] == (items,)
+
+
 @pytest.mark.parametrize("T,H,src,shape", [(2048, 8, 584, ""), (2048, 8, 528, ""),
                                            (512, 8, 584, "4:8:2:W")])
 def test_gluon_persistent_items_start_without_load_waits(T, H, src, shape):

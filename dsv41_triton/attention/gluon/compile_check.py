@@ -138,7 +138,8 @@ def capture_decode(T: int, H: int, src_a: int, src_b: int, shape: str = "", W: i
     and a sink; caches of ``perf/bench_decode_hopper.py``'s sizes) on an sm_90 GPU of ``sms``
     SMs, at launch shape ``shape`` (empty: the pick table's), merging a prior partial with
     ``prior``, on the few-heads ws kernel's persistent grid with ``persist`` True, on its
-    per-token grid with False, on the launch's default grid with None. Runs on the CPU
+    per-item grid with False (at the pick table's shape when ``shape`` is empty), on the
+    launch's default grid with None. Runs on the CPU
     (``_recording``). Each launch: ``{kernel, real, grid, args, kwargs}``."""
     import torch
 
@@ -154,12 +155,14 @@ def capture_decode(T: int, H: int, src_a: int, src_b: int, shape: str = "", W: i
     def run():
         over = dict(gl_launch.OVERRIDE)
         try:
-            gl_launch.OVERRIDE.clear()
-            gl_launch.OVERRIDE.update(gl_launch.parse_shape(shape))
-            if persist is not None:
-                gl_launch.OVERRIDE["persist"] = bool(persist)
             a = keys(3 * T + 8, src_a, W)
             b = keys(max(2048, 8 * T), src_b, K) if src_b else None
+            gl_launch.OVERRIDE.clear()
+            gl_launch.OVERRIDE.update(gl_launch.parse_shape(
+                shape or (gl_launch.table_shape(T, H, a, b, torch.device("cuda"))
+                          if persist is not None else "") or ""))
+            if persist is not None:
+                gl_launch.OVERRIDE["persist"] = bool(persist)
             q = torch.empty(T, H, 512, dtype=torch.bfloat16)
             lse = torch.empty(T, H, dtype=torch.float32)
             gl_launch.launch(q, a, b, torch.zeros(H), 512 ** -0.5, torch.empty_like(q), lse,

@@ -232,6 +232,13 @@ OVERRIDE = {}
 #: 292.4 us per token CTA at 8K (perf/NOTES.md, "Session 23")
 PRIOR_PERSIST = True
 
+#: whether a decode launch (no prior) of the few-heads ws kernel with more items than SMs runs
+#: on the persistent grid. H100, one sweep (median of 20), per-item vs persistent grid, us:
+#: 8 h 584+584 T=512 / 2048 4:8:2:w:0:p 99.1 / 389.8 vs 91.9 / 335.8; 16 h 584+584 T=512
+#: 4:16:2:w:0:p 108.8 vs 101.8, 4:8:2:w 174.9 vs 156.5; 8 h 528+288 T=512 4:8:2:w:0:p 99.0 vs
+#: 90.3 (T=128, one item per SM or fewer: 31.4 vs 31.3; perf/NOTES.md, "Session 26")
+DECODE_PERSIST = True
+
 
 def parse_shape(text: str) -> dict:
     """``"8:16:3"`` -> ``{num_warps: 8, block_h: 16, stages: 3}`` (0 or empty = default);
@@ -366,8 +373,10 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
         ns = num_splits or default_splits(T, n_ht, width, _sms(q.device))
         args, po, pl, sink_arg, sink_st = kernel_args(q, a, b, sink, out, lse, ns)
         items = T * ns * n_ht
-        persist = bool(over.get("persist", PRIOR_PERSIST if prior else False))
-        grid = (min(_sms(q.device), items),) if persist else (items,)
+        sms = _sms(q.device)
+        persist = bool(over.get("persist", PRIOR_PERSIST if prior
+                                else DECODE_PERSIST and items > sms))
+        grid = (min(sms, items),) if persist else (items,)
         k = _sparse_mla_decode_few_ws_kernel[grid](
             *args, H, qk_scale, ns, n_ht, items, **flags, SPLIT=ns > 1, BH=bh, NS=stages,
             NT=nt, IDX_AHEAD=ahead, DEQ_PREFETCH=over.get("deq_prefetch", DEQ_PREFETCH),
@@ -417,4 +426,5 @@ __all__ = ["PICK", "ENV", "OVERRIDE", "usable", "pick", "launch", "default_block
            "default_shape", "default_splits", "HEADS_SHAPE", "HEADS_WS_SHAPE", "FEW_WS_SHAPE",
            "FEW_WS16_SHAPE", "few_ws_block_h", "HEADS_OVERLAP", "IDX_AHEAD", "DEQ_PREFETCH",
            "HEADS_VARIANTS", "f16_supported", "heads_bucket", "tokens_bucket", "table_shape",
-           "parse_shape", "TESTED_SHAPES", "ctas_per_sm", "PRIOR_PERSIST"]
+           "parse_shape", "TESTED_SHAPES", "ctas_per_sm", "PRIOR_PERSIST",
+           "DECODE_PERSIST"]
