@@ -76,12 +76,19 @@ PREFILL_CHUNK_SIZE = 4
 #: as slot ids too), "workspace" (gather + bf16 workspace, chunks of requests)
 PREFILL_PATHS = ("paged", "workspace")
 #: prefill_path="auto", per chunk of requests: the paged path when the chunk's workspace would
-#: hold more than this many rows per chunk token and local head, else the workspace. H200 GPU
-#: time (perf/NOTES.md "Session 16"): the workspace costs ~0.6 ns per gathered row more, its
+#: hold more than this many rows per chunk token and local head, else the workspace; with the
+#: paged path's window rows gathered (``paged_window_rows``). The paged chunk takes about the same
+#: time at every context, the workspace's grows with its rows. 2048 tokens x 8 heads, CUDA-graph
+#: GPU time, paged vs workspace, us (perf/NOTES.md, "Session 23", "Session 26"): H200 278.4 /
+#: 281.9 / 292.4 vs 264.1 / 284.7 / 432.9 at 8K / 128K / 1M context (4.3K / 35K / 264K rows);
+#: H100 280-282 / 286 / 304-317 vs 271.4 / 296.0 / 582.3. The two meet near 27K rows on the
+#: H200 and 16K on the H100: 1.6 and 1.0 rows per token and head.
+AUTO_PAGED_ROWS_PER_TOKEN_HEAD = 1.5
+#: the same for the paged path with every key a slot id (``paged_window_rows = False``): H200
+#: (perf/NOTES.md "Session 16"): the workspace costs ~0.6 ns per gathered row more, its
 #: attention ~(3.5 x heads) rows' worth per token less than the paged kernel; at 8 heads and
-#: 2048 tokens the workspace wins at 8K / 128K context, the paged path at 1M (and uses 5 MiB
-#: instead of 263).
-AUTO_PAGED_ROWS_PER_TOKEN_HEAD = 4
+#: 2048 tokens the workspace wins at 8K / 128K context, the paged path at 1M.
+AUTO_PAGED_SLOT_ROWS_PER_TOKEN_HEAD = 4
 #: the layer's default ``paged_window_rows``: whether the paged prefill gathers the chunk's
 #: window rows into a small bf16 workspace (read once per tile of consecutive tokens) and reads
 #: only the top-k records as slot ids (the backend's ``sparse_mla_prefill_paged_window``).
@@ -232,7 +239,8 @@ class DeepseekV41Attention(nn.Module):
             no workspace, memory independent of the context), ``"workspace"`` (gather +
             bf16 workspace in chunks of ``prefill_chunk_size`` requests) or ``"auto"`` (per
             chunk: paged when its workspace would be large for its tokens,
-            :data:`AUTO_PAGED_ROWS_PER_TOKEN_HEAD`).
+            :data:`AUTO_PAGED_ROWS_PER_TOKEN_HEAD` or, with ``paged_window_rows = False``,
+            :data:`AUTO_PAGED_SLOT_ROWS_PER_TOKEN_HEAD`).
     """
 
     def __init__(
@@ -969,7 +977,9 @@ class DeepseekV41Attention(nn.Module):
     def prefers_paged(self, workspace_rows: int, tokens: int) -> bool:
         """What ``prefill_path="auto"`` picks for a chunk of ``tokens`` query tokens whose
         workspace would hold ``workspace_rows`` rows: True for the paged path."""
-        return workspace_rows > AUTO_PAGED_ROWS_PER_TOKEN_HEAD * self.n_local_heads * tokens
+        per = (AUTO_PAGED_ROWS_PER_TOKEN_HEAD if self._paged_window()
+               else AUTO_PAGED_SLOT_ROWS_PER_TOKEN_HEAD)
+        return workspace_rows > per * self.n_local_heads * tokens
 
     # ---- output projection ------------------------------------------------------------------
     def _group_proj(self, x: torch.Tensor) -> torch.Tensor:

@@ -424,9 +424,14 @@ def test_auto_prefill_path_picks_per_chunk(device, window_rows, monkeypatch):
     import dsv41_triton.layers.layer as layer_mod
 
     H = layer.n_local_heads
-    k = layer_mod.AUTO_PAGED_ROWS_PER_TOKEN_HEAD
+    assert layer._paged_window() == window_rows
+    k = (layer_mod.AUTO_PAGED_ROWS_PER_TOKEN_HEAD if window_rows
+         else layer_mod.AUTO_PAGED_SLOT_ROWS_PER_TOKEN_HEAD)
     assert not real(k * H * 5, 5) and real(k * H * 5 + 1, 5)
+    # the paged path with window rows gathered wins from fewer rows than with every key a slot id
+    assert real(2 * H * 5, 5) == window_rows
     monkeypatch.setattr(layer_mod, "AUTO_PAGED_ROWS_PER_TOKEN_HEAD", 1)
+    monkeypatch.setattr(layer_mod, "AUTO_PAGED_SLOT_ROWS_PER_TOKEN_HEAD", 1)
     # request A: 2 new tokens after a prefix of 20 (31 workspace rows > 1 * 8 * 2: paged);
     # B: 12 new tokens of a 14-token sequence (28 rows: workspace)
     steps = [([("A", 20), ("B", 2)], 0), ([("A", 2), ("B", 12)], 0)]
