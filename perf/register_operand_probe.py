@@ -29,7 +29,6 @@ Results: perf/NOTES.md, session 14.
 from __future__ import annotations
 
 import os
-import re
 import sys
 from collections import Counter
 
@@ -157,13 +156,8 @@ def compile_probe(kind: str, stride: int = ROW_BYTES, arch: int = 90, swizzle: b
 
 
 def count_ops(k) -> Counter:
-    """SASS opcode counts (the opcode up to its first dot; predicates skipped) of ``k``."""
-    out = Counter()
-    for line in cc.resource_usage(k, "-sass").splitlines():
-        m = re.match(r"\s*/\*[0-9a-f]+\*/\s*(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
-        if m and ";" in line:
-            out[m.group(1)] += 1
-    return out
+    """SASS opcode counts of ``k`` (``compile_check.sass_op_counts``)."""
+    return cc.sass_op_counts(k)
 
 
 def main() -> None:

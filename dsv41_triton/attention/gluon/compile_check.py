@@ -446,6 +446,19 @@ def sass_instructions(k) -> list:
     return rows
 
 
+def sass_op_counts(k) -> dict:
+    """SASS opcode counts of a compiled kernel (the opcode up to its first dot; predicates
+    skipped), e.g. ``{"HMMA": 8, "MOVM": 16, ...}`` (a ``collections.Counter``)."""
+    import collections
+    import re
+    out = collections.Counter()
+    for line in resource_usage(k, "-sass").splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s*(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
+        if m and ";" in line:
+            out[m.group(1)] += 1
+    return out
+
+
 def loops_sass(k, rows: list | None = None) -> list:
     """Every loop of the kernel's SASS (``sass_instructions``, or its ``rows``; a
     warp-specialized kernel has one or two per partition), innermost first by address:
