@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections import Counter
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -83,11 +82,6 @@ def compile_probe(arch: int = 90):
                        arch)
 
 
-def count_ops(k) -> Counter:
-    """SASS opcode counts of ``k`` (``compile_check.sass_op_counts``)."""
-    return cc.sass_op_counts(k)
-
-
 def ptx_wiring(k) -> dict:
     """How the PTX wires the products: ``s_a`` / ``o_a`` the four A registers of each S k-step /
     O m-tile ``mma.sync``, ``o_from_s`` whether O m-tile ``i``'s A is ``movmatrix`` of S
@@ -125,7 +119,7 @@ def check_on_gpu(seed: int = 0) -> dict:
 def facts() -> dict:
     """Op counts of the sm_90 build and its PTX wiring (``ptx_wiring``)."""
     k = compile_probe()
-    return {**count_ops(k), **ptx_wiring(k)}
+    return {**cc.sass_op_counts(k), **ptx_wiring(k)}
 
 
 if __name__ == "__main__":

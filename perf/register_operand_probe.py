@@ -16,8 +16,9 @@ thread's elements are whole runs of one key's bytes:
 * ``pv``: a thread reads 2 consecutive bytes (dims) of each of its 16 keys.
 
 Each probe loads one 64-key x 64-dim e4m3 chunk (rows ``stride`` bytes apart), converts it to
-fp16 and issues the wgmma. ``count_ops`` returns the SASS opcode counts: with no ``LDS``,
-``STS`` (beyond the B tile's one) or ``SHFL``, the operand never touched shared memory.
+fp16 and issues the wgmma. ``compile_check.sass_op_counts`` gives the SASS opcode counts: with
+no ``LDS``, ``STS`` (beyond the B tile's one) or ``SHFL``, the operand never touched shared
+memory.
 
 ``ring_probe_kernel`` checks, at compile time (``gl.bank_conflicts``), that one ring layout
 serves both products' 16-byte reads without bank conflicts: a 64-key block as ``[8 groups, 64
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections import Counter
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -155,15 +155,10 @@ def compile_probe(kind: str, stride: int = ROW_BYTES, arch: int = 90, swizzle: b
     return cc._compile(kern, args, (), None, dict(STRIDE=stride), 4, arch)
 
 
-def count_ops(k) -> Counter:
-    """SASS opcode counts of ``k`` (``compile_check.sass_op_counts``)."""
-    return cc.sass_op_counts(k)
-
-
 def main() -> None:
     keep = ("LDG", "LDS", "STS", "SHFL", "PRMT", "F2FP", "HGMMA")
     for kind in ("qk", "pv"):
-        ops = count_ops(compile_probe(kind))
+        ops = cc.sass_op_counts(compile_probe(kind))
         print(f"{kind}: " + ", ".join(f"{o} {ops[o]}" for o in keep))
     compile_probe("ring")
     print("ring: both reads conflict-free on the swizzled layout (its static_asserts held)")
@@ -172,7 +167,7 @@ def main() -> None:
 if __name__ == "__main__":
     if "--json" in sys.argv:  # for tests/perf: op counts, then whether each ring layout compiles
         import json
-        rec = {kind: dict(count_ops(compile_probe(kind))) for kind in ("qk", "pv")}
+        rec = {kind: dict(cc.sass_op_counts(compile_probe(kind))) for kind in ("qk", "pv")}
         for swz in (True, False):
             try:
                 compile_probe("ring", swizzle=swz)

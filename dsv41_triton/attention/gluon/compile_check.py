@@ -157,10 +157,11 @@ def capture_decode(T: int, H: int, src_a: int, src_b: int, shape: str = "", W: i
         try:
             a = keys(3 * T + 8, src_a, W)
             b = keys(max(2048, 8 * T), src_b, K) if src_b else None
+            pick = shape
+            if not pick and persist is not None:  # forcing persist keeps the pick's shape
+                pick = gl_launch.table_shape(T, H, a, b, torch.device("cuda")) or ""
             gl_launch.OVERRIDE.clear()
-            gl_launch.OVERRIDE.update(gl_launch.parse_shape(
-                shape or (gl_launch.table_shape(T, H, a, b, torch.device("cuda"))
-                          if persist is not None else "") or ""))
+            gl_launch.OVERRIDE.update(gl_launch.parse_shape(pick))
             if persist is not None:
                 gl_launch.OVERRIDE["persist"] = bool(persist)
             q = torch.empty(T, H, 512, dtype=torch.bfloat16)

@@ -370,10 +370,10 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
         bh = few_ws_block_h(bh, a, b)
         stages, nt = 2, 2
         n_ht = cdiv(H, bh)
-        ns = num_splits or default_splits(T, n_ht, width, _sms(q.device))
+        sms = _sms(q.device)
+        ns = num_splits or default_splits(T, n_ht, width, sms)
         args, po, pl, sink_arg, sink_st = kernel_args(q, a, b, sink, out, lse, ns)
         items = T * ns * n_ht
-        sms = _sms(q.device)
         persist = bool(over.get("persist", PRIOR_PERSIST if prior
                                 else DECODE_PERSIST and items > sms))
         grid = (min(sms, items),) if persist else (items,)
