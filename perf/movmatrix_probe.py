@@ -3,6 +3,7 @@ A compile probe for sm_90 (Gluon, Triton 3.6; no GPU needed), and a check on a G
 
     python perf/movmatrix_probe.py            # SASS op counts (CPU)
     python perf/movmatrix_probe.py --check    # also runs it on a GPU against torch
+    python perf/movmatrix_probe.py --rate     # GPU: MOVM warp instructions per clock per SM
 
 With the keys as the MMA's M, ``S^T = K Q^T`` takes a key tile as the A operand ``[keys,
 dims]`` and ``O^T = V^T P^T`` takes it transposed, ``[dims, keys]`` (V = K). A kernel that
@@ -34,19 +35,13 @@ try:
 except ImportError:  # run from a checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dsv41_triton.attention.gluon import compile_check as cc  # noqa: E402
+from dsv41_triton.attention.gluon.prefill_few_movm import _transpose_blocks  # noqa: E402
 
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                               instr_shape=[16, 8]))
 A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
 B = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
 KEYS, DIMS, HEADS = 16, 64, 8
-
-
-@gluon.jit
-def _transpose_blocks(x):
-    """Each 8 x 8 block of an A-fragment tile transposed across the warp (``movmatrix``)."""
-    return gl.inline_asm_elementwise("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r",
-                                     [x], dtype=gl.bfloat16, is_pure=True, pack=2)
 
 
 @gluon.jit
@@ -70,6 +65,53 @@ def movmatrix_probe_kernel(k_ptr, qt_ptr, pt_ptr, s_ptr, o_ptr):
     o = mma_v2(gl.convert_layout(vt, A), pt, gl.zeros([64, 8], gl.float32, layout=MMA))
     orow = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
     gl.store(o_ptr + orow[:, None] * 8 + mc[None, :], o)
+
+
+@gluon.jit
+def _swap_halves(x):
+    """The control for ``_transpose_blocks``: a register-only op per register (``prmt``)."""
+    return gl.inline_asm_elementwise("prmt.b32 $0, $1, 0, 0x1032;", "=r,r", [x],
+                                     dtype=gl.bfloat16, is_pure=True, pack=2)
+
+
+@gluon.jit
+def movmatrix_rate_kernel(x_ptr, out_ptr, rounds, MOVM: gl.constexpr):
+    """One warp per CTA: ``rounds`` x 16 ``movmatrix`` (``MOVM``) or 16 ``prmt`` on one
+    ``[16, 64]`` A-fragment tile, a dependent chain per register, then one store."""
+    kr = gl.arange(0, 16, layout=gl.SliceLayout(1, A))
+    kc = gl.arange(0, 64, layout=gl.SliceLayout(0, A))
+    off = kr[:, None] * 64 + kc[None, :]
+    x = gl.load(x_ptr + off)
+    for _ in range(rounds):
+        if MOVM:
+            x = _transpose_blocks(x)
+        else:
+            x = _swap_halves(x)
+    gl.store(out_ptr + gl.program_id(0) * 1024 + off, x)
+
+
+def movmatrix_rate(rounds: int = 2048, ctas_per_sm: int = 16) -> dict:
+    """``MOVM`` issue rate on the GPU: warp instructions per cycle per SM for ``movmatrix`` and
+    for the ``prmt`` control (same loop, same registers), one-warp CTAs, ``ctas_per_sm`` per
+    SM, from ``do_bench`` times and the SM clock ``torch.cuda.clock_rate`` (MHz)."""
+    import torch
+    import triton
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    grid = sms * ctas_per_sm
+    x = torch.randn(16, 64, device="cuda").to(torch.bfloat16)
+    out = torch.empty(grid, 16, 64, device="cuda", dtype=torch.bfloat16)
+    mhz = torch.cuda.clock_rate() if hasattr(torch.cuda, "clock_rate") else 1980
+    rec = {"sms": sms, "ctas": grid, "mhz": mhz}
+    for name, movm in (("movm", True), ("prmt", False)):
+        def fn():
+            movmatrix_rate_kernel[(grid,)](x, out, rounds, MOVM=movm, num_warps=1)
+        ms = triton.testing.do_bench(fn, warmup=5, rep=50)
+        instrs = grid * rounds * 16
+        rec[f"{name}_us"] = ms * 1e3
+        rec[f"{name}_per_clk_per_sm"] = instrs / sms / (ms * 1e-3 * mhz * 1e6)
+    rec["identity"] = bool(torch.equal(out[0], x))  # an even number of transposes
+    return rec
 
 
 _ARGS = [("k_ptr", "*bf16"), ("qt_ptr", "*bf16"), ("pt_ptr", "*bf16"), ("s_ptr", "*fp32"),
@@ -127,6 +169,10 @@ if __name__ == "__main__":
     rec = facts()
     if "--check" in sys.argv:
         rec.update(check_on_gpu())
+    if "--rate" in sys.argv:
+        rate = movmatrix_rate()
+        rec.update(rate)
+        print(rate)
     if "--json" in sys.argv:
         print(json.dumps(rec))
     else:

@@ -26,22 +26,25 @@ ARGS = [("q_ptr", "*bf16"), ("stride_qt", "i64"), ("stride_qh", "i64"), ("kv_ptr
         ("sink_st", "i64"), ("out_ptr", "*bf16"), ("stride_ot", "i64"), ("stride_oh", "i64"),
         ("lse_ptr", "*fp32"), ("stride_lt", "i64"), ("stride_lh", "i64"), ("T", "i32"),
         ("H", "i32"), ("qk_scale", "fp32")]
-#: (ring stages, mode, prior, two mma.sync consumers) compiled by --compile / --json
-CONFIGS = ((2, 0, False, False), (2, 0, True, False), (3, 0, False, False), (2, 1, False, False),
-           (2, 0, False, True), (2, 0, True, True))
+#: (ring stages, mode, prior, form) compiled by --compile / --json
+CONFIGS = ((2, 0, False, "wgmma"), (2, 0, True, "wgmma"), (3, 0, False, "wgmma"),
+           (2, 1, False, "wgmma"), (2, 0, False, "sync"), (2, 0, True, "sync"),
+           (2, 0, False, "movm"), (2, 1, False, "movm"))
 
 
-def compile_stats(ns=2, mode=0, prior=False, sync=False):
+def compile_stats(ns=2, mode=0, prior=False, form="wgmma"):
     """Registers, stack, shared memory and SASS opcode counts of an sm_90a compile (640 keys)."""
     from dsv41_triton.attention.gluon import compile_check as cc
     from dsv41_triton.attention.gluon import prefill_few as pf
-    kern = (pf._sparse_mla_prefill_gluon_few_sync_kernel if sync
-            else pf._sparse_mla_prefill_gluon_few_kernel)
+    from dsv41_triton.attention.gluon import prefill_few_movm as pm
+    kern = {"wgmma": pf._sparse_mla_prefill_gluon_few_kernel,
+            "sync": pf._sparse_mla_prefill_gluon_few_sync_kernel,
+            "movm": pm._sparse_mla_prefill_gluon_few_movm_kernel}[form]
     k = cc._compile(kern, ARGS,
                     ("stride_qt", "stride_qh", "kv_stride", "idx_st"), None,
                     dict(HAS_LEN=True, HAS_SINK=True, PRIOR=prior, NS=ns, WB=16, MODE=mode),
                     pf.NUM_WARPS, 90)
-    return dict(kind="few", ns=ns, mode=mode, prior=prior, sync=sync, **_facts(cc, k))
+    return dict(kind="few", ns=ns, mode=mode, prior=prior, form=form, **_facts(cc, k))
 
 
 WINDOW_ARGS = [("q_ptr", "*bf16"), ("stride_qt", "i64"), ("stride_qh", "i64"),
@@ -73,8 +76,15 @@ def _facts(cc, k):
 
 
 #: the few-heads kernel's forms (``_launch_few`` keywords): wgmma, two mma.sync consumers on
-#: alternate blocks
-FORMS = {"wgmma": {}, "sync": dict(sync=True)}
+#: alternate blocks, two mma.sync consumers on the dim halves reading each key tile once (no
+#: prior)
+FORMS = {"wgmma": {}, "sync": dict(form="sync"), "movm": dict(form="movm")}
+PRIOR_FORMS = ("wgmma", "sync")
+if "--forms" in sys.argv:  # e.g. --forms wgmma,rows
+    _keep = sys.argv[sys.argv.index("--forms") + 1].split(",")
+    FORMS = {f: FORMS[f] for f in _keep}
+    PRIOR_FORMS = tuple(f for f in PRIOR_FORMS if f in _keep)
+QUICK = "--quick" in sys.argv  # the checks and the 8-head timings only
 
 
 def check_and_time():
@@ -124,7 +134,7 @@ def check_and_time():
     ref, rl = sparse_mla_prefill(q, kv, torch.cat([ia, torch.where(
         torch.arange(300, device=dev)[None, :] < lb[:, None], ib, -1)], 1), None, sink,
         _kernel="tl")
-    for form in FORMS:
+    for form in PRIOR_FORMS:
         out, lse = sparse_mla_prefill(q, kv, ia, None, None, _kernel="tl")
         pl._launch_few(q, kv, ib, lb, sink, scale, out, lse, True, **FORMS[form])
         fin = torch.isfinite(rl)
@@ -150,6 +160,8 @@ def check_and_time():
                 print(f"8 heads, {lab} keys: tl {t_ref:.1f} us, few mode={ns_mode} {form} "
                       f"{t_new:.1f} us "
                       f"(rel {err:.1e}, regs {k.n_regs}, spills {k.n_spills})", flush=True)
+    if QUICK:
+        return
     # the shared-window entry: window partial, then the top-k rows with the prior
     win_len = torch.full((T,), bp.W, dtype=torch.int32, device=dev)
     args = (q, kv, inp["win_start"], win_len, inp["local"], None, inp["qsl"], sink)
@@ -166,7 +178,7 @@ def check_and_time():
     tiles = shared_window_tiles(inp["qsl"], T, 8)
     t_w = bp.time_graph_flushed(lambda: pl.launch_window(q, kv, inp["win_start"], win_len, tiles,
                                                          scale, out, lse))
-    for form in FORMS:
+    for form in PRIOR_FORMS:
         t_k = bp.time_graph_flushed(lambda: pl._launch_few(q, kv, inp["local"], None, sink,
                                                            scale, out, lse, True, **FORMS[form]))
         print(f"shared window parts: Gluon window {t_w:.1f} us, few top-k with prior ({form}) "
@@ -179,12 +191,11 @@ def check_and_time():
         ls = torch.empty(T, H, device=dev)
         t_tl = bp.time_graph_flushed(lambda: sparse_mla_prefill(q, kv, idx, None, sink[:H], None,
                                                                 o, _kernel="tl"))
-        t_few = bp.time_graph_flushed(lambda: pl._launch_few(q, kv, idx, None, sink[:H], scale,
-                                                             o, ls, False))
-        t_sync = bp.time_graph_flushed(lambda: pl._launch_few(q, kv, idx, None, sink[:H], scale,
-                                                              o, ls, False, sync=True))
-        print(f"pick T={T} H={H} K={K}: tl {t_tl:.1f} us, few {t_few:.1f} us, few sync "
-              f"{t_sync:.1f} us", flush=True)
+        times = ", ".join(
+            f"few {form} " + format(bp.time_graph_flushed(lambda: pl._launch_few(
+                q, kv, idx, None, sink[:H], scale, o, ls, False, **FORMS[form])), ".1f") + " us"
+            for form in FORMS)
+        print(f"pick T={T} H={H} K={K}: tl {t_tl:.1f} us, {times}", flush=True)
 
 
 def ncu_launches():

@@ -439,3 +439,33 @@ def test_gluon_prefill_forced_refused_off_sm90(device):
         pytest.skip("the kernel runs here")
     with pytest.raises(ValueError, match="_kernel"):
         sparse_mla_prefill(**_case(device, 2, 8), _kernel="gluon")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["wgmma", "sync", "movm"])
+@pytest.mark.parametrize("T,H,K,S,lens,sink", [
+    (1, 1, 1, 10, True, "rand"), (3, 3, 70, 100, False, "none"), (7, 8, 640, 3000, True, "rand"),
+    (300, 8, 200, 5000, True, "-inf"), (700, 2, 1100, 9000, False, "rand"),
+    (5, 8, 64, 64, True, "large")])
+def test_gluon_prefill_few_forms_gpu(device, form, T, H, K, S, lens, sink):
+    """Every form of the few-heads kernel (``prefill_launch._launch_few``: the picked wgmma one,
+    the unpicked mma.sync ones) against the reference: ragged lens and an empty row, -1 and
+    out-of-range rows, 1 / 3 / 8 heads, more tokens than SMs, one-block and many-block rows;
+    outputs poisoned first."""
+    _need_gluon_gpu()
+    from dsv41_triton.attention.gluon import prefill_launch as pl
+    args = _case(device, T, H, S=S, K=K, lens=lens, sink=sink)
+    if lens:
+        args["lens"][0] = 0
+    scale = 512 ** -0.5
+    out = poison_(torch.empty(T, H, 512, dtype=torch.bfloat16, device=device))
+    lse = poison_(torch.empty(T, H, dtype=torch.float32, device=device))
+    pl._launch_few(args["q"], args["kv"], args["indices"].to(torch.int32), args["lens"],
+                   args["attn_sink"], scale, out, lse, False, form=form)
+    torch.cuda.synchronize()
+    ro, rl = sparse_mla_prefill_ref(**args, softmax_scale=scale)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert rel_err(out, ro) <= OUT_TOL, rel_err(out, ro)
+    assert torch.equal(torch.isinf(lse), torch.isinf(rl))
+    fin = torch.isfinite(rl)
+    assert not fin.any() or max_abs_err(lse[fin], rl[fin]) <= LSE_TOL

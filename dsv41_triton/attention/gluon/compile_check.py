@@ -80,7 +80,8 @@ _PREFILL_KERNELS = (("prefill", "_sparse_mla_prefill_gluon_kernel"),
                     ("prefill_ws", "_sparse_mla_prefill_gluon_ws_kernel"),
                     ("prefill_wsp", "_sparse_mla_prefill_gluon_wsp_kernel"),
                     ("prefill_few", "_sparse_mla_prefill_gluon_few_kernel"),
-                    ("prefill_few", "_sparse_mla_prefill_gluon_few_sync_kernel"))
+                    ("prefill_few", "_sparse_mla_prefill_gluon_few_sync_kernel"),
+                    ("prefill_few_movm", "_sparse_mla_prefill_gluon_few_movm_kernel"))
 
 
 class _Recorder:

@@ -173,12 +173,22 @@ def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
 
 
 def _launch_few(q, kv, indices, lens, sink, softmax_scale, out, lse, prior, mode=0,
-                sync=False):
+                form="wgmma"):
     """The few-heads kernel (``prefill_few.py``) on validated arguments; ``mode`` 1 / 2 time
-    the copies / the products alone (benchmarks); ``sync``: the two mma.sync consumers."""
+    the copies / the products alone (benchmarks); ``form``: ``"wgmma"`` (picked), ``"sync"``
+    (two mma.sync consumers on alternate blocks) or ``"movm"`` (``prefill_few_movm.py``, no
+    prior)."""
     from . import prefill_few as pf
-    kernel = (pf._sparse_mla_prefill_gluon_few_sync_kernel if sync
-              else pf._sparse_mla_prefill_gluon_few_kernel)
+    if form == "movm":
+        if prior:
+            raise ValueError("prior: the movm form has none")
+        from .prefill_few_movm import _sparse_mla_prefill_gluon_few_movm_kernel as kernel
+    elif form == "sync":
+        kernel = pf._sparse_mla_prefill_gluon_few_sync_kernel
+    elif form == "wgmma":
+        kernel = pf._sparse_mla_prefill_gluon_few_kernel
+    else:
+        raise ValueError(f"form: expected 'wgmma', 'sync' or 'movm', got {form!r}")
     T, H, _ = q.shape
     S, K = kv.shape[0], indices.shape[1]
     k = kernel[(min(_sms(q.device), T),)](
