@@ -36,13 +36,12 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from ._api import barrier
 from .common import _finish_rows
-from .prefill_few import (B2, IDX_SLOTS, K2, MMA2, _block_keys, _cta_sink, _producer, _q_b,
+from .prefill_few import (A2, IDX_SLOTS, K2, MMA2, _block_keys, _cta_sink, _producer, _q_b,
                           _shared, _token_len, _token_slots)
 
 __all__ = ["MOVM_REGS", "_sparse_mla_prefill_gluon_few_movm_kernel"]
 
 MOVM_REGS = gl.constexpr(224)
-A2 = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA2, k_width=2))
 #: warp ``w``'s own products: batch ``w`` of ``[4, M, N]`` (mma.sync, 16 rows a step)
 MMA3 = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1],
                                                instr_shape=[1, 16, 8]))
