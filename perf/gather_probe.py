@@ -144,7 +144,7 @@ def _issue_cp(cache_ptr, ids_ptr, ring, ids_smem, ids_rows, k, total, pid, G, bs
             for g in gl.static_range(RB // 64):
                 p = cache_ptr + (base + g * 64)[:, None] + c[None, :]
                 async_load(st.slice(g * 64, 64, dim=1), p,
-                                               mask=valid[:, None])
+                           mask=valid[:, None])
         else:
             c = gl.arange(0, RB, layout=gl.SliceLayout(0, L))
             p = cache_ptr + base[:, None] + c[None, :]

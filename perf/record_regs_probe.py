@@ -109,7 +109,7 @@ def _issue_ids(cache_ptr, bstride, rows, id3, idr, ids, nope, rope, scl, s,
     bases = gl.multiple_of(pgs * bstride + PAGE * DATA + ofs * SCALE_W, 8)
     ds = gl.arange(0, 8, layout=gl.SliceLayout(0, LS))
     async_load(scl.index(s), cache_ptr + bases[:, None] + ds[None, :],
-                                   mask=oks[:, None] & (ds >= 0)[None, :])
+               mask=oks[:, None] & (ds >= 0)[None, :])
     cp.commit_group()
 
 

@@ -94,8 +94,8 @@ def _copy_index_row(k, item, T, idx_ptr, idx_st, width, idx_smem, i_ready, i_fre
         cb = gl.arange(0, 64, layout=gl.SliceLayout(0, LI))
         col = rb[:, None] * 64 + cb[None, :]
         async_load(idx_smem.index(s),
-                                       idx_ptr + item.to(gl.int64) * idx_st + col,
-                                       mask=col < width)
+                   idx_ptr + item.to(gl.int64) * idx_st + col,
+                   mask=col < width)
         cp.mbarrier_arrive(i_ready.index(s), increment_count=False)
 
 
@@ -124,7 +124,7 @@ def _producer(pid, grid, T, width, len_ptr, len_st, q_ptr, stride_qt, stride_qh,
         qrow = q_ptr + item.to(gl.int64) * stride_qt + hq.to(gl.int64)[:, None] * stride_qh
         for grp in gl.static_range(8):
             async_load(q_smem.index(qs * 8 + grp),
-                                           qrow + (grp * 64 + dq)[None, :], mask=qmask)
+                       qrow + (grp * 64 + dq)[None, :], mask=qmask)
         cp.mbarrier_arrive(q_ready.index(qs), increment_count=False)
         si = k % IDX_SLOTS
         mbarrier.wait(i_ready.index(si), (k // IDX_SLOTS) & 1)

@@ -69,8 +69,8 @@ def _producer(pid, grid, num_items, tiles_ptr, ws_ptr, ws_st, wl_ptr, wl_st, q_p
         mbarrier.wait(q_free, (k & 1) ^ 1)
         for h in gl.static_range(2):
             async_load(q_smem.index(0).slice(256 * h, 256, dim=1),
-                                           q_ptr + q_off[:, None] + (256 * h + d)[None, :],
-                                           mask=qm[:, None], eviction_policy="evict_first")
+                       q_ptr + q_off[:, None] + (256 * h + d)[None, :],
+                       mask=qm[:, None], eviction_policy="evict_first")
         cp.mbarrier_arrive(q_ready, increment_count=False)
         npair = gl.cdiv(n, 2 * BN)
         _fill_pairs(kv_ptr, kv_stride, rows, kv_ptr, n, npair, g, r, d, ring, ready, free, True,

@@ -65,8 +65,8 @@ def _producer(q_ptr, stride_qt, stride_qh, kv_ptr, kv_stride, rows, idx_ptr, idx
     q_off = gl.multiple_of(t * stride_qt + hq.to(gl.int64) * stride_qh, 8)
     for h in gl.static_range(2):
         async_load(q_smem.index(0).slice(256 * h, 256, dim=1),
-                                       q_ptr + q_off[:, None] + (256 * h + d)[None, :],
-                                       mask=(hq < H)[:, None], eviction_policy="evict_first")
+                   q_ptr + q_off[:, None] + (256 * h + d)[None, :],
+                   mask=(hq < H)[:, None], eviction_policy="evict_first")
     cp.mbarrier_arrive(q_bar, increment_count=False)
     npair = gl.cdiv(n, 2 * BN)
     r = gl.arange(0, BN, layout=gl.SliceLayout(1, LC))
@@ -124,8 +124,8 @@ def _fill(kv_ptr, off, ok, d, ring, ready, free, S: gl.constexpr, HF: gl.constex
     producer thread's copies landed."""
     mbarrier.wait(free.index(2 * S + HF), ph)
     async_load(ring.index(S).slice(256 * HF, 256, dim=1),
-                                   kv_ptr + off[:, None] + (256 * HF + d)[None, :],
-                                   mask=ok[:, None], eviction_policy="evict_last")
+               kv_ptr + off[:, None] + (256 * HF + d)[None, :],
+               mask=ok[:, None], eviction_policy="evict_last")
     cp.mbarrier_arrive(ready.index(2 * S + HF), increment_count=False)
 
 

@@ -91,8 +91,8 @@ def _producer(pid, grid, num_items, num_ht, width, len_ptr, len_st, q_ptr, strid
         mbarrier.wait(q_free, (k & 1) ^ 1)
         for h in gl.static_range(2):
             async_load(q_smem.index(0).slice(256 * h, 256, dim=1),
-                                           q_ptr + q_off[:, None] + (256 * h + d)[None, :],
-                                           mask=(hq < H)[:, None], eviction_policy="evict_first")
+                       q_ptr + q_off[:, None] + (256 * h + d)[None, :],
+                       mask=(hq < H)[:, None], eviction_policy="evict_first")
         cp.mbarrier_arrive(q_ready, increment_count=False)
         idx_row = idx_ptr + t * idx_st
         npair = gl.cdiv(n, 2 * BN)
