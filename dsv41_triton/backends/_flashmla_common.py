@@ -181,6 +181,12 @@ def as_cache4(cache: torch.Tensor) -> torch.Tensor:
     return cache if cache.dim() == 4 else cache.unsqueeze(2)
 
 
+def cache_slots(cache4: torch.Tensor) -> int:
+    """The slot ids a ``[blocks, page, 1, bytes]`` cache holds (``blocks * page``): the bound of
+    ``index_rows_i32`` for its index rows."""
+    return cache4.shape[0] * cache4.shape[1]
+
+
 def lens_i32(lens: Optional[torch.Tensor], width: Optional[int] = None
              ) -> Optional[torch.Tensor]:
     """``lens [T]`` int32 or int64 -> int32 clamped to ``[0, width]`` (``width`` None: to int32's

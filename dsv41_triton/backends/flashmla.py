@@ -31,6 +31,7 @@ from . import _checks
 from ._flashmla_common import (
     arch_reason,
     as_cache4,
+    cache_slots,
     has_params,
     index_rows_i32,
     lens_i32,
@@ -122,7 +123,7 @@ class FlashMLABackend(ComposedFusedMixin, AttentionBackend):
         hp = padded_heads(H)
         qp = pad_heads(q, hp).unsqueeze(1)  # [T, 1, hp, 512]: each token its own "batch"
         cache4 = as_cache4(swa_cache)
-        slots = cache4.shape[0] * cache4.shape[1]
+        slots = cache_slots(cache4)
         # the same tensors, not modified in place since (version counters)
         key = ("swa_idx", swa_indices.data_ptr(), swa_indices._version, tuple(swa_indices.shape),
                slots,
@@ -135,7 +136,7 @@ class FlashMLABackend(ComposedFusedMixin, AttentionBackend):
         extra = None if extra_cache is None else as_cache4(extra_cache)
         eidx = None
         if extra is not None:
-            eidx = index_rows_i32(extra_indices, extra_lens, extra.shape[0] * extra.shape[1],
+            eidx = index_rows_i32(extra_indices, extra_lens, cache_slots(extra),
                                   _DECODE_TOPK_MULTIPLE).unsqueeze(1)
         o, l = ops.with_kvcache(
             qp, cache4, None, None, 512, self._sched_meta(ops, step_cache, qp, cache4, idx, extra,

@@ -22,6 +22,7 @@ from ._compose import check_fused_common, q_to_standard
 from ._flashmla_common import (
     arch_reason,
     as_cache4,
+    cache_slots,
     index_rows_i32,
     lens_i32,
     load_flashmla,
@@ -121,7 +122,10 @@ class FlashMLAMegaBackend(AttentionBackend):
             lse = lse.reshape(T, -1)[:, :H].float()
         return data, scale, lse
 
-    def _prep(self, q, positions, cos_sin_cache, layout, q_norm_eps, data, scale, attn_sink):
+    def _prep(self, q, positions, cos_sin_cache, layout, q_norm_eps, data, scale, attn_sink,
+              softmax_scale):
+        """What both fused calls pass FlashMLA besides their keys: ``(ops, T, H, hp, q in the
+        kernel's layout, data, scale, softmax scale, (norm on, eps), rope rows)``."""
         T, H = check_fused_common(q, positions, cos_sin_cache, layout, q_norm_eps)
         _checks.check_sink(attn_sink, H)
         if data is not None or scale is not None:  # the missing half is allocated
@@ -132,7 +136,10 @@ class FlashMLAMegaBackend(AttentionBackend):
         if ops is None:
             raise RuntimeError(f"FlashMLA is not available: {why}")
         hp = padded_heads(H)
-        return ops, T, H, hp, _to_kernel_q(q, layout, hp), data, scale
+        sm = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+        norm = (q_norm_eps is not None, 0.0 if q_norm_eps is None else float(q_norm_eps))
+        pos = rope_rows_i32(positions, cos_sin_cache.shape[0])
+        return ops, T, H, hp, _to_kernel_q(q, layout, hp), data, scale, sm, norm, pos
 
     def sparse_mla_decode_fused(self, q, positions, cos_sin_cache, swa_cache, swa_indices,
                                 swa_lens, extra_cache=None, extra_indices=None, extra_lens=None,
@@ -140,19 +147,15 @@ class FlashMLAMegaBackend(AttentionBackend):
                                 layout="standard", data=None, scale=None):
         _checks.check_decode(q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices,
                              extra_lens, attn_sink, None, softmax_scale=softmax_scale)
-        ops, T, H, hp, qk, data, scale = self._prep(q, positions, cos_sin_cache, layout,
-                                                    q_norm_eps, data, scale, attn_sink)
-        sm = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-        norm = (q_norm_eps is not None, 0.0 if q_norm_eps is None else float(q_norm_eps))
-        pos = rope_rows_i32(positions, cos_sin_cache.shape[0])
+        ops, T, H, hp, qk, data, scale, sm, norm, pos = self._prep(
+            q, positions, cos_sin_cache, layout, q_norm_eps, data, scale, attn_sink,
+            softmax_scale)
         cache4 = as_cache4(swa_cache)
-        idx = index_rows_i32(swa_indices, swa_lens, cache4.shape[0] * cache4.shape[1],
-                             _TOPK_MULTIPLE)
+        idx = index_rows_i32(swa_indices, swa_lens, cache_slots(cache4), _TOPK_MULTIPLE)
         extra = eidx = elen = None
         if extra_cache is not None:
             extra = as_cache4(extra_cache)
-            eidx = index_rows_i32(extra_indices, extra_lens, extra.shape[0] * extra.shape[1],
-                                  _TOPK_MULTIPLE)
+            eidx = index_rows_i32(extra_indices, extra_lens, cache_slots(extra), _TOPK_MULTIPLE)
             elen = lens_i32(extra_lens, extra_indices.shape[1])
         args = (qk, cache4, idx, sm, 512, pad_sink(attn_sink, H, hp),
                 lens_i32(swa_lens, swa_indices.shape[1]), extra, eidx, elen)
@@ -173,11 +176,9 @@ class FlashMLAMegaBackend(AttentionBackend):
                                  attn_sink=None, softmax_scale=None, q_norm_eps=None,
                                  layout="standard", data=None, scale=None):
         _checks.check_prefill(q, kv, indices, lens, attn_sink, None, softmax_scale=softmax_scale)
-        ops, T, H, hp, qk, data, scale = self._prep(q, positions, cos_sin_cache, layout,
-                                                    q_norm_eps, data, scale, attn_sink)
-        sm = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-        norm = (q_norm_eps is not None, 0.0 if q_norm_eps is None else float(q_norm_eps))
-        pos = rope_rows_i32(positions, cos_sin_cache.shape[0])
+        ops, T, H, hp, qk, data, scale, sm, norm, pos = self._prep(
+            q, positions, cos_sin_cache, layout, q_norm_eps, data, scale, attn_sink,
+            softmax_scale)
         kv3 = kv.reshape(-1, 1, kv.shape[-1])
         idx2 = indices.reshape(T, -1)
         idx = index_rows_i32(idx2, lens, kv3.shape[0], _TOPK_MULTIPLE).unsqueeze(1)

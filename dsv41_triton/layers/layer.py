@@ -58,7 +58,7 @@ from ..backends._custom_ops import step_cache_key
 from ..backends.base import WV_GROUP_SIZE
 from .compressed import build_compressed_block
 from .config import DeepseekV41AttentionConfig, build_cos_sin_cache
-from .metadata import StepMetadata
+from .metadata import StepMetadata, check_max_workspace_rows
 from .weights import (
     EXTRA_PARAM_NAMES,
     PARAM_NAMES,
@@ -555,8 +555,7 @@ class DeepseekV41Attention(nn.Module):
         if not isinstance(md, StepMetadata):
             raise TypeError(f"metadata: expected a StepMetadata, got {type(md).__name__}")
         check_int("metadata.prefill_chunk_size", md.prefill_chunk_size, lo=1)
-        if md.max_workspace_rows is not None:
-            check_int("metadata.max_workspace_rows", md.max_workspace_rows, lo=1)
+        check_max_workspace_rows(md.max_workspace_rows, "metadata.max_workspace_rows")
         if md.num_tokens != T:
             raise ValueError(f"hidden_states: {T} tokens, metadata describes {md.num_tokens}")
         if md.window_size != self.window_size:

@@ -222,10 +222,10 @@ def _table(rows: List[List[int]], device) -> torch.Tensor:
     return t.to(device)
 
 
-def check_max_workspace_rows(v: object) -> Optional[int]:
-    """``max_workspace_rows``: None (no budget) or an int >= 1."""
+def check_max_workspace_rows(v: object, name: str = "max_workspace_rows") -> Optional[int]:
+    """``max_workspace_rows`` (named ``name`` in the error): None (no budget) or an int >= 1."""
     if v is not None:
-        check_int("max_workspace_rows", v, lo=1)
+        check_int(name, v, lo=1)
     return v
 
 
