@@ -29,7 +29,7 @@ ARGS = [("q_ptr", "*bf16"), ("stride_qt", "i64"), ("stride_qh", "i64"), ("kv_ptr
 #: (ring stages, mode, prior, form) compiled by --compile / --json
 CONFIGS = ((2, 0, False, "wgmma"), (2, 0, True, "wgmma"), (3, 0, False, "wgmma"),
            (2, 1, False, "wgmma"), (2, 0, False, "sync"), (2, 0, True, "sync"),
-           (2, 0, False, "movm"), (2, 1, False, "movm"))
+           (2, 0, False, "movm"), (2, 1, False, "movm"), (1, 0, True, "wgmma2"))
 
 
 def compile_stats(ns=2, mode=0, prior=False, form="wgmma"):
@@ -38,12 +38,15 @@ def compile_stats(ns=2, mode=0, prior=False, form="wgmma"):
     from dsv41_triton.attention.gluon import prefill_few as pf
     from dsv41_triton.attention.gluon import prefill_few_movm as pm
     kern = {"wgmma": pf._sparse_mla_prefill_gluon_few_kernel,
+            "wgmma2": pf._sparse_mla_prefill_gluon_few_kernel,
             "sync": pf._sparse_mla_prefill_gluon_few_sync_kernel,
             "movm": pm._sparse_mla_prefill_gluon_few_movm_kernel}[form]
+    two = form == "wgmma2"  # as _launch_few(ctas_per_sm=2) launches it
     k = cc._compile(kern, ARGS,
                     ("stride_qt", "stride_qh", "kv_stride", "idx_st"), None,
-                    dict(HAS_LEN=True, HAS_SINK=True, PRIOR=prior, NS=ns, WB=16, MODE=mode),
-                    pf.NUM_WARPS, 90)
+                    dict(HAS_LEN=True, HAS_SINK=True, PRIOR=prior, NS=ns, WB=16, MODE=mode,
+                         **(dict(CREGS=200) if two else {})),
+                    pf.NUM_WARPS, 90, maxnreg=128 if two else None)
     return dict(kind="few", ns=ns, mode=mode, prior=prior, form=form, **_facts(cc, k))
 
 
@@ -75,11 +78,12 @@ def _facts(cc, k):
     return dict(regs=regs, stack=stack, smem=k.metadata.shared, ops=ops)
 
 
-#: the few-heads kernel's forms (``_launch_few`` keywords): wgmma, two mma.sync consumers on
-#: alternate blocks, two mma.sync consumers on the dim halves reading each key tile once (no
-#: prior)
-FORMS = {"wgmma": {}, "sync": dict(form="sync"), "movm": dict(form="movm")}
-PRIOR_FORMS = ("wgmma", "sync")
+#: the few-heads kernel's forms (``_launch_few`` keywords): wgmma, wgmma at two CTAs per SM
+#: (one ring stage each), two mma.sync consumers on alternate blocks, two mma.sync consumers on
+#: the dim halves reading each key tile once (no prior)
+FORMS = {"wgmma": {}, "wgmma2": dict(ctas_per_sm=2), "sync": dict(form="sync"),
+         "movm": dict(form="movm")}
+PRIOR_FORMS = ("wgmma", "wgmma2", "sync")
 if "--forms" in sys.argv:  # e.g. --forms wgmma,rows
     _keep = sys.argv[sys.argv.index("--forms") + 1].split(",")
     FORMS = {f: FORMS[f] for f in _keep}

@@ -442,7 +442,7 @@ def test_gluon_prefill_forced_refused_off_sm90(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["wgmma", "sync", "movm"])
+@pytest.mark.parametrize("form", ["wgmma", "wgmma2", "sync", "movm"])
 @pytest.mark.parametrize("T,H,K,S,lens,sink", [
     (1, 1, 1, 10, True, "rand"), (3, 3, 70, 100, False, "none"), (7, 8, 640, 3000, True, "rand"),
     (300, 8, 200, 5000, True, "-inf"), (700, 2, 1100, 9000, False, "rand"),
@@ -461,7 +461,8 @@ def test_gluon_prefill_few_forms_gpu(device, form, T, H, K, S, lens, sink):
     out = poison_(torch.empty(T, H, 512, dtype=torch.bfloat16, device=device))
     lse = poison_(torch.empty(T, H, dtype=torch.float32, device=device))
     pl._launch_few(args["q"], args["kv"], args["indices"].to(torch.int32), args["lens"],
-                   args["attn_sink"], scale, out, lse, False, form=form)
+                   args["attn_sink"], scale, out, lse, False,
+                   **(dict(ctas_per_sm=2) if form == "wgmma2" else dict(form=form)))
     torch.cuda.synchronize()
     ro, rl = sparse_mla_prefill_ref(**args, softmax_scale=scale)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()

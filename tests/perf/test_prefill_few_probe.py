@@ -21,9 +21,16 @@ def test_prefill_few_compiles_as_designed():
     assert [(r["ns"], r["mode"], r["prior"], r["form"]) for r in rows] == [
         (2, 0, False, "wgmma"), (2, 0, True, "wgmma"), (3, 0, False, "wgmma"),
         (2, 1, False, "wgmma"), (2, 0, False, "sync"), (2, 0, True, "sync"),
-        (2, 0, False, "movm"), (2, 1, False, "movm")], rows
-    movm = rows[6:]
+        (2, 0, False, "movm"), (2, 1, False, "movm"), (1, 0, True, "wgmma2")], rows
+    two = rows[8]
+    movm = rows[6:8]
     rows = rows[:6]
+    # two CTAs per SM: 128 registers a thread at launch (setmaxnreg moves them between the
+    # partitions), the shared memory of two CTAs within the SM's 228 KB (1 KB reserved each),
+    # the same 64 m64n8k16 per block, nothing spilled
+    assert two["regs"] <= 128 and two["stack"] == 0 and "LDL" not in two["ops"], two
+    assert 2 * (two["smem"] + 1024) <= 228 * 1024, two
+    assert two["ops"].get("HGMMA64x8x16") == 64, two["ops"]
     for r in rows:
         ops = r["ops"]
         assert r["stack"] == 0 and "LDL" not in ops and "STL" not in ops, r

@@ -358,10 +358,12 @@ def kernel_constexprs(kern, consts: dict) -> dict:
     return {p.name: given[p.name] for p in kern.params if p.name in given}
 
 
-def _compile(kern, args, aligned, values, consts: dict, num_warps: int, arch: int):
+def _compile(kern, args, aligned, values, consts: dict, num_warps: int, arch: int,
+             maxnreg: int | None = None):
     """``kern`` compiled for ``sm_<arch>`` with the ``(name, type)`` arguments ``args``
     (specialized by ``_specialize``) followed by the constexprs ``consts`` and the kernel's
-    defaults of those it omits (``kernel_constexprs``)."""
+    defaults of those it omits (``kernel_constexprs``); ``maxnreg``: the launch's register
+    cap, as the ``maxnreg=`` launch option sets it."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -371,8 +373,10 @@ def _compile(kern, args, aligned, values, consts: dict, num_warps: int, arch: in
         sig[k] = "constexpr"
         constexprs[(list(sig).index(k),)] = v
     src = GluonASTSource(kern, sig, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=num_warps))
+    options = dict(num_warps=num_warps)
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
 def _specialize(args, aligned, values):

@@ -56,7 +56,6 @@ MAX_HEADS = 8
 MAX_WIDTH = 4096
 #: ring stages (64 KB each; 3 measured no faster)
 NS = 2
-CONSUMER_REGS = gl.constexpr(232)
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                               instr_shape=[16, 8, 16]))
 KM = gl.constexpr(gl.SliceLayout(1, MMA))  # keys (S^T rows) / dims (O^T rows)
@@ -336,12 +335,14 @@ def _sparse_mla_prefill_gluon_few_kernel(
         q_ptr, stride_qt, stride_qh, kv_ptr, kv_stride, rows, idx_ptr, idx_st, width, len_ptr,
         len_st, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
         T, H, qk_scale, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, PRIOR: gl.constexpr,
-        NS: gl.constexpr, WB: gl.constexpr, MODE: gl.constexpr):
+        NS: gl.constexpr, WB: gl.constexpr, MODE: gl.constexpr,
+        CREGS: gl.constexpr = 232):
     """Grid ``min(SMs, T)``. q ``[T, H <= 8, 512]`` bf16 (rows 16-byte aligned); kv ``[rows,
     512]`` bf16; idx ``[T, width]`` int32 (``< 0`` or ``>= rows`` skipped); lens ``[T]`` int;
     sink ``[H]`` fp32; out ``[T, H, 512]`` bf16, lse ``[T, H]`` fp32 (read first with
     ``PRIOR``); ``qk_scale`` = scale * log2(e); ``WB`` =
-    ``index_blocks(width)``."""
+    ``index_blocks(width)``; ``CREGS``: the consumer's registers (200 with ``NS = 1`` and the
+    launch option ``maxnreg=128``: two CTAs per SM, grid ``min(2 SMs, T)``)."""
     PL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 8], gl.bfloat16)
     pid = gl.program_id(0)
     grid = gl.num_programs(0)
@@ -356,7 +357,7 @@ def _sparse_mla_prefill_gluon_few_kernel(
                      sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
                      q_smem, ring, idx_rows, p_smem, q_ready, q_free, i_ready, i_free, ready,
                      free, HAS_LEN, HAS_SINK, NS, WB, MODE, PRIOR)),
-    ], [4], [CONSUMER_REGS])
+    ], [4], [CREGS])
 
 
 # ---- two mma.sync consumers on alternate blocks ---------------------------------------------

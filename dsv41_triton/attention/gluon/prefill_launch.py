@@ -173,11 +173,13 @@ def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
 
 
 def _launch_few(q, kv, indices, lens, sink, softmax_scale, out, lse, prior, mode=0,
-                form="wgmma"):
+                form="wgmma", ctas_per_sm=1):
     """The few-heads kernel (``prefill_few.py``) on validated arguments; ``mode`` 1 / 2 time
     the copies / the products alone (benchmarks); ``form``: ``"wgmma"`` (picked), ``"sync"``
     (two mma.sync consumers on alternate blocks) or ``"movm"`` (``prefill_few_movm.py``, no
-    prior)."""
+    prior); ``ctas_per_sm`` 2: the wgmma form with one ring stage, two CTAs per SM (not picked:
+    on the H100 as fast as one CTA per SM, its products alone 27 % faster; index rows wider than
+    ~1000 columns leave room for one CTA per SM only)."""
     from . import prefill_few as pf
     if form == "movm":
         if prior:
@@ -191,7 +193,12 @@ def _launch_few(q, kv, indices, lens, sink, softmax_scale, out, lse, prior, mode
         raise ValueError(f"form: expected 'wgmma', 'sync' or 'movm', got {form!r}")
     T, H, _ = q.shape
     S, K = kv.shape[0], indices.shape[1]
-    k = kernel[(min(_sms(q.device), T),)](
+    ns, extra = pf.NS, {}
+    if ctas_per_sm == 2:
+        if form != "wgmma":
+            raise ValueError("ctas_per_sm: 2 only for the wgmma form")
+        ns, extra = 1, dict(CREGS=200, maxnreg=128)
+    k = kernel[(min(ctas_per_sm * _sms(q.device), T),)](
         q, q.stride(0), q.stride(1),
         kv, kv.stride(0) if S > 1 else 512, S,
         indices, indices.stride(0), K,
@@ -199,8 +206,8 @@ def _launch_few(q, kv, indices, lens, sink, softmax_scale, out, lse, prior, mode
         sink if sink is not None else lse, sink.stride(0) if sink is not None else 0,
         out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1),
         T, H, float(softmax_scale) * 1.4426950408889634,
-        HAS_LEN=lens is not None, HAS_SINK=sink is not None, PRIOR=prior, NS=pf.NS,
-        WB=pf.index_blocks(K), MODE=mode, num_warps=pf.NUM_WARPS,
+        HAS_LEN=lens is not None, HAS_SINK=sink is not None, PRIOR=prior, NS=ns,
+        WB=pf.index_blocks(K), MODE=mode, num_warps=pf.NUM_WARPS, **extra,
     )
     LAST_LAUNCH["fwd"] = (k, FEW)
     return k
