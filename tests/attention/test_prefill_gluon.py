@@ -125,6 +125,23 @@ def test_gluon_prefill_few_launch_compiles(T, H, K, has_len):
     assert 0 < rows[0]["regs"] <= 255 and rows[0]["stack"] == 0, rows
 
 
+@pytest.mark.parametrize("kw", [dict(form="bogus"), dict(ctas_per_sm=3),
+                                dict(form="sync", ctas_per_sm=2), dict(form="movm", prior=True)])
+def test_gluon_prefill_few_forms_are_checked(kw):
+    """``_launch_few``'s benchmark knobs: an unknown form, a CTA count other than 1 / 2 (2 only
+    for the wgmma form) and a prior for the movm form raise ``ValueError`` naming the argument,
+    before any launch (CPU tensors: nothing could run)."""
+    if not gluon_pkg.COMPILABLE:
+        pytest.skip(f"installed Triton cannot build the Gluon kernels: {gluon_pkg.REASON}")
+    from dsv41_triton.attention.gluon import prefill_launch as pl
+    q = torch.randn(2, 8, 512).bfloat16()
+    kw = dict(kw)
+    prior = kw.pop("prior", False)
+    with pytest.raises(ValueError, match=next(iter(kw)) if not prior else "prior"):
+        pl._launch_few(q, torch.randn(9, 512).bfloat16(), torch.zeros(2, 4, dtype=torch.int32),
+                       None, None, 0.1, torch.empty_like(q), torch.empty(2, 8), prior, **kw)
+
+
 def test_gluon_prefill_pick_table():
     """Every pick entry names a tested variant on a known heads bucket."""
     from dsv41_triton.attention.gluon import prefill_launch as pl
@@ -449,7 +466,7 @@ def test_gluon_prefill_forced_refused_off_sm90(device):
     (5, 8, 64, 64, True, "large")])
 def test_gluon_prefill_few_forms_gpu(device, form, T, H, K, S, lens, sink):
     """Every form of the few-heads kernel (``prefill_launch._launch_few``: the picked wgmma one,
-    the unpicked mma.sync ones) against the reference: ragged lens and an empty row, -1 and
+    the same at two CTAs per SM, the unpicked mma.sync ones) against the reference: ragged lens and an empty row, -1 and
     out-of-range rows, 1 / 3 / 8 heads, more tokens than SMs, one-block and many-block rows;
     outputs poisoned first."""
     _need_gluon_gpu()

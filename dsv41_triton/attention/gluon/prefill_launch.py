@@ -194,9 +194,10 @@ def _launch_few(q, kv, indices, lens, sink, softmax_scale, out, lse, prior, mode
     T, H, _ = q.shape
     S, K = kv.shape[0], indices.shape[1]
     ns, extra = pf.NS, {}
+    if ctas_per_sm not in (1, 2) or (ctas_per_sm == 2 and form != "wgmma"):
+        raise ValueError(f"ctas_per_sm: 1, or 2 with the wgmma form; got {ctas_per_sm!r} with "
+                         f"{form!r}")
     if ctas_per_sm == 2:
-        if form != "wgmma":
-            raise ValueError("ctas_per_sm: 2 only for the wgmma form")
         ns, extra = 1, dict(CREGS=200, maxnreg=128)
     k = kernel[(min(ctas_per_sm * _sms(q.device), T),)](
         q, q.stride(0), q.stride(1),
