@@ -7,8 +7,8 @@ kernels use (``_api`` bridges the names releases spell differently), so they com
 (``GPU_CHECKED_RELEASES``), or ``DSV41_GLUON=1`` asks for them anyway; only then do the
 launchers pick them. Otherwise ``REASON`` says why and callers keep the portable ``tl`` kernels. Gluon does not run in the CPU interpreter. Kernels: ``decode*.py`` (sparse MLA decode over the
 paged caches), ``prefill.py`` / ``prefill_ws.py`` / ``prefill_wsp.py`` (sparse MLA prefill over
-the bf16 workspace, many heads), ``prefill_few.py`` (at most 8 heads) and ``prefill_window.py``
-(the shared-window entry's window partial).
+the bf16 workspace, many heads), ``prefill_few.py`` (at most 8 heads; ``prefill_few_movm.py`` an
+unpicked form of it) and ``prefill_window.py`` (the shared-window entry's window partial).
 """
 from __future__ import annotations
 
