@@ -4,6 +4,8 @@ Triton 3.6 spells them ``gl.thread_barrier``, ``async_copy.async_copy_global_to_
 ``shared_memory_descriptor._reinterpret``; Triton 3.9 ``gl.barrier``, ``async_copy.async_load``
 (its old copy name only raises) and ``.reinterpret``. The kernels call the names bound here,
 which are the installed release's builtins themselves (``reinterpret``: a constexpr branch).
+``ROW_POINTER_HINT``: whether gathered row pointers need a contiguity hint (3.9's cp.async
+lowering does).
 """
 from __future__ import annotations
 
@@ -17,6 +19,11 @@ barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 async_load = _cp.async_load if hasattr(_cp, "async_load") else _cp.async_copy_global_to_shared
 
 _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+#: the releases that spell ``async_load`` (3.9) lower a cp.async of gathered rows with 2-byte
+#: pieces unless its pointers say they run 8 elements contiguous (``max_contiguous`` /
+#: ``multiple_of``, set in the kernel where the pointers are made); 3.6 needs no hint and
+#: builds differently with one
+ROW_POINTER_HINT = gl.constexpr(hasattr(_cp, "async_load"))
 
 
 @gluon.jit
@@ -29,4 +36,4 @@ def reinterpret(buf, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.conste
         return buf._reinterpret(dtype, shape, layout)
 
 
-__all__ = ["barrier", "async_load", "reinterpret"]
+__all__ = ["barrier", "async_load", "reinterpret", "ROW_POINTER_HINT"]

@@ -27,7 +27,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from ._api import async_load, barrier
+from ._api import ROW_POINTER_HINT, async_load, barrier
 from .common import _finish_rows
 
 #: keys per block (the N of S, the K of P V)
@@ -58,6 +58,8 @@ def _issue_keys(kv_ptr, off, ring, s, LC: gl.constexpr):
     row_off = gl.multiple_of(gl.where(ok, off, 0), 8)  # 16-byte rows (host check)
     d = gl.arange(0, 512, layout=gl.SliceLayout(0, LC))
     p = kv_ptr + row_off[:, None] + d[None, :]
+    if ROW_POINTER_HINT:  # set where the value is made (a helper's argument drops it)
+        p = gl.max_contiguous(gl.multiple_of(p, [1, 8]), [1, 8])
     async_load(ring.index(s), p, mask=ok[:, None])
     cp.commit_group()
 
