@@ -137,7 +137,7 @@ def _producer_preload(a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_
     LI: gl.constexpr = gl.SliceLayout(1, _copy_layout(16, PRODUCER_WARPS))
     # row views of the chunk (the same bytes: both layouts unswizzled row-major)
     rows = reinterpret(ids_pre, gl.int32, [PRELOAD_BLOCKS, 64],
-                                gl.SwizzledSharedLayout(1, 1, 1, [0]))
+                       gl.SwizzledSharedLayout(1, 1, 1, [0]))
     if FIRST:  # chunk 0 stored before the loop (fa / fb not live in it)
         chunk = _check_idx(fa, fb, a_rows, b_rows, HAS_B)
         barrier()  # the last chunk's rows are read

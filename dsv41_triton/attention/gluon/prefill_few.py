@@ -311,7 +311,7 @@ def _shared(NS: gl.constexpr, WB: gl.constexpr, TOKEN_FREES: gl.constexpr,
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * 8, 8, 64], QL)
     idx_smem = gl.allocate_shared_memory(gl.int32, [IDX_SLOTS, WB, 64], IL)
     idx_rows = reinterpret(idx_smem, gl.int32, [IDX_SLOTS * WB, 64],
-                                     gl.SwizzledSharedLayout(1, 1, 1, [0]))
+                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     i_ready = gl.allocate_shared_memory(gl.int64, [IDX_SLOTS, 1], mbarrier.MBarrierLayout())
