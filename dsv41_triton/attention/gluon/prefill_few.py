@@ -83,6 +83,18 @@ def _token_len(item, T, len_ptr, len_st, width, HAS_LEN: gl.constexpr):
 
 
 @gluon.jit
+def _consumer_token(item, grid, k, n_next, T, len_ptr, len_st, width, HAS_LEN: gl.constexpr):
+    """A consumer's ``k``-th token ``item`` (its columns ``n_next``, read one token ahead):
+    ``(t`` int64, ``n``, the next token's columns, ``nblk`` 64-key blocks, Q slot, index
+    slot``)``."""
+    t = item.to(gl.int64)
+    n = n_next
+    n_after = _token_len(item + grid, T, len_ptr, len_st, width, HAS_LEN)
+    nblk = gl.cdiv(n, 64)
+    return t, n, n_after, nblk, k % 2, k % IDX_SLOTS
+
+
+@gluon.jit
 def _copy_index_row(k, item, T, idx_ptr, idx_st, width, idx_smem, i_ready, i_free,
                     WB: gl.constexpr):
     """The CTA's ``k``-th token's index row (``item``) into slot ``k % IDX_SLOTS``."""
@@ -211,12 +223,8 @@ def _consumer(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink_ptr,
     g = 0
     k = 0
     for item in range(pid, T, grid):
-        t = item.to(gl.int64)
-        n = n_next
-        n_next = _token_len(item + grid, T, len_ptr, len_st, width, HAS_LEN)
-        nblk = gl.cdiv(n, 64)
-        qs = k % 2
-        si = k % IDX_SLOTS
+        t, n, n_next, nblk, qs, si = _consumer_token(item, grid, k, n_next, T, len_ptr, len_st,
+                                                     width, HAS_LEN)
         orow = out_ptr + t * stride_ot + h64[None, :] * stride_oh + kr[:, None]
         if PRIOR:  # issued before the key loop, merged after it
             lp = gl.load(lse_ptr + t * stride_lt + h64 * stride_lh, mask=hmask,
@@ -404,14 +412,10 @@ def _consumer_sync(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink
     g = 0
     k = 0
     for item in range(pid, T, grid):
-        t = item.to(gl.int64)
-        n = n_next
-        n_next = _token_len(item + grid, T, len_ptr, len_st, width, HAS_LEN)
-        nblk = gl.cdiv(n, 64)
+        t, n, n_next, nblk, qs, si = _consumer_token(item, grid, k, n_next, T, len_ptr, len_st,
+                                                     width, HAS_LEN)
         b0 = (C - g) & 1
         nb = gl.maximum(nblk - b0 + 1, 0) // 2
-        qs = k % 2
-        si = k % IDX_SLOTS
         orow = out_ptr + t * stride_ot + h64[None, :] * stride_oh + kr[:, None]
         if PRIOR and C == 0:
             lp = gl.load(lse_ptr + t * stride_lt + h64 * stride_lh, mask=hmask,

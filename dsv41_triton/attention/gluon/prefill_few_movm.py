@@ -36,8 +36,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from ._api import barrier
 from .common import _finish_rows
-from .prefill_few import (A2, IDX_SLOTS, K2, MMA2, _block_keys, _cta_sink, _producer, _q_b,
-                          _shared, _token_len, _token_slots)
+from .prefill_few import (A2, K2, MMA2, _block_keys, _consumer_token, _cta_sink, _producer,
+                          _q_b, _shared, _token_len, _token_slots)
 
 __all__ = ["MOVM_REGS", "_sparse_mla_prefill_gluon_few_movm_kernel"]
 
@@ -86,12 +86,8 @@ def _consumer_movm(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink
     g = 0
     k = 0
     for item in range(pid, T, grid):
-        t = item.to(gl.int64)
-        n = n_next
-        n_next = _token_len(item + grid, T, len_ptr, len_st, width, HAS_LEN)
-        nblk = gl.cdiv(n, 64)
-        qs = k % 2
-        si = k % IDX_SLOTS
+        t, n, n_next, nblk, qs, si = _consumer_token(item, grid, k, n_next, T, len_ptr, len_st,
+                                                     width, HAS_LEN)
         m_i = gl.full([4, 8], float("-inf"), gl.float32, layout=W3)
         l_i = gl.full([4, 8], 0.0, gl.float32, layout=W3)
         o0 = zero3
