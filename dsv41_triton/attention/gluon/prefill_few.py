@@ -6,8 +6,9 @@ Here the block's keys are the M and the heads the N: ``S^T [64 keys, 8] = sum_g 
 the 8 dim groups, the online softmax down the keys, ``O^T_g [64 dims, 8] += K_g^T P^T``; a
 block's 1 KB rows are the A operand of both products (``m64n8k16``).
 
-Persistent and warp-specialized: ``min(SMs, T)`` CTAs, CTA ``pid`` takes tokens ``pid, pid +
-grid, ...`` (its ``k``-th token). Partitions:
+Persistent and warp-specialized: ``min(SMs, T)`` CTAs with ``NS`` ring stages, or ``min(2 SMs,
+T)`` with one stage each (``prefill_launch.few_ctas_per_sm``: two independent product chains per
+SM); CTA ``pid`` takes tokens ``pid, pid + grid, ...`` (its ``k``-th token). Partitions:
 
 * producer (default, 4 warps): token ``k + 2``'s index row by cp.async into index slot
   ``(k + 2) % 3``, token ``k``'s Q as 8 ``[8 heads, 64 dims]`` tiles into Q slot ``k % 2``,
@@ -46,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ._api import async_load, barrier, reinterpret
 from .common import _finish_rows, _load_sink, _merge_prior, _prior_group, _prior_tiles
 
-__all__ = ["NUM_WARPS", "MAX_HEADS", "MAX_WIDTH", "NS", "index_blocks",
+__all__ = ["NUM_WARPS", "MAX_HEADS", "MAX_WIDTH", "NS", "TWO_CTAS_MAX_WIDTH", "index_blocks",
            "_sparse_mla_prefill_gluon_few_kernel"]
 
 NUM_WARPS = 4
@@ -56,11 +57,15 @@ MAX_HEADS = 8
 MAX_WIDTH = 4096
 #: ring stages (64 KB each; 3 measured no faster)
 NS = 2
+#: most index columns at two CTAs per SM (one stage each: 3 index slots of 32 blocks fit twice)
+TWO_CTAS_MAX_WIDTH = 2048
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                               instr_shape=[16, 8, 16]))
 KM = gl.constexpr(gl.SliceLayout(1, MMA))  # keys (S^T rows) / dims (O^T rows)
 HM = gl.constexpr(gl.SliceLayout(0, MMA))  # heads
-LR = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))  # [64, 64] bf16 row copies
+#: [64, 64] bf16 row copies: a warp instruction covers 4 rows x 128 contiguous bytes (8 rows x
+#: 64 bytes copied 12 % slower on an H100, perf/NOTES.md "Session 28")
+LR = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 LQ = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # [8, 64] bf16 Q copies
 LI = gl.constexpr(gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0]))  # [WB, 64] int32, 4 B each
 IDX_SLOTS = gl.constexpr(3)  # a token's index row is copied two tokens ahead
