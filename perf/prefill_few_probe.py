@@ -188,7 +188,9 @@ def check_and_time():
         print(f"shared window parts: Gluon window {t_w:.1f} us, few top-k with prior ({form}) "
               f"{t_k:.1f} us", flush=True)
     # the pick: smaller shapes, random rows of a 32768-row workspace
-    for T, H, K in [(1, 8, 640), (128, 8, 640), (512, 8, 4096)]:
+    from dsv41_triton.attention.gluon.prefill_few import TWO_CTAS_MAX_WIDTH
+    for T, H, K in [(1, 8, 640), (128, 8, 640), (264, 8, 640), (512, 8, 640), (1024, 8, 640),
+                    (2048, 8, 640), (1024, 8, 2048), (512, 8, 4096)]:
         q = torch.randn(T, H, 512, device=dev).to(torch.bfloat16)
         idx = torch.randint(0, kv.shape[0], (T, K), device=dev, dtype=torch.int32)
         o = torch.empty_like(q)
@@ -198,7 +200,8 @@ def check_and_time():
         times = ", ".join(
             f"few {form} " + format(bp.time_graph_flushed(lambda: pl._launch_few(
                 q, kv, idx, None, sink[:H], scale, o, ls, False, **FORMS[form])), ".1f") + " us"
-            for form in FORMS)
+            for form in FORMS
+            if FORMS[form].get("ctas_per_sm", 1) == 1 or K <= TWO_CTAS_MAX_WIDTH)
         print(f"pick T={T} H={H} K={K}: tl {t_tl:.1f} us, {times}", flush=True)
 
 

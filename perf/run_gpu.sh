@@ -139,7 +139,7 @@ if part sanitize; then
              "test_decode_gluon.py|few_ws_edges and 528-288-512" \
              "test_decode_gluon.py|few_ws_persistent and 300 and (584-584 or 528-288)" \
              "test_decode_gluon_heads.py|gpu and (hostile or empty_rows)" \
-             "test_prefill_gluon.py|gpu and (hostile or empty_rows)" \
+             "test_prefill_gluon.py|gpu and (hostile or empty_rows or two_ctas)" \
              "test_prefill_shared.py|empty_rows or (v41 and not paged_topk)" \
              "test_prefill_shared.py|paged_topk_v41 and 584" \
              "test_prefill_shared.py|paged_topk_v41 and 528" \

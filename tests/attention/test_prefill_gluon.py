@@ -113,33 +113,52 @@ def test_gluon_prefill_launch_wiring(variant, T, H, has_len):
                                            (1, 1, 512, True)])
 def test_gluon_prefill_few_launch_compiles(T, H, K, has_len):
     """The few-heads prefill (issue 11's 8-head kernel) as ``prefill_launch.launch`` starts it:
-    one launch of ``prefill_few``'s kernel on at most one CTA per SM (132 here), compiled at
-    the launch's values as the GPU builds it, with nothing spilled."""
+    one launch of ``prefill_few``'s kernel on at most one CTA per SM (132 here), two from 264
+    tokens on (128 registers), compiled at the launch's values as the GPU builds it, with
+    nothing spilled."""
     if not gluon_pkg.AVAILABLE:
         pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
     import json
     rows = _compile_facts("launch", json.dumps(dict(kind="prefill", T=T, H=H, S=8192, K=K,
                                                     variant="few", has_len=has_len)))
     assert [r["kernel"] for r in rows] == ["prefill_few._sparse_mla_prefill_gluon_few_kernel"]
-    assert rows[0]["grid"] == [min(132, T)], rows
-    assert 0 < rows[0]["regs"] <= 255 and rows[0]["stack"] == 0, rows
+    two = T >= 2 * 132 and K <= 2048  # prefill_launch.few_ctas_per_sm
+    assert rows[0]["grid"] == [min(132 * (2 if two else 1), T)], rows
+    assert 0 < rows[0]["regs"] <= (128 if two else 255) and rows[0]["stack"] == 0, rows
 
 
 @pytest.mark.parametrize("kw", [dict(form="bogus"), dict(ctas_per_sm=3),
-                                dict(form="sync", ctas_per_sm=2), dict(form="movm", prior=True)])
+                                dict(form="sync", ctas_per_sm=2), dict(form="movm", prior=True),
+                                dict(ctas_per_sm=2, width=2049)])
 def test_gluon_prefill_few_forms_are_checked(kw):
-    """``_launch_few``'s benchmark knobs: an unknown form, a CTA count other than 1 / 2 (2 only
-    for the wgmma form) and a prior for the movm form raise ``ValueError`` naming the argument,
-    before any launch (CPU tensors: nothing could run)."""
+    """``_launch_few``'s knobs: an unknown form, a CTA count other than 1 / 2 (2 only for the
+    wgmma form and at most 2048 index columns) and a prior for the movm form raise
+    ``ValueError`` naming the argument, before any launch (CPU tensors: nothing could run)."""
     if not gluon_pkg.COMPILABLE:
         pytest.skip(f"installed Triton cannot build the Gluon kernels: {gluon_pkg.REASON}")
     from dsv41_triton.attention.gluon import prefill_launch as pl
     q = torch.randn(2, 8, 512).bfloat16()
     kw = dict(kw)
     prior = kw.pop("prior", False)
+    width = kw.pop("width", 4)
     with pytest.raises(ValueError, match=next(iter(kw)) if not prior else "prior"):
-        pl._launch_few(q, torch.randn(9, 512).bfloat16(), torch.zeros(2, 4, dtype=torch.int32),
-                       None, None, 0.1, torch.empty_like(q), torch.empty(2, 8), prior, **kw)
+        pl._launch_few(q, torch.randn(9, 512).bfloat16(),
+                       torch.zeros(2, width, dtype=torch.int32), None, None, 0.1,
+                       torch.empty_like(q), torch.empty(2, 8), prior, **kw)
+
+
+@pytest.mark.parametrize("T,width,sms,want", [
+    (264, 640, 132, 2), (263, 640, 132, 1), (4096, 2048, 132, 2), (4096, 2049, 132, 1),
+    (4096, 4096, 132, 1), (1, 1, 132, 1), (160, 640, 78, 2), (155, 640, 78, 1)])
+def test_gluon_prefill_few_ctas_per_sm(monkeypatch, T, width, sms, want):
+    """The few-heads kernel runs two CTAs per SM from ``FEW_TWO_CTAS_TOKENS_PER_SM`` tokens per
+    SM on, and only where its index slots fit twice (at most 2048 columns)."""
+    if not gluon_pkg.COMPILABLE:
+        pytest.skip(f"installed Triton cannot build the Gluon kernels: {gluon_pkg.REASON}")
+    from dsv41_triton.attention.gluon import prefill_launch as pl
+    monkeypatch.setattr(pl, "_sms", lambda device: sms)
+    assert pl.FEW_TWO_CTAS_TOKENS_PER_SM == 2
+    assert pl.few_ctas_per_sm(T, width, torch.device("cpu")) == want
 
 
 def test_gluon_prefill_pick_table():
@@ -256,6 +275,23 @@ def test_gluon_prefill_tokens_gpu(device, monkeypatch, T, H, q_scale, variant):
     _need_gluon_gpu()
     _check(_case(device, T, H, S=2000, K=300, q_scale=q_scale), variant,
            monkeypatch=monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,K", [(8, 640), (1, 2048), (3, 2049)])
+def test_gluon_prefill_few_two_ctas_gpu(device, H, K):
+    """The auto path's few-heads launch with more tokens than two per SM: two CTAs per SM up to
+    2048 index columns (one beyond), ragged lens, -1 and out-of-range rows, against the
+    reference."""
+    _need_gluon_gpu()
+    from dsv41_triton.attention.gluon import prefill_launch as pl
+    T = 2 * torch.cuda.get_device_properties(device).multi_processor_count + 5
+    args = _case(device, T, H, S=5000, K=K)
+    args["lens"][3] = 0
+    _check(args)
+    k, variant = pl.LAST_LAUNCH["fwd"]
+    assert variant == pl.FEW
+    assert k.n_regs == (128 if K <= 2048 else 255), k.n_regs
 
 
 @pytest.mark.gpu

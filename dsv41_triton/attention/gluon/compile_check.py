@@ -197,15 +197,19 @@ _PTR = {"torch.bfloat16": "*bf16", "torch.uint8": "*u8", "torch.int32": "*i32",
         "torch.int64": "*i64", "torch.float32": "*fp32"}
 
 
+#: launch options a recorded launch may pass besides ``num_warps`` (not kernel parameters)
+LAUNCH_OPTIONS = ("maxnreg",)
+
+
 def launch_signature(rec: dict):
     """``(args, values, constexprs, num_warps)`` of one recorded launch for ``_compile``:
     every positional argument typed from what the launch passes (tensors as pointers of their
     dtype, integers to be specialized on their values, floats fp32), the keyword constexprs as
-    given. Raises ``ValueError`` when the launch's arguments do not match the kernel's
-    parameters (a wiring fault the CPU otherwise never sees)."""
+    given (``LAUNCH_OPTIONS`` left out). Raises ``ValueError`` when the launch's arguments do
+    not match the kernel's parameters (a wiring fault the CPU otherwise never sees)."""
     import torch
     kern = rec["real"]
-    kw = dict(rec["kwargs"])
+    kw = {k: v for k, v in rec["kwargs"].items() if k not in LAUNCH_OPTIONS}
     num_warps = kw.pop("num_warps")
     const = {p.name for p in kern.params if p.is_constexpr}
     free = [p.name for p in kern.params if not p.is_constexpr]
@@ -234,7 +238,8 @@ def compile_launch(rec: dict, arch: int = 90):
     """One recorded launch compiled as the GPU builds it (``launch_signature``; the
     integers specialized by ``_specialize``)."""
     args, values, consts, num_warps = launch_signature(rec)
-    return _compile(rec["real"], args, (), values, consts, num_warps, arch)
+    return _compile(rec["real"], args, (), values, consts, num_warps, arch,
+                    maxnreg=rec["kwargs"].get("maxnreg"))
 
 
 def resource_usage(k, flag: str = "--dump-resource-usage") -> str:

@@ -35,12 +35,17 @@ PICK = {
     # Few-heads kernel (prefill_few.py: keys as the wgmma M), 2026-12-02, one run: 8 heads
     # tl / few 550.0 / 482.9 us (640 keys), 455.6 / 396.5 (the 512 top-k keys alone); 128
     # tokens x 640 keys 34.1 / 26.4, 512 x 4096 435.0 / 367.8; 1 token 11.5 / 19.4 (hence
-    # FEW_MIN_TOKENS).
+    # FEW_MIN_TOKENS). H100, 2026-12-05 (session 28), 128-byte row copies, one run: 8 heads
+    # 4096 x 640 tl / few at one / two CTAs per SM 571.2 / 453.2 / 428.4 us, 1024 x 640 157.0 /
+    # 127.9 / 126.8, 264 x 640 50.2 / 44.6 / 44.9 (hence FEW_TWO_CTAS_TOKENS_PER_SM).
     (9, 0): {8: "few", 64: "wsp", 128: "wsp"},
 }
 #: fewer query tokens than this keep ``tl`` where the table says "few" (one token measured
 #: 1.7x slower on it: one CTA walks all the blocks; 128 tokens faster)
 FEW_MIN_TOKENS = 128
+#: the few-heads kernel runs two CTAs per SM (one ring stage each) from this many tokens per SM
+#: on, where its index slots leave room for two (``few_ctas_per_sm``)
+FEW_TWO_CTAS_TOKENS_PER_SM = 2
 
 #: variants the GPU tests run (tests/attention/test_prefill_gluon.py); PICK uses only these.
 #: "ws": the warp-specialized kernel (``prefill_ws.py``: a producer warpgroup and two consumer
@@ -94,6 +99,15 @@ def few_usable(H: int, indices: torch.Tensor) -> bool:
             and (indices.shape[1] <= 1 or indices.stride(1) == 1))
 
 
+def few_ctas_per_sm(T: int, width: int, device: torch.device) -> int:
+    """CTAs per SM for the few-heads kernel on ``T`` tokens of ``width`` index columns: 2 (two
+    independent product chains per SM, one ring stage each) from ``FEW_TWO_CTAS_TOKENS_PER_SM``
+    tokens per SM on where two CTAs' shared memory fits, else 1 (perf/NOTES.md, "Session 28")."""
+    from .prefill_few import TWO_CTAS_MAX_WIDTH
+    two = width <= TWO_CTAS_MAX_WIDTH and T >= FEW_TWO_CTAS_TOKENS_PER_SM * _sms(device)
+    return 2 if two else 1
+
+
 def table_variant(H: int, device: torch.device,
                   indices: Optional[torch.Tensor] = None) -> Optional[str]:
     """The ``PICK`` entry for this head count (a variant name) or None; a "few" entry only for
@@ -141,7 +155,8 @@ def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     if prior and variant != FEW:
         raise ValueError("prior: only the few-heads kernel merges a prior partial")
     if variant == FEW:
-        _launch_few(q, kv, indices, lens, sink, softmax_scale, out, lse, prior)
+        _launch_few(q, kv, indices, lens, sink, softmax_scale, out, lse, prior,
+                    ctas_per_sm=few_ctas_per_sm(T, indices.shape[1], q.device))
         return
     if variant == "wsp":
         from .prefill_wsp import NUM_WARPS, _sparse_mla_prefill_gluon_wsp_kernel as kernel
@@ -177,9 +192,8 @@ def _launch_few(q, kv, indices, lens, sink, softmax_scale, out, lse, prior, mode
     """The few-heads kernel (``prefill_few.py``) on validated arguments; ``mode`` 1 / 2 time
     the copies / the products alone (benchmarks); ``form``: ``"wgmma"`` (picked), ``"sync"``
     (two mma.sync consumers on alternate blocks) or ``"movm"`` (``prefill_few_movm.py``, no
-    prior); ``ctas_per_sm`` 2: the wgmma form with one ring stage, two CTAs per SM (not picked:
-    on the H100 as fast as one CTA per SM, its products alone 27 % faster; index rows wider than
-    ~1000 columns leave room for one CTA per SM only)."""
+    prior); ``ctas_per_sm`` 2: the wgmma form with one ring stage, two CTAs per SM (at most
+    ``TWO_CTAS_MAX_WIDTH`` index columns; ``few_ctas_per_sm`` picks it)."""
     from . import prefill_few as pf
     if form == "movm":
         if prior:
@@ -194,9 +208,11 @@ def _launch_few(q, kv, indices, lens, sink, softmax_scale, out, lse, prior, mode
     T, H, _ = q.shape
     S, K = kv.shape[0], indices.shape[1]
     ns, extra = pf.NS, {}
-    if ctas_per_sm not in (1, 2) or (ctas_per_sm == 2 and form != "wgmma"):
-        raise ValueError(f"ctas_per_sm: 1, or 2 with the wgmma form; got {ctas_per_sm!r} with "
-                         f"{form!r}")
+    if (ctas_per_sm not in (1, 2) or (ctas_per_sm == 2 and form != "wgmma")
+            or (ctas_per_sm == 2 and indices.shape[1] > pf.TWO_CTAS_MAX_WIDTH)):
+        raise ValueError(f"ctas_per_sm: 1, or 2 with the wgmma form and at most "
+                         f"{pf.TWO_CTAS_MAX_WIDTH} index columns; got {ctas_per_sm!r} with "
+                         f"{form!r} and {indices.shape[1]} columns")
     if ctas_per_sm == 2:
         ns, extra = 1, dict(CREGS=200, maxnreg=128)
     k = kernel[(min(ctas_per_sm * _sms(q.device), T),)](
@@ -237,6 +253,6 @@ def launch_window(q: torch.Tensor, kv: torch.Tensor, win_start: torch.Tensor,
     LAST_LAUNCH["window"] = (k, "window")
 
 
-__all__ = ["PICK", "ENV", "VARIANT_ENV", "VARIANTS", "FEW", "FEW_MIN_TOKENS", "usable",
-           "few_usable", "pick",
+__all__ = ["PICK", "ENV", "VARIANT_ENV", "VARIANTS", "FEW", "FEW_MIN_TOKENS",
+           "FEW_TWO_CTAS_TOKENS_PER_SM", "usable", "few_usable", "few_ctas_per_sm", "pick",
            "launch", "launch_window", "heads_bucket", "table_variant"]
