@@ -79,15 +79,17 @@ PREFILL_PATHS = ("paged", "workspace")
 #: hold more than this many rows per chunk token and local head, else the workspace; with the
 #: paged path's window rows gathered (``paged_window_rows``). The paged chunk takes about the same
 #: time at every context, the workspace's grows with its rows. 2048 tokens x 8 heads, CUDA-graph
-#: GPU time, paged vs workspace, us (perf/NOTES.md, "Session 23", "Session 26"): H200 278.4 /
-#: 281.9 / 292.4 vs 264.1 / 284.7 / 432.9 at 8K / 128K / 1M context (4.3K / 35K / 264K rows);
-#: H100 280-282 / 286 / 304-317 vs 271.4 / 296.0 / 582.3. The two meet near 27K rows on the
-#: H200 and 16K on the H100: 1.6 and 1.0 rows per token and head.
-AUTO_PAGED_ROWS_PER_TOKEN_HEAD = 1.5
+#: GPU time, paged vs workspace, us (perf/NOTES.md, "Session 28"): H100 280.6 / 287.0 / 302.4
+#: vs 228.1 / 259.7 / 558.8 at 8K / 128K / 1M context (4.3K / 35K / 264K rows), the workspace's
+#: time growing ~1.3 ns a row past 35K: the two meet near 56K rows, 3.4 rows per token and head.
+#: (Before the few-heads kernel's faster copies, "Session 23" / "Session 26": 1.6 on the H200,
+#: 1.0 on the H100.)
+AUTO_PAGED_ROWS_PER_TOKEN_HEAD = 3.0
 #: the same for the paged path with every key a slot id (``paged_window_rows = False``): H200
 #: (perf/NOTES.md "Session 16"): the workspace costs ~0.6 ns per gathered row more, its
 #: attention ~(3.5 x heads) rows' worth per token less than the paged kernel; at 8 heads and
-#: 2048 tokens the workspace wins at 8K / 128K context, the paged path at 1M.
+#: 2048 tokens the workspace wins at 8K / 128K context, the paged path at 1M. Not re-measured
+#: since the workspace path got faster (session 28); it stays above the window-rows value.
 AUTO_PAGED_SLOT_ROWS_PER_TOKEN_HEAD = 4
 #: the layer's default ``paged_window_rows``: whether the paged prefill gathers the chunk's
 #: window rows into a small bf16 workspace (read once per tile of consecutive tokens) and reads
