@@ -173,6 +173,20 @@ def _cta_sink(sink_ptr, sink_st, h64, hmask, HAS_SINK: gl.constexpr):
 
 
 @gluon.jit
+def _consumer_consts(H, sink_ptr, sink_st, HAS_SINK: gl.constexpr, RL: gl.constexpr,
+                     HL: gl.constexpr):
+    """A consumer's per-CTA constants: ``(rows`` ``arange(64)`` in ``RL``, the 8 heads as int64
+    in ``HL``, the live heads' mask, the ``[64, 8]`` store mask of the live heads, the sink row
+    (``_cta_sink``)``)``."""
+    r = gl.arange(0, 64, layout=RL)
+    h = gl.arange(0, 8, layout=HL)
+    hmask = h < H
+    h64 = h.to(gl.int64)
+    om = hmask[None, :] & (r >= 0)[:, None]
+    return r, h64, hmask, om, _cta_sink(sink_ptr, sink_st, h64, hmask, HAS_SINK)
+
+
+@gluon.jit
 def _store_token(l_i, m_i, o0, o1, o2, o3, o4, o5, o6, o7, t, h64, hmask, orow, om, sink_ptr,
                  sink_st, lse_ptr, stride_lt, stride_lh, HAS_SINK: gl.constexpr, sink):
     """A token's epilogue: ``_finish_rows`` (the sink row ``sink``, loaded once per CTA by
@@ -218,12 +232,7 @@ def _consumer(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink_ptr,
               HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, NS: gl.constexpr,
               WB: gl.constexpr, MODE: gl.constexpr, PRIOR: gl.constexpr):
     zero = gl.full([64, 8], 0.0, gl.float32, layout=MMA)
-    kr = gl.arange(0, 64, layout=KM)
-    h = gl.arange(0, 8, layout=HM)
-    hmask = h < H
-    h64 = h.to(gl.int64)
-    om = hmask[None, :] & (kr >= 0)[:, None]
-    sink = _cta_sink(sink_ptr, sink_st, h64, hmask, HAS_SINK)
+    kr, h64, hmask, om, sink = _consumer_consts(H, sink_ptr, sink_st, HAS_SINK, KM, HM)
     n_next = _token_len(pid, T, len_ptr, len_st, width, HAS_LEN)
     g = 0
     k = 0
@@ -407,12 +416,7 @@ def _consumer_sync(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink
     consumer 0 through ``mg_*`` at the token's end, which merges, applies prior and sink, and
     stores."""
     zero = gl.full([64, 8], 0.0, gl.float32, layout=MMA2)
-    kr = gl.arange(0, 64, layout=K2)
-    h = gl.arange(0, 8, layout=H2)
-    hmask = h < H
-    h64 = h.to(gl.int64)
-    om = hmask[None, :] & (kr >= 0)[:, None]
-    sink = _cta_sink(sink_ptr, sink_st, h64, hmask, HAS_SINK)
+    kr, h64, hmask, om, sink = _consumer_consts(H, sink_ptr, sink_st, HAS_SINK, K2, H2)
     n_next = _token_len(pid, T, len_ptr, len_st, width, HAS_LEN)
     g = 0
     k = 0

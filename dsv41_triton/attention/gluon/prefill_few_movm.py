@@ -36,8 +36,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from ._api import barrier
 from .common import _finish_rows
-from .prefill_few import (A2, K2, MMA2, _block_keys, _consumer_token, _cta_sink, _producer,
-                          _q_b, _shared, _token_len, _token_slots)
+from .prefill_few import (A2, K2, MMA2, _block_keys, _consumer_consts, _consumer_token,
+                          _producer, _q_b, _shared, _token_len, _token_slots)
 
 __all__ = ["MOVM_REGS", "_sparse_mla_prefill_gluon_few_movm_kernel"]
 
@@ -76,12 +76,8 @@ def _consumer_movm(pid, grid, T, width, len_ptr, len_st, rows, H, qk_scale, sink
                    WB: gl.constexpr, MODE: gl.constexpr, C: gl.constexpr):
     zero2 = gl.full([64, 8], 0.0, gl.float32, layout=MMA2)
     zero3 = gl.full([4, 64, 8], 0.0, gl.float32, layout=MMA3)
-    dr = gl.arange(0, 64, layout=gl.SliceLayout(1, OT))
-    h = gl.arange(0, 8, layout=HO)
-    hmask = h < H
-    h64 = h.to(gl.int64)
-    om = hmask[None, :] & (dr >= 0)[:, None]
-    sink = _cta_sink(sink_ptr, sink_st, h64, hmask, HAS_SINK)
+    dr, h64, hmask, om, sink = _consumer_consts(H, sink_ptr, sink_st, HAS_SINK,
+                                                gl.SliceLayout(1, OT), HO)
     n_next = _token_len(pid, T, len_ptr, len_st, width, HAS_LEN)
     g = 0
     k = 0
