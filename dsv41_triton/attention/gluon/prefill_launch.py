@@ -208,11 +208,11 @@ def _launch_few(q, kv, indices, lens, sink, softmax_scale, out, lse, prior, mode
     T, H, _ = q.shape
     S, K = kv.shape[0], indices.shape[1]
     ns, extra = pf.NS, {}
-    if (ctas_per_sm not in (1, 2) or (ctas_per_sm == 2 and form != "wgmma")
-            or (ctas_per_sm == 2 and indices.shape[1] > pf.TWO_CTAS_MAX_WIDTH)):
+    two_fit = form == "wgmma" and K <= pf.TWO_CTAS_MAX_WIDTH
+    if ctas_per_sm not in (1, 2) or (ctas_per_sm == 2 and not two_fit):
         raise ValueError(f"ctas_per_sm: 1, or 2 with the wgmma form and at most "
                          f"{pf.TWO_CTAS_MAX_WIDTH} index columns; got {ctas_per_sm!r} with "
-                         f"{form!r} and {indices.shape[1]} columns")
+                         f"{form!r} and {K} columns")
     if ctas_per_sm == 2:
         ns, extra = 1, dict(CREGS=200, maxnreg=128)
     k = kernel[(min(ctas_per_sm * _sms(q.device), T),)](
