@@ -94,9 +94,10 @@ def _dequant_block(s, t, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k0,
 def _dequant_part(nblk_a, nblk, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
                   idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, ready, free, tready, tfree,
                   SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
-                  NS: gl.constexpr, NT: gl.constexpr, PREFETCH: gl.constexpr, g0=0):
+                  NS: gl.constexpr, NT: gl.constexpr, PREFETCH: gl.constexpr, g0=0,
+                  MODE: gl.constexpr = 0):
     """Every block's raw records -> bf16 key tile ``(g0 + j) % NT`` (and its slot ids);
-    ``g0``: blocks before this token's."""
+    ``g0``: blocks before this token's; ``MODE`` 1 / 3: the stage handed on unconverted."""
     LI: gl.constexpr = gl.BlockedLayout([1], [32], [DEQUANT_WARPS], [0])
     for j in range(nblk):
         s = (g0 + j) % NS
@@ -104,7 +105,9 @@ def _dequant_part(nblk_a, nblk, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale
         mbarrier.wait(ready.index(s), ((g0 + j) // NS) & 1)
         mbarrier.wait(tfree.index(t), (((g0 + j) // NT) & 1) ^ 1)
         scale_s = scale_ring.index(s)
-        if HAS_B and SRC_A != SRC_B:
+        if MODE == 1 or MODE == 3:
+            pass
+        elif HAS_B and SRC_A != SRC_B:
             if j < nblk_a:
                 _dequant_block(s, t, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, k0, k1,
                                k2, k3, k4, k5, k6, k7, SRC_A, PREFETCH)
@@ -127,11 +130,13 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
               po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid, q_smem, p_smem, tready,
               tfree, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BH: gl.constexpr,
               NT: gl.constexpr, PRIOR: gl.constexpr, g0=0, QREGS: gl.constexpr = False,
-              q0=0, q1=0, q2=0, q3=0, q4=0, q5=0, q6=0, q7=0, SINK_AHEAD: gl.constexpr = False):
+              q0=0, q1=0, q2=0, q3=0, q4=0, q5=0, q6=0, q7=0, SINK_AHEAD: gl.constexpr = False,
+              MODE: gl.constexpr = 0):
     """One warpgroup: Q, then both swap-AB wgmmas and the softmax of every block (key tile
     ``(g0 + j) % NT``), then the epilogue. ``QREGS``: Q's eight 64-dim groups are ``q0..q7``
     (``_load_q``, loaded by the caller ahead of time). ``SINK_AHEAD``: the sink is loaded
-    before the key loop, not in the epilogue (its latency hidden under the blocks)."""
+    before the key loop, not in the epilogue (its latency hidden under the blocks). ``MODE``
+    1 / 2: each key tile released unread (no products)."""
     ACC: gl.constexpr = _acc_layout(BH, MMA_WARPS)
     LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [MMA_WARPS, 1], [1, 0])
     SINK_GIVEN: gl.constexpr = SINK_AHEAD and HAS_SINK and not SPLIT
@@ -177,25 +182,26 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
     for j in range(nblk):
         t = (g0 + j) % NT
         mbarrier.wait(tready.index(t), ((g0 + j) // NT) & 1)
-        kt0 = k0.index(t)
-        kt1 = k1.index(t)
-        kt2 = k2.index(t)
-        kt3 = k3.index(t)
-        kt4 = k4.index(t)
-        kt5 = k5.index(t)
-        kt6 = k6.index(t)
-        kt7 = k7.index(t)
-        sT = _qk(kt0, kt1, kt2, kt3, kt4, kt5, kt6, kt7, q_smem, zero)  # S^T [64 keys, BH]
-        kidx = kid.index(t).load(gl.SliceLayout(1, ACC))
-        p, alpha, m_i, l_part = _online_softmax(sT * qk_scale, kidx >= 0, m_i, l_part)
-        p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
-        fence_async_shared()
-        barrier()
-        # O^T_g = O^T_g * alpha + K_g^T P^T (waited: the tile and P are free after it)
-        o0, o1, o2, o3, o4, o5, o6, o7 = _pv(kt0, kt1, kt2, kt3, kt4, kt5, kt6, kt7, kt7,
-                                             p_smem, p_smem, o0, o1, o2, o3, o4, o5, o6, o7,
-                                             alpha, False)
-        barrier()
+        if MODE == 0 or MODE == 3:
+            kt0 = k0.index(t)
+            kt1 = k1.index(t)
+            kt2 = k2.index(t)
+            kt3 = k3.index(t)
+            kt4 = k4.index(t)
+            kt5 = k5.index(t)
+            kt6 = k6.index(t)
+            kt7 = k7.index(t)
+            sT = _qk(kt0, kt1, kt2, kt3, kt4, kt5, kt6, kt7, q_smem, zero)  # S^T [64 keys, BH]
+            kidx = kid.index(t).load(gl.SliceLayout(1, ACC))
+            p, alpha, m_i, l_part = _online_softmax(sT * qk_scale, kidx >= 0, m_i, l_part)
+            p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
+            fence_async_shared()
+            barrier()
+            # O^T_g = O^T_g * alpha + K_g^T P^T (waited: the tile and P are free after it)
+            o0, o1, o2, o3, o4, o5, o6, o7 = _pv(kt0, kt1, kt2, kt3, kt4, kt5, kt6, kt7, kt7,
+                                                 p_smem, p_smem, o0, o1, o2, o3, o4, o5, o6, o7,
+                                                 alpha, False)
+            barrier()
         mbarrier.arrive(tfree.index(t))
     l_i = gl.sum(l_part, axis=0)
     if PRIOR:
@@ -318,7 +324,8 @@ def _dequant_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, 
                    idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, ready, free, tready, tfree,
                    SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
                    HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, SPLIT: gl.constexpr,
-                   NS: gl.constexpr, NT: gl.constexpr, PREFETCH: gl.constexpr):
+                   NS: gl.constexpr, NT: gl.constexpr, PREFETCH: gl.constexpr,
+                   MODE: gl.constexpr = 0):
     """``PERSIST``: the dequant partition over this CTA's items (lens one item ahead)."""
     pid = gl.program_id(0)
     grid = gl.num_programs(0)
@@ -331,7 +338,7 @@ def _dequant_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, 
             b_len_ptr, b_len_st, b_width, HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT)
         _dequant_part(nblk_a, nblk, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
                       idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, ready, free, tready, tfree,
-                      SRC_A, SRC_B, HAS_B, NS, NT, PREFETCH, g)
+                      SRC_A, SRC_B, HAS_B, NS, NT, PREFETCH, g, MODE)
         g += nblk
 
 
@@ -342,7 +349,7 @@ def _mma_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_le
                k1, k2, k3, k4, k5, k6, k7, kid, q_smem, p_smem, tready, tfree,
                HAS_B: gl.constexpr, HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr,
                HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BH: gl.constexpr,
-               NT: gl.constexpr, PRIOR: gl.constexpr):
+               NT: gl.constexpr, PRIOR: gl.constexpr, MODE: gl.constexpr = 0):
     """``PERSIST``: the MMA warpgroup over this CTA's items, with the next item's lens (and,
     for 8-head tiles, its Q) loaded into registers while it works on this one (Q stored
     again per item: the previous item's products that read it were waited before its last
@@ -377,7 +384,7 @@ def _mma_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_le
                   sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
                   stride_lh, po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid, q_smem,
                   p_smem, tready, tfree, HAS_SINK, SPLIT, BH, NT, PRIOR, g, QAHEAD, q0, q1,
-                  q2, q3, q4, q5, q6, q7, True)
+                  q2, q3, q4, q5, q6, q7, True, MODE)
         g += nblk
         if QAHEAD:
             q0 = n0
@@ -424,14 +431,15 @@ def _producer_token(num_ht, num_splits, a_ptr, a_idx_ptr, a_idx_st, a_len_ptr, a
 def _dequant_token(num_ht, num_splits, a_len_ptr, a_len_st, a_width, r0, r1, r2, r3, r4, r5,
                    r6, r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid,
                    ready, free, tready, tfree, SRC_A: gl.constexpr, HAS_LEN_A: gl.constexpr,
-                   NS: gl.constexpr, NT: gl.constexpr, PREFETCH: gl.constexpr):
+                   NS: gl.constexpr, NT: gl.constexpr, PREFETCH: gl.constexpr,
+                   MODE: gl.constexpr = 0):
     """``PRIOR`` on the per-token grid: the dequant partition, its block count from its own
     length load (under its wait for the first ring stage)."""
     ht, split, t = _program_ids(num_ht, num_splits)
     nblk_a, nblk = _token_blocks(t, split, num_splits, a_len_ptr, a_len_st, a_width, HAS_LEN_A)
     _dequant_part(nblk_a, nblk, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring,
                   k0, k1, k2, k3, k4, k5, k6, k7, kid, ready, free, tready, tfree, SRC_A, SRC_A,
-                  False, NS, NT, PREFETCH)
+                  False, NS, NT, PREFETCH, 0, MODE)
 
 
 @gluon.jit
@@ -439,7 +447,8 @@ def _mma_token(num_ht, num_splits, a_len_ptr, a_len_st, a_width, q_ptr, stride_q
                H, qk_scale, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr,
                stride_lt, stride_lh, po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid,
                q_smem, p_smem, tready, tfree, HAS_LEN_A: gl.constexpr,
-               HAS_SINK: gl.constexpr, BH: gl.constexpr, NT: gl.constexpr):
+               HAS_SINK: gl.constexpr, BH: gl.constexpr, NT: gl.constexpr,
+               MODE: gl.constexpr = 0):
     """``PRIOR`` on the per-token grid: the MMA warpgroup, its Q loads issued before its
     length load is waited (they do not depend on it), then ``_mma_part`` with the prior and
     the sink."""
@@ -450,7 +459,7 @@ def _mma_token(num_ht, num_splits, a_len_ptr, a_len_st, a_width, q_ptr, stride_q
               sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
               po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid, q_smem, p_smem, tready,
               tfree, HAS_SINK, False, BH, NT, True, 0, True, q0, q1, q2, q3, q4, q5, q6, q7,
-              True)
+              True, MODE)
 
 
 @gluon.jit
@@ -466,7 +475,7 @@ def _sparse_mla_decode_few_ws_kernel(
     HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, HAS_SINK: gl.constexpr,
     SPLIT: gl.constexpr, BH: gl.constexpr, NS: gl.constexpr, NT: gl.constexpr,
     IDX_AHEAD: gl.constexpr = 1, DEQ_PREFETCH: gl.constexpr = False,
-    PRIOR: gl.constexpr = False, PERSIST: gl.constexpr = False,
+    PRIOR: gl.constexpr = False, PERSIST: gl.constexpr = False, MODE: gl.constexpr = 0,
 ):
     """Grid ``T * num_splits * num_ht`` (head tile fastest, then split, then token); launch with
     ``num_warps=MMA_WARPS``. Arguments as ``decode._sparse_mla_decode_gluon_kernel``'s; ``NS``
@@ -475,7 +484,10 @@ def _sparse_mla_decode_few_ws_kernel(
     bytes one group ahead; ``PRIOR`` (not with ``SPLIT``): merge the partial out / lse hold;
     ``PERSIST``: a grid of at most one CTA per SM, each looping over items ``pid, pid + grid,
     ..`` of the ``num_items = T * num_splits * num_ht`` (the ring and key tiles run on across
-    items, so an item's first gathers overlap the previous item's last products)."""
+    items, so an item's first gathers overlap the previous item's last products). ``MODE``
+    (benchmarks only): 1 times the copies alone (each stage handed on unconverted, each key
+    tile released unread), 2 the copies and the dequant (no products), 3 the copies and the
+    products (of whatever the key tiles hold: no dequant); 0 is the kernel."""
     ht, split, t = _program_ids(num_ht, num_splits)
 
     USE_288: gl.constexpr = SRC_A == 288 or (HAS_B and SRC_B == 288)
@@ -515,7 +527,7 @@ def _sparse_mla_decode_few_ws_kernel(
                           sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
                           stride_lh, po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid,
                           q_smem, p_smem, tready, tfree, HAS_B, HAS_LEN_A, HAS_LEN_B, HAS_SINK,
-                          SPLIT, BH, NT, PRIOR)),
+                          SPLIT, BH, NT, PRIOR, MODE)),
             (_producer_items, (num_items, num_ht, num_splits, a_ptr, a_idx_ptr, a_idx_st,
                                a_len_ptr, a_len_st, a_width, a_bstride, a_page, a_rows, b_ptr,
                                b_idx_ptr, b_idx_st, b_len_ptr, b_len_st, b_width, b_bstride,
@@ -526,7 +538,7 @@ def _sparse_mla_decode_few_ws_kernel(
                               b_len_ptr, b_len_st, b_width, r0, r1, r2, r3, r4, r5, r6, r7,
                               rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6, k7,
                               kid, ready, free, tready, tfree, SRC_A, SRC_B, HAS_B, HAS_LEN_A,
-                              HAS_LEN_B, SPLIT, NS, NT, DEQ_PREFETCH)),
+                              HAS_LEN_B, SPLIT, NS, NT, DEQ_PREFETCH, MODE)),
         ], [PRODUCER_WARPS, DEQUANT_WARPS],
             [PERSIST_PRODUCER_REGS_8 if BH <= 8 else
              (PERSIST_PRODUCER_REGS_16_AB if HAS_B else PERSIST_PRODUCER_REGS_16_A),
@@ -540,7 +552,7 @@ def _sparse_mla_decode_few_ws_kernel(
                           stride_qh, H, qk_scale, sink_ptr, sink_st, out_ptr, stride_ot,
                           stride_oh, lse_ptr, stride_lt, stride_lh, po_ptr, pl_ptr, k0, k1, k2,
                           k3, k4, k5, k6, k7, kid, q_smem, p_smem, tready, tfree, HAS_LEN_A,
-                          HAS_SINK, BH, NT)),
+                          HAS_SINK, BH, NT, MODE)),
             (_producer_token, (num_ht, num_splits, a_ptr, a_idx_ptr, a_idx_st, a_len_ptr,
                                a_len_st, a_width, a_bstride, a_page, a_rows, r0, r1, r2, r3, r4,
                                r5, r6, r7, rope_ring, scale_ring, idx_ring, ids_pre, ready, free,
@@ -548,7 +560,7 @@ def _sparse_mla_decode_few_ws_kernel(
             (_dequant_token, (num_ht, num_splits, a_len_ptr, a_len_st, a_width, r0, r1, r2, r3,
                               r4, r5, r6, r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3,
                               k4, k5, k6, k7, kid, ready, free, tready, tfree, SRC_A, HAS_LEN_A,
-                              NS, NT, DEQ_PREFETCH)),
+                              NS, NT, DEQ_PREFETCH, MODE)),
         ], [PRODUCER_WARPS, DEQUANT_WARPS],
             [PERSIST_PRODUCER_REGS_8 if BH <= 8 else PERSIST_PRODUCER_REGS_16_A, DEQUANT_REGS])
         return

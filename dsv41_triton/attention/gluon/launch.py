@@ -222,7 +222,8 @@ def pick(T: int, H: int, a, b, device: torch.device) -> bool:
 
 
 #: launch-shape override for benchmarks: keys block_h, num_warps, stages, f16 and variant
-#: (absent = default), and ``persist`` (the few-heads ws kernel's persistent grid);
+#: (absent = default), ``persist`` (the few-heads ws kernel's persistent grid) and ``mode``
+#: (its ``MODE``: 1 the copies alone, 2 copies and dequant, 3 copies and products);
 #: DSV41_GLUON_SHAPE="num_warps:block_h:stages[:x]" (0 = default) sets it from the environment
 OVERRIDE = {}
 
@@ -380,7 +381,8 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
         k = _sparse_mla_decode_few_ws_kernel[grid](
             *args, H, qk_scale, ns, n_ht, items, **flags, SPLIT=ns > 1, BH=bh, NS=stages,
             NT=nt, IDX_AHEAD=ahead, DEQ_PREFETCH=over.get("deq_prefetch", DEQ_PREFETCH),
-            PRIOR=prior, PERSIST=persist, num_warps=MMA_WARPS.value)
+            PRIOR=prior, PERSIST=persist, MODE=over.get("mode", 0),
+            num_warps=MMA_WARPS.value)
         LAST_LAUNCH["fwd"] = (k, (bh, ns, MMA_WARPS.value, stages, "few_ws"))
         LAST_LAUNCH["persist"] = persist
     elif bh == 64:

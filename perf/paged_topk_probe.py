@@ -1,0 +1,159 @@
+"""The paged prefill's top-k part at 8 heads, taken apart (sm_90): the few-heads decode kernel
+with its prior (``decode_few_ws.py``, persistent grid: what ``sparse_mla_prefill_shared_window``
+runs with ``topk_cache``) beside the few-heads prefill kernel with its prior over bf16 rows
+(what the workspace path runs), on the same tokens and top-k entries.
+
+    python perf/paged_topk_probe.py [--tokens 2048,4096] [--ncu]
+
+Rows (µs, CUDA graph, 512 MB L2 flush before each replay, median):
+
+* ``decode``: the record kernel as launched (``MODE`` 0); ``decode copies``: its copies alone
+  (``MODE`` 1: the dequant partition hands each stage on unconverted, the MMA partition frees
+  each tile unread); ``decode copies+dequant`` (``MODE`` 2: no products);
+* ``... no reads``: the same with every slot id ``-1`` (the copies zero-fill shared memory,
+  nothing is read from L2 or HBM): the kernel's work on shared memory and the tensor cores;
+* ``prefill few``: the bf16 kernel with its prior on a 32768-row workspace holding the same
+  entries (``prefill_launch.launch(..., FEW, prior=True)``).
+
+``--ncu``: one launch of each of ``--ncu-rows`` (default ``decode``, ``prefill few``) at the
+first token count (for ``ncu -k regex:few``), no timing. ``--json`` (CPU, Triton 3.6): the
+sm_90a compile facts of the record kernel as ``paged`` launches it, per ``MODE`` (one JSON
+line each: registers, stack, shared memory, SASS opcode counts).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_prefill as bp  # noqa: E402
+from dsv41_triton.attention.decode import _keyset  # noqa: E402
+from dsv41_triton.attention.gluon import launch as dl  # noqa: E402
+from dsv41_triton.attention.gluon import prefill_launch as pl  # noqa: E402
+from dsv41_triton.ops.prefill_indices import prefill_window_slot_indices  # noqa: E402
+
+
+def inputs(T: int):
+    """8-head inputs of ``bench_prefill`` at ``T`` tokens: the top-k slot ids into the 584-byte
+    compressed cache (``ei`` / ``el``) and the same entries as rows of the bf16 workspace."""
+    bp.T = T
+    inp = bp.build_kernel_inputs(8)
+    pg = inp["paged"]
+    _, ei, el = prefill_window_slot_indices(
+        pg["positions"], pg["token_to_req"], pg["seq_lens"], inp["glen"], 0,
+        inp["wws"].shape[1], bp.W, pg["topk_indices"], pg["compressed_block_table"], bp.PAGE,
+        bp.RATIO)
+    inp["ei"], inp["el"] = ei, el
+    g = torch.Generator(device="cuda").manual_seed(1)
+    # a prior partial: normalized bf16 rows and their natural lse
+    inp["prior_out"] = torch.randn(T, 8, 512, device="cuda", generator=g).to(torch.bfloat16)
+    inp["prior_lse"] = torch.randn(T, 8, device="cuda", generator=g)
+    return inp
+
+
+def compile_facts(mode: int) -> dict:
+    """The few-heads decode kernel as the paged prefill's prior launch compiles it (584
+    records, one key set, 8-head tiles, persistent, ids preloaded, dequant prefetch) with
+    ``MODE = mode``, for sm_90a."""
+    from dsv41_triton.attention.gluon import compile_check as cc
+    from dsv41_triton.attention.gluon.decode_few_ws import (MMA_WARPS,
+                                                            _sparse_mla_decode_few_ws_kernel)
+    consts = dict(SRC_A=584, SRC_B=584, HAS_B=False, HAS_LEN_A=True, HAS_LEN_B=True,
+                  HAS_SINK=True, SPLIT=False, BH=8, NS=2, NT=2, IDX_AHEAD=0, DEQ_PREFETCH=True,
+                  PRIOR=True, PERSIST=True, MODE=mode)
+    k = cc._compile(_sparse_mla_decode_few_ws_kernel,
+                    cc._decode_args() + [("num_items", "i32")], cc._DECODE_ALIGNED, None,
+                    consts, MMA_WARPS.value, 90)
+    regs, stack = cc._regs_stack(k)
+    return dict(mode=mode, regs=regs, stack=stack, smem=int(k.metadata.shared),
+                ops=dict(cc.sass_op_counts(k)))
+
+
+def fns(inp):
+    q, sink = inp["q"], inp["sink"]
+    scale = 512 ** -0.5
+    out, lse = inp["out"], torch.empty(q.shape[:2], device="cuda")
+    cache = inp["paged"]["compressed_cache"]
+    ids = inp["ei"]
+    none = torch.full_like(ids, -1)
+
+    def prior():
+        out.copy_(inp["prior_out"])
+        lse.copy_(inp["prior_lse"])
+
+    def decode(mode, slot_ids, **more):
+        def fn():
+            prior()
+            old = dict(dl.OVERRIDE)
+            dl.OVERRIDE.clear()
+            dl.OVERRIDE.update({**dl.parse_shape(dl.FEW_WS_PRELOAD_PREFETCH_SHAPE),
+                                "persist": True, "mode": mode, **more})
+            try:
+                dl.launch(q, _keyset(cache, slot_ids, inp["el"]), None, sink, scale, out, lse,
+                          prior=True)
+            finally:
+                dl.OVERRIDE.clear()
+                dl.OVERRIDE.update(old)
+            return out, lse
+        return fn
+
+    def few():
+        prior()
+        pl.launch(q, inp["kv"], inp["local"], None, sink, scale, out, lse, pl.FEW, prior=True)
+        return out, lse
+
+    def copies():
+        prior()
+        return out, lse
+
+    return [("prior copy (subtracted below)", copies),
+            ("decode", decode(0, ids)), ("decode copies", decode(1, ids)),
+            ("decode copies+dequant", decode(2, ids)), ("decode no reads", decode(0, none)),
+            ("decode copies+dequant no reads", decode(2, none)), ("prefill few", few),
+            ("decode copies+products", decode(3, ids)),
+            ("decode copies+products no reads", decode(3, none))]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="2048,4096")
+    ap.add_argument("--ncu", action="store_true")
+    ap.add_argument("--ncu-rows", default="decode,prefill few",
+                    help="with --ncu: the rows launched once each (comma-separated labels)")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    if a.json:
+        import json
+        for mode in (0, 1, 2, 3):
+            print(json.dumps(compile_facts(mode)))
+        return
+    print(f"device: {torch.cuda.get_device_name()}  triton "
+          f"{__import__('triton').__version__}")
+    for T in (int(x) for x in a.tokens.split(",")):
+        inp = inputs(T)
+        rows = fns(inp)
+        if a.ncu:
+            for lab in a.ncu_rows.split(","):
+                dict(rows)[lab]()
+            torch.cuda.synchronize()
+            return
+        base = None
+        for lab, fn in rows:
+            us = bp.time_graph_flushed(fn, replays=20)
+            if base is None:
+                base = us
+                print(f"T={T:<5d} {lab:32s} {us:8.1f} us")
+                continue
+            print(f"T={T:<5d} {lab:32s} {us - base:8.1f} us  (with the prior copy {us:.1f})",
+                  flush=True)
+        del inp
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
