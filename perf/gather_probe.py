@@ -14,6 +14,8 @@ records and random slot ids (640 keys per token = 10 blocks; every 97th id is -1
   ``[64 keys, 64 bytes]`` tile (4 threads per key: a warp instruction covers 8 keys x 64 B);
 * ``row``: one ``cp.async`` copy of ``[64, 512]`` bytes (a warp instruction covers one key's
   512 contiguous bytes);
+* ``tile128``: ``[64 keys, 128 bytes]`` tiles (8 threads per key: a warp instruction covers
+  4 keys x 128 B);
 * ``tile64_pre`` / ``row_pre``: the same, with a token's 640 ids loaded at once into shared
   memory at its first block (else each block's ids are loaded when the block is issued);
 * ``tma``: one TMA box per key (a 4-d descriptor over ``[pages, 64, 2, 256]`` bytes, box
@@ -113,8 +115,11 @@ def _tma_keys(desc, ids_ptr, off, dst, bar, R0: gl.constexpr, RP: gl.constexpr):
 def _issue_cp(cache_ptr, ids_ptr, ring, ids_smem, ids_rows, k, total, pid, G, bstride, kstride,
               MODE: gl.constexpr, NS: gl.constexpr, NB: gl.constexpr, RB: gl.constexpr):
     # MODE 0 / 2: [64, 64] tiles (4 threads per key); 1 / 3: [64, 512] (32 threads per key);
-    # 2 / 3: a token's 640 ids loaded at once into shared memory at its first block
-    if MODE % 2 == 0:
+    # 2 / 3: a token's 640 ids loaded at once into shared memory at its first block; 4: [64,
+    # 128] tiles (8 threads per key)
+    if MODE == 4:
+        L: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+    elif MODE % 2 == 0:
         L: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
     else:
         L: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])
@@ -139,7 +144,12 @@ def _issue_cp(cache_ptr, ids_ptr, ring, ids_smem, ids_rows, k, total, pid, G, bs
         base = page.to(gl.int64) * bstride + (slot - page * 64).to(gl.int64) * kstride
         base = gl.multiple_of(base, 16)
         st = ring.index(k % NS)
-        if MODE % 2 == 0:
+        if MODE == 4:
+            c = gl.arange(0, 128, layout=gl.SliceLayout(0, L))
+            for g in gl.static_range(RB // 128):
+                p = cache_ptr + (base + g * 128)[:, None] + c[None, :]
+                async_load(st.slice(g * 128, 128, dim=1), p, mask=valid[:, None])
+        elif MODE % 2 == 0:
             c = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
             for g in gl.static_range(RB // 64):
                 p = cache_ptr + (base + g * 64)[:, None] + c[None, :]
@@ -298,7 +308,7 @@ def run(mode, cache, ids, ns, grid, nb=NB, workspace=False):
                 _probe_tma_ws_kernel[(grid,)](desc, ids, out, ids.shape[0], NS=ns, NB=nb,
                                               RING=ring, NP=np_, num_warps=NW)
     else:
-        m = {"tile64": 0, "row": 1, "tile64_pre": 2, "row_pre": 3}[mode]
+        m = {"tile64": 0, "row": 1, "tile64_pre": 2, "row_pre": 3, "tile128": 4}[mode]
 
         def fn():
             if workspace:
