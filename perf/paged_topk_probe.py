@@ -61,14 +61,8 @@ def compile_facts(mode: int) -> dict:
     records, one key set, 8-head tiles, persistent, ids preloaded, dequant prefetch) with
     ``MODE = mode``, for sm_90a."""
     from dsv41_triton.attention.gluon import compile_check as cc
-    from dsv41_triton.attention.gluon.decode_few_ws import (MMA_WARPS,
-                                                            _sparse_mla_decode_few_ws_kernel)
-    consts = dict(SRC_A=584, SRC_B=584, HAS_B=False, HAS_LEN_A=True, HAS_LEN_B=True,
-                  HAS_SINK=True, SPLIT=False, BH=8, NS=2, NT=2, IDX_AHEAD=0, DEQ_PREFETCH=True,
-                  PRIOR=True, PERSIST=True, MODE=mode)
-    k = cc._compile(_sparse_mla_decode_few_ws_kernel,
-                    cc._decode_args() + [("num_items", "i32")], cc._DECODE_ALIGNED, None,
-                    consts, MMA_WARPS.value, 90)
+    k = cc.compile_decode(584, 584, 8, False, has_b=False, ns=2, nt=2, ahead=0,
+                          deq_prefetch=True, prior=True, persist=True, mode=mode)
     regs, stack = cc._regs_stack(k)
     return dict(mode=mode, regs=regs, stack=stack, smem=int(k.metadata.shared),
                 ops=dict(cc.sass_op_counts(k)))
@@ -86,13 +80,13 @@ def fns(inp):
         out.copy_(inp["prior_out"])
         lse.copy_(inp["prior_lse"])
 
-    def decode(mode, slot_ids, **more):
+    def decode(mode, slot_ids):
         def fn():
             prior()
             old = dict(dl.OVERRIDE)
             dl.OVERRIDE.clear()
             dl.OVERRIDE.update({**dl.parse_shape(dl.FEW_WS_PRELOAD_PREFETCH_SHAPE),
-                                "persist": True, "mode": mode, **more})
+                                "persist": True, "mode": mode})
             try:
                 dl.launch(q, _keyset(cache, slot_ids, inp["el"]), None, sink, scale, out, lse,
                           prior=True)

@@ -37,11 +37,12 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
                    has_b: bool = True, ns: int = 3, arch: int = 90, nw: int = 4,
                    overlap: bool = True, f16: bool = False, ws: bool = False, nt: int = 0,
                    ahead: int = 1, deq_prefetch: bool = False, values: dict | None = None,
-                   prior: bool = False, persist: bool = False):
+                   prior: bool = False, persist: bool = False, mode: int = 0):
     """``nt > 0`` with ``bh < 64``: the warp-specialized few-heads kernel (decode_few_ws.py)
     with ``nt`` key tiles and ``ns`` ring stages; ``ahead``: the warp-specialized kernels'
     ``IDX_AHEAD`` (their producer's slot-id lead in blocks); ``deq_prefetch`` / ``prior`` /
-    ``persist``: the few-heads ws kernel's ``DEQ_PREFETCH`` / ``PRIOR`` / ``PERSIST``;
+    ``persist`` / ``mode``: the few-heads ws kernel's ``DEQ_PREFETCH`` / ``PRIOR`` /
+    ``PERSIST`` / ``MODE``;
     ``values`` (argument name -> int): specialized on a launch's integer arguments, as on the
     GPU (``_specialize``; ``compile_launch`` compiles what ``launch.launch`` actually
     passes)."""
@@ -61,7 +62,7 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
         from .decode_few_ws import MMA_WARPS, _sparse_mla_decode_few_ws_kernel as kern
         nw = MMA_WARPS.value
         consts.update(BH=bh, NS=ns, NT=nt, IDX_AHEAD=ahead, DEQ_PREFETCH=deq_prefetch,
-                      PRIOR=prior, PERSIST=persist)
+                      PRIOR=prior, PERSIST=persist, MODE=mode)
         return _compile(kern, _decode_args() + [("num_items", "i32")], _DECODE_ALIGNED, values,
                         consts, nw, arch)
     else:
