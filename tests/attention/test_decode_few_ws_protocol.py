@@ -156,3 +156,98 @@ def test_few_ws_persistent_item_ahead_loads_reach_their_items(two_ahead):
             assert [w[0] for w in walk] == list(range(pid, n, grid))
             for item, used, first in walk:
                 assert used[0] == item and first[0] == item, (n, grid, pid, walk)
+
+
+# ---- the dequant + S form (``decode_few_ds.py``) -------------------------------------------
+def run_ds(nblks, seed, no_q_barrier=False, s_before_wait=False):
+    """One CTA of the dequant + S form over items of ``nblks[k]`` blocks: the producer (ring
+    stage ``G % 2``), two dequant + S warpgroups (group ``k`` takes the blocks ``G`` with ``G %
+    2 == k``, stage and key tile ``k``; it rewrites its own Q copy at the start of an item it
+    has blocks in) and the MMA warpgroup (group 2: every block in order, S^T and the tile
+    read, the tile freed). Flags break the protocol on purpose: ``no_q_barrier`` (no
+    warpgroup barrier between a group's Q stores and its products), ``s_before_wait`` (S^T
+    stored before the ``tfree`` wait, i.e. over the MMA warpgroup's read of the block two
+    back)."""
+    bars = {}
+    for s in range(2):
+        bars[f"ready{s}"] = Bar(PW)
+        bars[f"free{s}"] = Bar(1)
+        bars[f"tready{s}"] = Bar(1)
+        bars[f"tfree{s}"] = Bar(1)
+
+    def producer(w):
+        g = 0
+        for nblk in nblks:
+            for _ in range(nblk):
+                s = g % 2
+                yield ("wait", f"free{s}", g // 2 - 1)
+                yield ("write", ("ring", s, w), g)
+                yield ("arrive", f"ready{s}")
+                g += 1
+
+    def ds(k, w):
+        g = 0
+        for item, nblk in enumerate(nblks):
+            j0 = (k - g) % 2
+            if j0 < nblk:
+                yield ("write", ("Q", k, w), item)
+                if not no_q_barrier:
+                    yield ("tb", k)
+            for j in range(j0, nblk, 2):
+                G = g + j
+                if s_before_wait:
+                    yield ("write", ("S", k, w), G)
+                yield ("wait", f"ready{k}", G // 2)
+                yield ("wait", f"tfree{k}", G // 2 - 1)
+                yield from rd(("ring", k), G, PW)
+                yield from rd(("Q", k), item, GW)  # the wgmmas read every warp's Q stores
+                yield ("write", ("tile", k, w), G)
+                yield ("tb", k)
+                yield ("arrive", f"free{k}")
+                if not s_before_wait:
+                    yield ("write", ("S", k, w), G)
+                yield ("tb", k)
+                yield ("arrive", f"tready{k}")
+            g += nblk
+
+    def mma(w):
+        g = 0
+        for nblk in nblks:
+            for _ in range(nblk):
+                t = g % 2
+                yield ("wait", f"tready{t}", g // 2)
+                yield from rd(("S", t), g, GW)
+                yield ("tb", 2)  # P stored
+                yield from rd(("tile", t), g, GW)  # O
+                yield ("tb", 2)
+                yield ("arrive", f"tfree{t}")
+                g += 1
+
+    agents = {("P", w): producer(w) for w in range(PW)}
+    for w in range(GW):
+        agents[("C", 0, w)] = ds(0, w)
+        agents[("C", 1, w)] = ds(1, w)
+        agents[("C", 2, w)] = mma(w)
+    schedule(agents, bars, seed, GW)
+    n = sum(nblks)
+    assert bars["tready0"].done == -(-n // 2) and bars["tready1"].done == n // 2
+
+
+def test_few_ds_protocol_random_schedules():
+    rnd = random.Random(11)
+    for seed in range(400):
+        run_ds(_items(rnd), seed)
+    run_ds([0] * 9, 1)
+    run_ds([1] * 9, 2)  # one block per item: the groups alternate items
+    run_ds([1, 0, 1, 2, 1, 1, 3], 3)
+    run_ds([10, 0, 10, 0, 1], 4)
+
+
+@pytest.mark.parametrize("flags", [dict(no_q_barrier=True), dict(s_before_wait=True)])
+def test_few_ds_protocol_model_catches_mutations(flags):
+    """The model fails for a group's products started before all its warps stored the item's
+    Q, and for an S^T stored before the tile it sits beside was freed."""
+    rnd = random.Random(5)
+    with pytest.raises(AssertionError, match="stale"):
+        for seed in range(3000):
+            run_ds(_items(rnd), seed, **flags)

@@ -167,6 +167,42 @@ def test_gluon_picks_compile_at_launch_values(entry, shape):
         assert 0 < r["regs"] <= 255 and r["stack"] == 0, (case, r)
 
 
+@pytest.mark.parametrize("T,H,src_a,src_b,prior,shape", [
+    (2048, 8, 584, 0, True, "4:8:2:W:0:p"), (2048, 8, 528, 0, True, "4:8:2:W:0:p"),
+    (300, 13, 584, 584, False, "4:8:2:W"), (1, 3, 528, 528, False, "4:8:2:W:0")])
+def test_gluon_few_ds_launch_compiles(T, H, src_a, src_b, prior, shape):
+    """The few-heads kernel's dequant + S form (``launch.FEW_DS``) as ``launch.launch`` starts
+    it (the paged prefill's top-k launch with its prior, decodes of two head tiles and of
+    split keys), compiled as the GPU builds it: one CTA's shared memory, no stack, and in each
+    dequant + S warpgroup's block loop (the two loops with ``HGMMA`` and no ``LDGSTS`` beside
+    the MMA warpgroup's) the 32 ``HGMMA`` of ``S^T`` with A from registers and no shuffles or
+    extra shared-memory round trips: 7 or 8 groups of two 16-byte raw loads per thread (584:
+    7 e4m3 groups, two 16-byte loads of the RoPE tile), four 16-byte key-tile stores per group;
+    the MMA warpgroup's loop holds the 32 ``HGMMA`` of ``O^T`` only."""
+    if not gluon_pkg.AVAILABLE:
+        pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
+    import json
+    rows = _compile_facts("launch", json.dumps(dict(T=T, H=H, src_a=src_a, src_b=src_b,
+                                                    prior=prior, persist=True, ds=True,
+                                                    shape=shape, loop_ops=True)))
+    (r,) = rows
+    assert r["kernel"].startswith("decode_few_ds") and r["persist"] is False, r["kernel"]
+    assert r["stack"] == 0 and 0 < r["shared"] <= 227 * 1024, r
+    assert 0 < r["grid"][0] <= 132 and (T < 132 or r["grid"] == [132]), r["grid"]
+    loops = [lp for lp in r["loop_ops"] if lp["instructions"] > 150 and lp["hgmma"]]
+    inner = [lp for lp in loops if not any(o is not lp and int(o["start"], 16) > int(
+        lp["start"], 16) and int(o["end"], 16) < int(lp["end"], 16) for o in loops)]
+    ds = [lp for lp in inner if lp["ops"].get("F2FP", 0) >= 100]
+    mma = [lp for lp in inner if lp not in ds]
+    assert len(ds) == 2 and len(mma) == 1, [(lp["start"], lp["ops"]) for lp in inner]
+    for lp in ds:
+        ops = lp["ops"]
+        assert lp["hgmma"] == 32 and lp["local_ld_st"] == 0, ops
+        assert "SHFL" not in ops, ops
+        assert ops.get("STS", 0) <= 2 * 16 + 4 and ops.get("LDS", 0) <= 2 * 8 + 16 + 8, ops
+    assert mma[0]["hgmma"] == 32 and mma[0]["local_ld_st"] == 0, mma[0]["ops"]
+
+
 @pytest.mark.parametrize("T,H,src,persist", [(512, 8, 584, False), (512, 8, 528, False),
                                              (7, 16, 584, False), (1, 3, 528, False),
                                              (300, 40, 584, False), (512, 8, 584, True),
@@ -755,6 +791,34 @@ def test_gluon_few_ws_persistent_gpu(device, monkeypatch, shape, T, H, swa_rec, 
     fresh = _v41(device, T, H, swa_rec, extra_rec)
     assert_graph_replay(sparse_mla_decode, static, {n: fresh[n] for n in GRAPH_INPUTS}, out,
                         sparse_mla_decode_ref, out_tol=OUT_TOL, lse_tol=LSE_TOL, _kernel="gluon")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["4:8:2:W", "4:8:2:W:0"])
+@pytest.mark.parametrize("T", [1, 5, 300, 1000])
+@pytest.mark.parametrize("H", [1, 3, 8, 13])
+@pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, 528), (584, None),
+                                               (528, None)])
+def test_gluon_few_ds_gpu(device, monkeypatch, shape, T, H, swa_rec, extra_rec):
+    """The few-heads kernel's dequant + S form (``decode_few_ds.py``: two dequant warpgroups
+    taking the blocks in turn, S^T from the registers they converted) on its persistent grid:
+    ragged and empty rows (len 0, only -1, only slots past the cache) among more items than
+    SMs, 1..13 heads (two head tiles at 13), split keys at T <= 5, a CUDA-graph replay."""
+    _need_gluon_gpu()
+    from dsv41_triton.attention.gluon import launch as gl_launch
+    monkeypatch.setattr(gl_launch, "FEW_DS", True)
+    monkeypatch.setenv("DSV41_GLUON_SHAPE", shape)
+    _check_empty_rows(_empty_rows_case(device, T, H, swa_rec, extra_rec))
+    assert gl_launch.LAST_LAUNCH["fwd"][1][4] == "few_ds"
+    _check(_case(device, T, H, swa_rec, extra_rec))
+    if extra_rec is None:
+        return
+    static = _v41(device, T, H, swa_rec, extra_rec)
+    out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=device)
+    fresh = _v41(device, T, H, swa_rec, extra_rec)
+    assert_graph_replay(sparse_mla_decode, static, {n: fresh[n] for n in GRAPH_INPUTS}, out,
+                        sparse_mla_decode_ref, out_tol=OUT_TOL, lse_tol=LSE_TOL, _kernel="gluon")
+    assert gl_launch.LAST_LAUNCH["fwd"][1][4] == "few_ds"
 
 
 @pytest.mark.gpu

@@ -37,12 +37,14 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
                    has_b: bool = True, ns: int = 3, arch: int = 90, nw: int = 4,
                    overlap: bool = True, f16: bool = False, ws: bool = False, nt: int = 0,
                    ahead: int = 1, deq_prefetch: bool = False, values: dict | None = None,
-                   prior: bool = False, persist: bool = False, mode: int = 0):
+                   prior: bool = False, persist: bool = False, mode: int = 0,
+                   ds: bool = False):
     """``nt > 0`` with ``bh < 64``: the warp-specialized few-heads kernel (decode_few_ws.py)
     with ``nt`` key tiles and ``ns`` ring stages; ``ahead``: the warp-specialized kernels'
     ``IDX_AHEAD`` (their producer's slot-id lead in blocks); ``deq_prefetch`` / ``prior`` /
     ``persist`` / ``mode``: the few-heads ws kernel's ``DEQ_PREFETCH`` / ``PRIOR`` /
-    ``PERSIST`` / ``MODE``;
+    ``PERSIST`` / ``MODE``; ``ds``: its dequant + S form (decode_few_ds.py, persistent, 8-head
+    tiles, two stages and tiles);
     ``values`` (argument name -> int): specialized on a launch's integer arguments, as on the
     GPU (``_specialize``; ``compile_launch`` compiles what ``launch.launch`` actually
     passes)."""
@@ -58,6 +60,12 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
         nw = NW.value
         from .decode_heads import _sparse_mla_decode_heads_kernel as kern
         consts.update(NS=ns, OVERLAP=overlap)
+    elif ds:
+        from .decode_few_ws import MMA_WARPS
+        from .decode_few_ds import _sparse_mla_decode_few_ds_kernel as kern
+        consts.update(BH=bh, IDX_AHEAD=ahead, PRIOR=prior)
+        return _compile(kern, _decode_args() + [("num_items", "i32")], _DECODE_ALIGNED, values,
+                        consts, MMA_WARPS.value, arch)
     elif nt:
         from .decode_few_ws import MMA_WARPS, _sparse_mla_decode_few_ws_kernel as kern
         nw = MMA_WARPS.value
@@ -75,6 +83,7 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
 #: ``prefill_launch.launch`` start
 _DECODE_KERNELS = (("decode", "_sparse_mla_decode_gluon_kernel"),
                    ("decode_few_ws", "_sparse_mla_decode_few_ws_kernel"),
+                   ("decode_few_ds", "_sparse_mla_decode_few_ds_kernel"),
                    ("decode_heads", "_sparse_mla_decode_heads_kernel"),
                    ("decode_heads_ws", "_sparse_mla_decode_heads_ws_kernel"))
 _PREFILL_KERNELS = (("prefill", "_sparse_mla_prefill_gluon_kernel"),
@@ -134,14 +143,15 @@ def _recording(kernels, sms: int, run) -> list:
 
 def capture_decode(T: int, H: int, src_a: int, src_b: int, shape: str = "", W: int = 128,
                    K: int = 512, page: int = 64, sms: int = 132, prior: bool = False,
-                   persist: bool | None = None) -> list:
+                   persist: bool | None = None, ds: bool | None = None) -> list:
     """The kernel launches ``launch.launch`` makes for a decode of ``T`` tokens x ``H`` heads
     (``W`` window slot ids of ``src_a`` records, ``K`` extra ones of ``src_b`` (0: none), lens
     and a sink; caches of ``perf/bench_decode_hopper.py``'s sizes) on an sm_90 GPU of ``sms``
     SMs, at launch shape ``shape`` (empty: the pick table's), merging a prior partial with
     ``prior``, on the few-heads ws kernel's persistent grid with ``persist`` True, on its
     per-item grid with False (at the pick table's shape when ``shape`` is empty), on the
-    launch's default grid with None. Runs on the CPU
+    launch's default grid with None; ``ds``: its dequant + S form forced on / off
+    (``launch.FEW_DS``; None: the default). Runs on the CPU
     (``_recording``). Each launch: ``{kernel, real, grid, args, kwargs}``."""
     import torch
 
@@ -166,6 +176,8 @@ def capture_decode(T: int, H: int, src_a: int, src_b: int, shape: str = "", W: i
             gl_launch.OVERRIDE.update(gl_launch.parse_shape(pick))
             if persist is not None:
                 gl_launch.OVERRIDE["persist"] = bool(persist)
+            if ds is not None:
+                gl_launch.OVERRIDE["ds"] = bool(ds)
             q = torch.empty(T, H, 512, dtype=torch.bfloat16)
             lse = torch.empty(T, H, dtype=torch.float32)
             gl_launch.launch(q, a, b, torch.zeros(H), 512 ** -0.5, torch.empty_like(q), lse,
@@ -500,6 +512,22 @@ def loops_sass(k, rows: list | None = None) -> list:
     return out
 
 
+def loop_op_counts(k) -> list:
+    """``loops_sass`` of the kernel with each loop's SASS opcode counts (the opcode up to its
+    first dot) as ``ops``."""
+    import collections
+    import re
+
+    rows = sass_instructions(k)
+    out = []
+    for lp in loops_sass(k, rows):
+        lo, hi = int(lp["start"], 16), int(lp["end"], 16)
+        ops = collections.Counter(re.sub(r"^@!?U?P\w+ ", "", ins).split()[0].split(".")[0]
+                                  for a, ins, _, _ in rows if lo <= a <= hi)
+        out.append({**lp, "ops": dict(ops)})
+    return out
+
+
 def early_load_waits(k, window: int = 40, rows: list | None = None) -> list:
     """Global loads (``LDG``) of the kernel's SASS (``sass_instructions``, or its ``rows``)
     that an instruction at most ``window`` instructions later waits on (the load's write
@@ -567,7 +595,7 @@ if __name__ == "__main__":
     import json
     if len(sys.argv) == 3 and sys.argv[1] == "launch":
         # python -m ...compile_check launch JSON -> JSON line: the launches of a decode
-        # {"T", "H", "src_a", "src_b", "shape", "prior", "persist"} (``capture_decode``; with
+        # {"T", "H", "src_a", "src_b", "shape", "prior", "persist", "ds"} (``capture_decode``; with
         # "load_waits": true also ``loops_sass`` and ``early_load_waits``) or of a
         # prefill {"kind": "prefill", "T", "H", "S", "K", "variant", "has_len"}
         # (``capture_prefill``)
@@ -579,7 +607,7 @@ if __name__ == "__main__":
         else:
             recs = capture_decode(c["T"], c["H"], c["src_a"], c["src_b"], c.get("shape", ""),
                                   prior=bool(c.get("prior", False)),
-                                  persist=c.get("persist"))
+                                  persist=c.get("persist"), ds=c.get("ds"))
         rows = []
         for rec in recs:
             k = compile_launch(rec)
@@ -592,6 +620,9 @@ if __name__ == "__main__":
                 rows_k = sass_instructions(k)
                 row["loops"] = loops_sass(k, rows_k)
                 row["early_load_waits"] = early_load_waits(k, rows=rows_k)
+            if c.get("loop_ops"):  # opcode counts of every loop
+                row["loop_ops"] = loop_op_counts(k)
+            row["shared"] = int(k.metadata.shared)
             rows.append(row)
         print(json.dumps(rows))
         sys.exit(0)

@@ -222,10 +222,16 @@ def pick(T: int, H: int, a, b, device: torch.device) -> bool:
 
 
 #: launch-shape override for benchmarks: keys block_h, num_warps, stages, f16 and variant
-#: (absent = default), ``persist`` (the few-heads ws kernel's persistent grid) and ``mode``
-#: (its ``MODE``: 1 the copies alone, 2 copies and dequant, 3 copies and products);
+#: (absent = default), ``persist`` (the few-heads ws kernel's persistent grid), ``mode``
+#: (its ``MODE``: 1 the copies alone, 2 copies and dequant, 3 copies and products) and ``ds``
+#: (its dequant + S form where it applies, ``FEW_DS``);
 #: DSV41_GLUON_SHAPE="num_warps:block_h:stages[:x]" (0 = default) sets it from the environment
 OVERRIDE = {}
+
+#: whether the few-heads ws kernel's persistent launches with 8-head tiles and one e4m3 record
+#: width run its dequant + S form (``decode_few_ds.py``: the dequant warpgroups compute the
+#: logits from the registers they converted, so K is read from shared memory once for S)
+FEW_DS = False
 
 #: whether ``launch(prior=True)`` runs the few-heads ws kernel on a persistent grid (at most
 #: one CTA per SM looping over tokens: a token's first gathers overlap the previous token's
@@ -378,6 +384,16 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
         persist = bool(over.get("persist", PRIOR_PERSIST if prior
                                 else DECODE_PERSIST and items > sms))
         grid = (min(sms, items),) if persist else (items,)
+        srcs = {a.src, bb.src}
+        if (over.get("ds", FEW_DS) and persist and bh == 8 and over.get("mode", 0) == 0
+                and len(srcs) == 1 and 288 not in srcs):
+            from .decode_few_ds import _sparse_mla_decode_few_ds_kernel
+            k = _sparse_mla_decode_few_ds_kernel[grid](
+                *args, H, qk_scale, ns, n_ht, items, **flags, SPLIT=ns > 1, BH=bh,
+                IDX_AHEAD=ahead, PRIOR=prior, num_warps=MMA_WARPS.value)
+            LAST_LAUNCH["fwd"] = (k, (bh, ns, MMA_WARPS.value, stages, "few_ds"))
+            LAST_LAUNCH["persist"] = True
+            return
         k = _sparse_mla_decode_few_ws_kernel[grid](
             *args, H, qk_scale, ns, n_ht, items, **flags, SPLIT=ns > 1, BH=bh, NS=stages,
             NT=nt, IDX_AHEAD=ahead, DEQ_PREFETCH=over.get("deq_prefetch", DEQ_PREFETCH),
@@ -428,5 +444,5 @@ __all__ = ["PICK", "ENV", "OVERRIDE", "usable", "pick", "launch", "default_block
            "default_shape", "default_splits", "HEADS_SHAPE", "HEADS_WS_SHAPE", "FEW_WS_SHAPE",
            "FEW_WS16_SHAPE", "few_ws_block_h", "HEADS_OVERLAP", "IDX_AHEAD", "DEQ_PREFETCH",
            "HEADS_VARIANTS", "f16_supported", "heads_bucket", "tokens_bucket", "table_shape",
-           "parse_shape", "TESTED_SHAPES", "ctas_per_sm", "PRIOR_PERSIST",
+           "parse_shape", "TESTED_SHAPES", "ctas_per_sm", "PRIOR_PERSIST", "FEW_DS",
            "DECODE_PERSIST"]

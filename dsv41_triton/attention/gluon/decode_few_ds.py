@@ -1,0 +1,395 @@
+"""Few-heads sparse MLA decode for Hopper in Gluon whose dequant warpgroups also compute the
+logits: ``decode_few_ws.py``'s kernel on its persistent grid (same arguments, grid and results)
+with the dequant partition split into two warpgroups that take the blocks in turn (block ``G``
+of the CTA's run: warpgroup ``G % 2``, ring stage and key tile ``G % 2``):
+
+* **producer** (``decode_few_ws._producer_items``, unchanged).
+* **dequant + S** (two 4-warp workers): waits ``ready[k]`` and ``tfree[k]``, converts each 64-dim
+  group of the stage's records in registers, stores it into the bf16 key tile (the ``O^T``
+  product's operand) and feeds the same registers to ``S^T = K Q^T`` as the wgmma's A operand
+  (no shared-memory read of K for S), then stores ``S^T [64 keys, BH]`` fp32 beside the tile and
+  hands both over (``tready[k]``). Each warpgroup keeps its own copy of Q, loaded one item
+  ahead, in the permuted dim order below.
+* **MMA** (the default warpgroup): per block the online softmax of the handed-over ``S^T`` and
+  ``O^T += K^T P^T``, then the prior merge and the epilogue of ``decode_few_ws._mma_part``.
+
+A thread of a dequant warpgroup holds, per group, keys ``16 w + l // 4`` and ``+ 8`` and the 16
+consecutive dims ``16 (l % 4) ..`` (``_ds_layout``): one 16-byte read of the raw group, two
+16-byte stores of bf16. The wgmma A fragment wants dims ``2 (l % 4) + {0, 1, 8, 9}`` of each
+16-dim step, so the contraction runs over the dims of a group in the order ``L = 16 i + 8 h + 2
+c + e`` <-> dim ``16 c + 4 i + 2 h + e`` (``_ds_perm``), Q stored in that order. The sum is the
+same; the register tensor is only renamed (``_ds_a``: no data moves).
+
+Shared memory (584 records): the ring 2 x 37.8 KB, two key tiles of 64 KB, two Q copies of 8 KB,
+``S^T`` 2 x 2 KB, P 1 KB: ~222 KB, one CTA per SM.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+
+from ._api import barrier
+from .common import _load_sink, _merge_prior, _prior_tiles
+from .decode import _acc_layout, _few_heads_epilogue, _online_softmax, _pv
+from .dequant import _E4M3_ASM, _ue8m0_f32
+from .gather import _alloc_rings, _item_ids, _pick
+from .decode_heads_ws import PRODUCER_WARPS, _alloc_ids_pre
+from .decode_few_ws import (MMA_WARPS, PERSIST_PRODUCER_REGS_8, _item_lens, _item_step,
+                            _producer_items)
+
+#: warps of each dequant + S partition (one warpgroup: the wgmma's A rows)
+DS_WARPS = gl.constexpr(4)
+#: registers per dequant + S thread (setmaxnreg); the MMA partition gets
+#: ``(65536 - 128 * (producer + 2 * DS_REGS)) / 128``
+DS_REGS = gl.constexpr(104)
+
+
+@gluon.constexpr_function
+def _ds_layout():
+    """``[64 keys, 64 dims]`` per warpgroup: warp ``w``, lane ``l`` holds keys ``16 w + l // 4``
+    and ``+ 8``, dims ``16 (l % 4) .. + 15`` (registers: the 16 dims, then the second key)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
+        lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 64])
+
+
+@gluon.jit
+def _ds_perm(L):
+    """Contraction position ``L`` of a 64-dim group -> its dim (``16 c + 4 i + 2 h + e`` for
+    ``L = 16 i + 8 h + 2 c + e``)."""
+    return 16 * ((L // 2) % 4) + 4 * (L // 16) + 2 * ((L // 8) % 2) + L % 2
+
+
+@gluon.jit
+def _ds_a(x, BH: gl.constexpr):
+    """A group ``x [64, 64]`` in ``_ds_layout`` -> the wgmma A operand over the permuted dims
+    (``_ds_perm``): a reshape / permute that renames registers."""
+    DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_acc_layout(BH, 4),
+                                              k_width=2)
+    y = gl.permute(gl.reshape(x, [64, 4, 4, 2, 2]), (0, 2, 3, 1, 4))
+    return gl.convert_layout(gl.reshape(y, [64, 64]), DOT_A)
+
+
+@gluon.jit
+def _ds_group(g: gl.constexpr, s: gl.constexpr, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring,
+              scale_s, SRC: gl.constexpr):
+    """Group ``g`` of stage ``s`` as exact bf16 ``[64 keys, 64]`` in ``_ds_layout`` (584: group
+    7 is the raw bf16 RoPE tile)."""
+    LX: gl.constexpr = _ds_layout()
+    if SRC == 584 and g == 7:
+        x = rope_ring.index(s).load(LX)
+    else:
+        raw = _pick(g, r0, r1, r2, r3, r4, r5, r6, r7).index(s).load(LX)
+        if SRC == 584:
+            raw3 = gl.reshape(raw, [64, 1, 64])
+            sb = scale_s.slice(g, 1, dim=1).load(gl.SliceLayout(2, raw3.type.layout))
+        else:
+            # 528: two scales per 64 dims; a thread's 16 dims lie in one half
+            raw3 = gl.reshape(raw, [64, 2, 32])
+            sb = scale_s.slice(2 * g, 2, dim=1).load(gl.SliceLayout(2, raw3.type.layout))
+        sc = gl.broadcast(gl.expand_dims(_ue8m0_f32(sb), 2), raw3)[0]
+        x = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r,r,r,r,r", [raw3, sc],
+                                      dtype=gl.bfloat16, is_pure=True, pack=4)
+        x = gl.convert_layout(gl.reshape(x, [64, 64]), LX)
+    return x
+
+
+@gluon.jit
+def _ds_block(K: gl.constexpr, G, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
+              idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf, ready, free, tready,
+              tfree, SRC: gl.constexpr, BH: gl.constexpr):
+    """Block ``G`` (``G % 2 == K``): stage ``K``'s records -> bf16 key tile ``K`` and ``S^T``
+    (raw dot products, fp32) into ``s_buf[K]``; ``free[K]`` once the stage is read,
+    ``tready[K]`` once both are stored."""
+    ACC: gl.constexpr = _acc_layout(BH, 4)
+    LI: gl.constexpr = gl.BlockedLayout([1], [32], [DS_WARPS], [0])
+    mbarrier.wait(ready.index(K), (G // 2) & 1)
+    mbarrier.wait(tfree.index(K), ((G // 2) & 1) ^ 1)
+    scale_s = scale_ring.index(K)
+    acc = gl.full([64, BH], 0.0, gl.float32, layout=ACC)
+    prev = acc
+    for g in gl.static_range(8):
+        x = _ds_group(g, K, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
+        _pick(g, k0, k1, k2, k3, k4, k5, k6, k7).index(K).store(x)
+        a = _ds_a(x, BH)
+        acc = warpgroup_mma(a, qp.index(g).permute((1, 0)), acc, use_acc=g > 0, is_async=True)
+        if g > 0:
+            acc, prev = warpgroup_mma_wait(1, deps=[acc, prev])
+        prev = a
+    kid.index(K).store(idx_ring.index(K).load(LI))
+    fence_async_shared()  # the key tiles are read by the MMA partition's wgmmas
+    barrier()  # every thread's stage reads precede the release
+    mbarrier.arrive(free.index(K))
+    acc, prev = warpgroup_mma_wait(0, deps=[acc, prev])
+    s_buf.index(K).store(acc)
+    barrier()  # every thread's S^T stores precede the hand-over
+    mbarrier.arrive(tready.index(K))
+
+
+@gluon.jit
+def _ds_q(q_ptr, item, num_items, num_ht, num_splits, stride_qt, stride_qh, H,
+          BH: gl.constexpr):
+    """Q of item ``min(item, num_items - 1)``: eight ``[BH, 64]`` groups, each group's dims in
+    the contraction order of ``_ds_perm`` (heads ``>= H`` as 0)."""
+    LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [DS_WARPS, 1], [1, 0])
+    ht, split, t = _item_ids(gl.minimum(item, num_items - 1), num_ht, num_splits)
+    hq = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, LQ))
+    dq = _ds_perm(gl.arange(0, 64, layout=gl.SliceLayout(0, LQ)))
+    row = q_ptr + t * stride_qt + hq.to(gl.int64)[:, None] * stride_qh + dq[None, :]
+    m = (hq < H)[:, None]
+    return (gl.load(row, mask=m, other=0.0), gl.load(row + 64, mask=m, other=0.0),
+            gl.load(row + 128, mask=m, other=0.0), gl.load(row + 192, mask=m, other=0.0),
+            gl.load(row + 256, mask=m, other=0.0), gl.load(row + 320, mask=m, other=0.0),
+            gl.load(row + 384, mask=m, other=0.0), gl.load(row + 448, mask=m, other=0.0))
+
+
+@gluon.jit
+def _ds_items(K: gl.constexpr, num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width,
+              b_len_ptr, b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, r0, r1, r2, r3, r4,
+              r5, r6, r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid,
+              qp, s_buf, ready, free, tready, tfree, SRC_A: gl.constexpr, SRC_B: gl.constexpr,
+              HAS_B: gl.constexpr, HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr,
+              SPLIT: gl.constexpr, BH: gl.constexpr):
+    """Dequant + S warpgroup ``K`` over this CTA's items: the blocks ``G`` of the CTA's run with
+    ``G % 2 == K``. Its Q copy ``qp`` is rewritten at the start of an item it has blocks in (its
+    previous wgmmas were waited), from registers loaded one item ahead."""
+    pid = gl.program_id(0)
+    grid = gl.num_programs(0)
+    la, lb = _item_lens(pid, num_items, num_ht, num_splits, a_len_ptr, a_len_st, b_len_ptr,
+                        b_len_st, HAS_B, HAS_LEN_A, HAS_LEN_B)
+    q0, q1, q2, q3, q4, q5, q6, q7 = _ds_q(q_ptr, pid, num_items, num_ht, num_splits,
+                                           stride_qt, stride_qh, H, BH)
+    g = 0
+    for item in range(pid, num_items, grid):
+        ht, split, t, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk, la, lb = _item_step(
+            item, grid, num_items, la, lb, num_ht, num_splits, a_len_ptr, a_len_st, a_width,
+            b_len_ptr, b_len_st, b_width, HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT)
+        n0, n1, n2, n3, n4, n5, n6, n7 = _ds_q(q_ptr, item + grid, num_items, num_ht,
+                                               num_splits, stride_qt, stride_qh, H, BH)
+        j0 = (K + 2 - g % 2) % 2
+        if j0 < nblk:
+            qp.index(0).store(q0)
+            qp.index(1).store(q1)
+            qp.index(2).store(q2)
+            qp.index(3).store(q3)
+            qp.index(4).store(q4)
+            qp.index(5).store(q5)
+            qp.index(6).store(q6)
+            qp.index(7).store(q7)
+            fence_async_shared()
+            barrier()
+        for j in range(j0, nblk, 2):
+            if HAS_B and SRC_A != SRC_B:
+                if j < nblk_a:
+                    _ds_block(K, g + j, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
+                              idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf, ready,
+                              free, tready, tfree, SRC_A, BH)
+                else:
+                    _ds_block(K, g + j, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
+                              idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf, ready,
+                              free, tready, tfree, SRC_B, BH)
+            else:
+                _ds_block(K, g + j, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
+                          idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf, ready, free,
+                          tready, tfree, SRC_A, BH)
+        g += nblk
+        q0 = n0
+        q1 = n1
+        q2 = n2
+        q3 = n3
+        q4 = n4
+        q5 = n5
+        q6 = n6
+        q7 = n7
+
+
+@gluon.jit
+def _ds_items_0(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
+                b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, r0, r1, r2, r3, r4, r5, r6,
+                r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp,
+                s_buf, ready, free, tready, tfree, SRC_A: gl.constexpr, SRC_B: gl.constexpr,
+                HAS_B: gl.constexpr, HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr,
+                SPLIT: gl.constexpr, BH: gl.constexpr):
+    """``_ds_items`` of warpgroup 0 (the even blocks)."""
+    _ds_items(0, num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
+              b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, r0, r1, r2, r3, r4, r5, r6, r7,
+              rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf,
+              ready, free, tready, tfree, SRC_A, SRC_B, HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT, BH)
+
+
+@gluon.jit
+def _ds_items_1(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
+                b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, r0, r1, r2, r3, r4, r5, r6,
+                r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp,
+                s_buf, ready, free, tready, tfree, SRC_A: gl.constexpr, SRC_B: gl.constexpr,
+                HAS_B: gl.constexpr, HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr,
+                SPLIT: gl.constexpr, BH: gl.constexpr):
+    """``_ds_items`` of warpgroup 1 (the odd blocks)."""
+    _ds_items(1, num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
+              b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, r0, r1, r2, r3, r4, r5, r6, r7,
+              rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf,
+              ready, free, tready, tfree, SRC_A, SRC_B, HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT, BH)
+
+
+@gluon.jit
+def _mma_ds_part(t_tok, split, ht, H, qk_scale, num_splits, nblk, sink_ptr, sink_st, out_ptr,
+                 stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, po_ptr, pl_ptr, k0, k1,
+                 k2, k3, k4, k5, k6, k7, kid, s_buf, p_smem, tready, tfree,
+                 HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BH: gl.constexpr,
+                 PRIOR: gl.constexpr, g0):
+    """One item on the MMA warpgroup: per block ``g0 + j`` (tile ``(g0 + j) % 2``) the handed-
+    over ``S^T``, the online softmax and ``O^T``; then the prior and the epilogue
+    (``decode_few_ws._mma_part``'s, the sink loaded before the key loop)."""
+    ACC: gl.constexpr = _acc_layout(BH, MMA_WARPS)
+    SINK_GIVEN: gl.constexpr = HAS_SINK and not SPLIT
+    sk = 0
+    if SINK_GIVEN:
+        hs = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, ACC))
+        sk = _load_sink(sink_ptr, sink_st, hs.to(gl.int64), hs < H)
+    if PRIOR:  # issued before the key loop, merged after it
+        hp = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, ACC))
+        hpm = hp < H
+        hp64 = hp.to(gl.int64)
+        dp = gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))
+        prow = out_ptr + t_tok * stride_ot + hp64[None, :] * stride_oh + dp[:, None]
+        pm = hpm[None, :] & (dp >= 0)[:, None]
+        lp = gl.load(lse_ptr + t_tok * stride_lt + hp64 * stride_lh, mask=hpm, other=float("inf"))
+        p0, p1, p2, p3, p4, p5, p6, p7 = _prior_tiles(prow, pm)
+    m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ACC))
+    zero = gl.full([64, BH], 0.0, gl.float32, layout=ACC)
+    l_part = zero
+    o0 = zero
+    o1 = zero
+    o2 = zero
+    o3 = zero
+    o4 = zero
+    o5 = zero
+    o6 = zero
+    o7 = zero
+    for j in range(nblk):
+        t = (g0 + j) % 2
+        mbarrier.wait(tready.index(t), ((g0 + j) // 2) & 1)
+        sT = s_buf.index(t).load(ACC)
+        kidx = kid.index(t).load(gl.SliceLayout(1, ACC))
+        p, alpha, m_i, l_part = _online_softmax(sT * qk_scale, kidx >= 0, m_i, l_part)
+        p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
+        fence_async_shared()
+        barrier()
+        kt0 = k0.index(t)
+        kt7 = k7.index(t)
+        o0, o1, o2, o3, o4, o5, o6, o7 = _pv(kt0, k1.index(t), k2.index(t), k3.index(t),
+                                             k4.index(t), k5.index(t), k6.index(t), kt7, kt7,
+                                             p_smem, p_smem, o0, o1, o2, o3, o4, o5, o6, o7,
+                                             alpha, False)
+        barrier()  # every warp's S^T / id reads and products precede the release
+        mbarrier.arrive(tfree.index(t))
+    l_i = gl.sum(l_part, axis=0)
+    if PRIOR:
+        l_i, m_i, o0, o1, o2, o3, o4, o5, o6, o7 = _merge_prior(
+            l_i, m_i, lp, o0, o1, o2, o3, o4, o5, o6, o7, p0, p1, p2, p3, p4, p5, p6, p7)
+    _few_heads_epilogue(o0, o1, o2, o3, o4, o5, o6, o7, l_i, m_i, 1.0, t_tok, split, ht, H,
+                        num_splits, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr,
+                        stride_lt, stride_lh, po_ptr, pl_ptr, ACC, HAS_SINK, SPLIT, BH,
+                        SINK_GIVEN, sk)
+
+
+@gluon.jit
+def _mma_ds_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
+                  b_len_st, b_width, H, qk_scale, sink_ptr, sink_st, out_ptr, stride_ot,
+                  stride_oh, lse_ptr, stride_lt, stride_lh, po_ptr, pl_ptr, k0, k1, k2, k3, k4,
+                  k5, k6, k7, kid, s_buf, p_smem, tready, tfree, HAS_B: gl.constexpr,
+                  HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, HAS_SINK: gl.constexpr,
+                  SPLIT: gl.constexpr, BH: gl.constexpr, PRIOR: gl.constexpr):
+    """The MMA warpgroup over this CTA's items (lens one item ahead)."""
+    pid = gl.program_id(0)
+    grid = gl.num_programs(0)
+    la, lb = _item_lens(pid, num_items, num_ht, num_splits, a_len_ptr, a_len_st, b_len_ptr,
+                        b_len_st, HAS_B, HAS_LEN_A, HAS_LEN_B)
+    g = 0
+    for item in range(pid, num_items, grid):
+        ht, split, t, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk, la, lb = _item_step(
+            item, grid, num_items, la, lb, num_ht, num_splits, a_len_ptr, a_len_st, a_width,
+            b_len_ptr, b_len_st, b_width, HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT)
+        _mma_ds_part(t, split, ht, H, qk_scale, num_splits, nblk, sink_ptr, sink_st, out_ptr,
+                     stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, po_ptr, pl_ptr, k0,
+                     k1, k2, k3, k4, k5, k6, k7, kid, s_buf, p_smem, tready, tfree, HAS_SINK,
+                     SPLIT, BH, PRIOR, g)
+        g += nblk
+
+
+@gluon.jit
+def _sparse_mla_decode_few_ds_kernel(
+    q_ptr, stride_qt, stride_qh,
+    a_ptr, a_idx_ptr, a_idx_st, a_len_ptr, a_len_st, a_width, a_bstride, a_page, a_rows,
+    b_ptr, b_idx_ptr, b_idx_st, b_len_ptr, b_len_st, b_width, b_bstride, b_page, b_rows,
+    sink_ptr, sink_st,
+    out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
+    po_ptr, pl_ptr,
+    H, qk_scale, num_splits, num_ht, num_items,
+    SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
+    HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, HAS_SINK: gl.constexpr,
+    SPLIT: gl.constexpr, BH: gl.constexpr, IDX_AHEAD: gl.constexpr = 1,
+    PRIOR: gl.constexpr = False,
+):
+    """Persistent grid of at most one CTA per SM over the ``num_items = T * num_splits *
+    num_ht`` items (``decode_few_ws``'s ``PERSIST``); launch with ``num_warps=MMA_WARPS``.
+    Arguments as ``decode_few_ws._sparse_mla_decode_few_ws_kernel``'s (two ring stages, two key
+    tiles; 8-head tiles; e4m3 records, 584 or 528)."""
+    gl.static_assert(BH == 8, "8-head tiles")
+    gl.static_assert(SRC_A != 288 and (not HAS_B or SRC_B != 288), "e4m3 records")
+    r0, r1, r2, r3, r4, r5, r6, r7, scale_ring, rope_ring, idx_ring = _alloc_rings(
+        SRC_A, SRC_B, HAS_B, 2, 16, False)
+    KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, 64], gl.bfloat16)
+    k0 = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], KL)
+    k1 = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], KL)
+    k2 = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], KL)
+    k3 = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], KL)
+    k4 = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], KL)
+    k5 = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], KL)
+    k6 = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], KL)
+    k7 = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], KL)
+    kid = gl.allocate_shared_memory(gl.int32, [2, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    qp0 = gl.allocate_shared_memory(gl.bfloat16, [8, BH, 64], QL)
+    qp1 = gl.allocate_shared_memory(gl.bfloat16, [8, BH, 64], QL)
+    s_buf = gl.allocate_shared_memory(gl.float32, [2, 64, BH],
+                                      gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], QL)
+    ids_pre = _alloc_ids_pre(idx_ring, IDX_AHEAD)
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(ready.index(i), count=32 * PRODUCER_WARPS + 1)
+        mbarrier.init(free.index(i), count=1)
+        mbarrier.init(tready.index(i), count=1)
+        mbarrier.init(tfree.index(i), count=1)
+
+    gl.warp_specialize([
+        (_mma_ds_items, (num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width,
+                         b_len_ptr, b_len_st, b_width, H, qk_scale, sink_ptr, sink_st, out_ptr,
+                         stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, po_ptr, pl_ptr,
+                         k0, k1, k2, k3, k4, k5, k6, k7, kid, s_buf, p_smem, tready, tfree,
+                         HAS_B, HAS_LEN_A, HAS_LEN_B, HAS_SINK, SPLIT, BH, PRIOR)),
+        (_producer_items, (num_items, num_ht, num_splits, a_ptr, a_idx_ptr, a_idx_st,
+                           a_len_ptr, a_len_st, a_width, a_bstride, a_page, a_rows, b_ptr,
+                           b_idx_ptr, b_idx_st, b_len_ptr, b_len_st, b_width, b_bstride,
+                           b_page, b_rows, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring,
+                           scale_ring, idx_ring, ids_pre, ready, free, SRC_A, SRC_B, HAS_B,
+                           HAS_LEN_A, HAS_LEN_B, SPLIT, 2, IDX_AHEAD)),
+        (_ds_items_0, (num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
+                       b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, r0, r1, r2, r3, r4,
+                       r5, r6, r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6,
+                       k7, kid, qp0, s_buf, ready, free, tready, tfree, SRC_A, SRC_B, HAS_B,
+                       HAS_LEN_A, HAS_LEN_B, SPLIT, BH)),
+        (_ds_items_1, (num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
+                       b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, r0, r1, r2, r3, r4,
+                       r5, r6, r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6,
+                       k7, kid, qp1, s_buf, ready, free, tready, tfree, SRC_A, SRC_B, HAS_B,
+                       HAS_LEN_A, HAS_LEN_B, SPLIT, BH)),
+    ], [PRODUCER_WARPS, DS_WARPS, DS_WARPS],
+        [PERSIST_PRODUCER_REGS_8, DS_REGS, DS_REGS])
