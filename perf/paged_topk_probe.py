@@ -12,6 +12,7 @@ Rows (µs, CUDA graph, 512 MB L2 flush before each replay, median):
   each tile unread); ``decode copies+dequant`` (``MODE`` 2: no products);
 * ``... no reads``: the same with every slot id ``-1`` (the copies zero-fill shared memory,
   nothing is read from L2 or HBM): the kernel's work on shared memory and the tensor cores;
+* ``decode ds``: the record kernel's dequant + S form (``decode_few_ds.py``);
 * ``prefill few``: the bf16 kernel with its prior on a 32768-row workspace holding the same
   entries (``prefill_launch.launch(..., FEW, prior=True)``).
 
@@ -80,13 +81,13 @@ def fns(inp):
         out.copy_(inp["prior_out"])
         lse.copy_(inp["prior_lse"])
 
-    def decode(mode, slot_ids):
+    def decode(mode, slot_ids, ds=False):
         def fn():
             prior()
             old = dict(dl.OVERRIDE)
             dl.OVERRIDE.clear()
             dl.OVERRIDE.update({**dl.parse_shape(dl.FEW_WS_PRELOAD_PREFETCH_SHAPE),
-                                "persist": True, "mode": mode})
+                                "persist": True, "mode": mode, "ds": ds})
             try:
                 dl.launch(q, _keyset(cache, slot_ids, inp["el"]), None, sink, scale, out, lse,
                           prior=True)
@@ -110,7 +111,8 @@ def fns(inp):
             ("decode copies+dequant", decode(2, ids)), ("decode no reads", decode(0, none)),
             ("decode copies+dequant no reads", decode(2, none)), ("prefill few", few),
             ("decode copies+products", decode(3, ids)),
-            ("decode copies+products no reads", decode(3, none))]
+            ("decode copies+products no reads", decode(3, none)),
+            ("decode ds", decode(0, ids, True)), ("decode ds no reads", decode(0, none, True))]
 
 
 def main(argv=None):
@@ -120,6 +122,10 @@ def main(argv=None):
     ap.add_argument("--ncu-rows", default="decode,prefill few",
                     help="with --ncu: the rows launched once each (comma-separated labels)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--check", action="store_true",
+                    help="first compare the ds form's and the bf16 kernel's outputs with the "
+                         "record kernel's")
+    ap.add_argument("--rows", default="", help="time only these rows (comma-separated labels)")
     a = ap.parse_args(argv)
     if a.json:
         import json
@@ -136,8 +142,18 @@ def main(argv=None):
                 dict(rows)[lab]()
             torch.cuda.synchronize()
             return
+        if a.check:
+            ref = [x.clone() for x in dict(rows)["decode"]()]
+            for lab in ("decode ds", "prefill few"):
+                o, lse = dict(rows)[lab]()
+                print(f"T={T:<5d} check {lab:20s} out max|diff| vs decode "
+                      f"{(o.float() - ref[0].float()).abs().max().item():.3e}  lse "
+                      f"{(lse - ref[1]).abs().max().item():.3e}  kernel "
+                      f"{dl.LAST_LAUNCH.get('fwd', (0, ('',) * 5))[1][4]}", flush=True)
         base = None
         for lab, fn in rows:
+            if a.rows and lab not in a.rows.split(",") and base is not None:
+                continue
             us = bp.time_graph_flushed(fn, replays=20)
             if base is None:
                 base = us

@@ -10,7 +10,8 @@
 # and its ncu pass; "paged" the paged prefill with window rows: its GPU tests, then the 8-head
 # kernel rows and the layer's memory table, each step time-bounded so the part fits a 600 s
 # call; "persist" the few-heads decode on its per-token and persistent grids at decode batch
-# sizes) picks the parts to run and
+# sizes; "ds" the record kernel's dequant + S form: its GPU tests, the top-k probe beside the
+# record kernel, the layer chunk with it off and on, memcheck) picks the parts to run and
 # TESTS_K narrows the GPU tests to a pytest -k expression, so a short device call can run only
 # what changed, e.g.
 #   PARTS="tests prefill" TESTS_K=wsp BENCH_GLUON_VARIANTS=ws,wsp bash perf/run_gpu.sh
@@ -112,6 +113,27 @@ if part persist; then
     --sweep-rows "8,128,584,584;8,512,584,584;8,2048,584,584;16,512,584,584;8,512,528,288" \
     > "$OUTDIR/decode_persist_sweep.log" 2>&1
   grep "^| [0-9]" "$OUTDIR/decode_persist_sweep.log"
+fi
+
+echo "== the record kernel's dequant + S form (decode_few_ds.py, launch.FEW_DS): checks, then timed"
+if part ds; then
+  timeout 200 $PY -m pytest tests/attention/test_decode_gluon.py tests/attention/test_prefill_shared.py \
+    -q -p no:cacheprovider -k "few_ds" > "$OUTDIR/ds_tests.log" 2>&1
+  echo "ds tests rc=$?: $(tail -n 1 "$OUTDIR/ds_tests.log")"
+  grep -E "^(FAILED|ERROR)" "$OUTDIR/ds_tests.log" | head -10
+  timeout 120 $PY perf/paged_topk_probe.py --tokens 2048,4096 --check \
+    --rows "decode,decode ds,decode ds no reads,prefill few" > "$OUTDIR/ds_probe.log" 2>&1
+  cat "$OUTDIR/ds_probe.log"
+  for ds in 0 1; do
+    timeout 120 $PY perf/bench_prefill.py --layer-only --contexts 8192 --few-ds $ds \
+      > "$OUTDIR/ds_layer_$ds.log" 2>&1
+    grep -E "graph" "$OUTDIR/ds_layer_$ds.log" | grep -E "paged-window |workspace |auto" | sed "s/^/ds=$ds /"
+  done
+  compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 $PY -m pytest \
+    tests/attention/test_decode_gluon.py -q -p no:cacheprovider -k "few_ds_gpu and (-5- or -300-) and 584-584" \
+    > "$OUTDIR/ds_sanitize.log" 2>&1
+  echo "ds memcheck rc=$?: $(grep -E 'passed|failed' "$OUTDIR/ds_sanitize.log" | tail -1)," \
+    "$(grep 'ERROR SUMMARY' "$OUTDIR/ds_sanitize.log" | head -1)"
 fi
 
 echo "== Hopper prefill (tl vs Gluon vs FlashMLA's flash_mla_sparse_fwd, issue 11's table)"
