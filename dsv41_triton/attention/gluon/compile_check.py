@@ -63,7 +63,7 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
     elif ds:
         from .decode_few_ws import MMA_WARPS
         from .decode_few_ds import _sparse_mla_decode_few_ds_kernel as kern
-        consts.update(BH=bh, IDX_AHEAD=ahead, PRIOR=prior)
+        consts.update(BH=bh, IDX_AHEAD=ahead, DEQ_PREFETCH=deq_prefetch, PRIOR=prior)
         return _compile(kern, _decode_args() + [("num_items", "i32")], _DECODE_ALIGNED, values,
                         consts, MMA_WARPS.value, arch)
     elif nt:

@@ -36,14 +36,16 @@ from .decode import _acc_layout, _few_heads_epilogue, _online_softmax, _pv
 from .dequant import _E4M3_ASM, _ue8m0_f32
 from .gather import _alloc_rings, _item_ids, _pick
 from .decode_heads_ws import PRODUCER_WARPS, _alloc_ids_pre
-from .decode_few_ws import (MMA_WARPS, PERSIST_PRODUCER_REGS_8, _item_lens, _item_step,
-                            _producer_items)
+from .decode_few_ws import MMA_WARPS, _item_lens, _item_step, _producer_items
 
 #: warps of each dequant + S partition (one warpgroup: the wgmma's A rows)
 DS_WARPS = gl.constexpr(4)
-#: registers per dequant + S thread (setmaxnreg); the MMA partition gets
-#: ``(65536 - 128 * (producer + 2 * DS_REGS)) / 128``
-DS_REGS = gl.constexpr(104)
+#: registers per dequant + S thread (setmaxnreg; 104 spills around the block loop with the
+#: group prefetch)
+DS_REGS = gl.constexpr(112)
+#: registers per producer thread (``decode_few_ws``'s on the persistent grid); the MMA
+#: partition gets ``65536 / 128 - PRODUCER_REGS_DS - 2 * DS_REGS``: 208
+PRODUCER_REGS_DS = gl.constexpr(80)
 
 
 @gluon.constexpr_function
@@ -74,13 +76,15 @@ def _ds_a(x, BH: gl.constexpr):
 
 
 @gluon.jit
-def _ds_group(g: gl.constexpr, s: gl.constexpr, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring,
-              scale_s, SRC: gl.constexpr):
-    """Group ``g`` of stage ``s`` as exact bf16 ``[64 keys, 64]`` in ``_ds_layout`` (584: group
-    7 is the raw bf16 RoPE tile)."""
+def _ds_load(g: gl.constexpr, s: gl.constexpr, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring,
+             scale_s, SRC: gl.constexpr):
+    """Group ``g`` of stage ``s`` in registers (``_ds_convert``'s input): its raw bytes and
+    scale bytes, ``[64, 1 | 2, 64 | 32]`` (584 / 528), or the bf16 RoPE tile (584, group 7)
+    twice."""
     LX: gl.constexpr = _ds_layout()
     if SRC == 584 and g == 7:
-        x = rope_ring.index(s).load(LX)
+        raw3 = rope_ring.index(s).load(LX)
+        sb = raw3
     else:
         raw = _pick(g, r0, r1, r2, r3, r4, r5, r6, r7).index(s).load(LX)
         if SRC == 584:
@@ -90,20 +94,30 @@ def _ds_group(g: gl.constexpr, s: gl.constexpr, r0, r1, r2, r3, r4, r5, r6, r7, 
             # 528: two scales per 64 dims; a thread's 16 dims lie in one half
             raw3 = gl.reshape(raw, [64, 2, 32])
             sb = scale_s.slice(2 * g, 2, dim=1).load(gl.SliceLayout(2, raw3.type.layout))
+    return raw3, sb
+
+
+@gluon.jit
+def _ds_convert(g: gl.constexpr, raw3, sb, SRC: gl.constexpr):
+    """``_ds_load``'s registers -> exact bf16 ``[64 keys, 64]`` in ``_ds_layout``."""
+    if SRC == 584 and g == 7:
+        x = raw3
+    else:
         sc = gl.broadcast(gl.expand_dims(_ue8m0_f32(sb), 2), raw3)[0]
         x = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r,r,r,r,r", [raw3, sc],
                                       dtype=gl.bfloat16, is_pure=True, pack=4)
-        x = gl.convert_layout(gl.reshape(x, [64, 64]), LX)
+        x = gl.convert_layout(gl.reshape(x, [64, 64]), _ds_layout())
     return x
 
 
 @gluon.jit
 def _ds_block(K: gl.constexpr, G, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
               idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf, ready, free, tready,
-              tfree, SRC: gl.constexpr, BH: gl.constexpr):
+              tfree, SRC: gl.constexpr, BH: gl.constexpr, PREFETCH: gl.constexpr):
     """Block ``G`` (``G % 2 == K``): stage ``K``'s records -> bf16 key tile ``K`` and ``S^T``
     (raw dot products, fp32) into ``s_buf[K]``; ``free[K]`` once the stage is read,
-    ``tready[K]`` once both are stored."""
+    ``tready[K]`` once both are stored. ``PREFETCH``: each group's bytes are loaded one group
+    ahead."""
     ACC: gl.constexpr = _acc_layout(BH, 4)
     LI: gl.constexpr = gl.BlockedLayout([1], [32], [DS_WARPS], [0])
     mbarrier.wait(ready.index(K), (G // 2) & 1)
@@ -111,14 +125,27 @@ def _ds_block(K: gl.constexpr, G, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, sca
     scale_s = scale_ring.index(K)
     acc = gl.full([64, BH], 0.0, gl.float32, layout=ACC)
     prev = acc
+    raw, sb = _ds_load(0, K, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
     for g in gl.static_range(8):
-        x = _ds_group(g, K, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
+        if PREFETCH and g < 7:
+            # group g + 1's loads ahead of group g's stores (ptxas keeps shared loads and
+            # stores in program order)
+            nraw, nsb = _ds_load(g + 1, K, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s,
+                                 SRC)
+        x = _ds_convert(g, raw, sb, SRC)
         _pick(g, k0, k1, k2, k3, k4, k5, k6, k7).index(K).store(x)
         a = _ds_a(x, BH)
         acc = warpgroup_mma(a, qp.index(g).permute((1, 0)), acc, use_acc=g > 0, is_async=True)
         if g > 0:
             acc, prev = warpgroup_mma_wait(1, deps=[acc, prev])
         prev = a
+        if g < 7:
+            if PREFETCH:
+                raw = nraw
+                sb = nsb
+            else:
+                raw, sb = _ds_load(g + 1, K, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring,
+                                   scale_s, SRC)
     kid.index(K).store(idx_ring.index(K).load(LI))
     fence_async_shared()  # the key tiles are read by the MMA partition's wgmmas
     barrier()  # every thread's stage reads precede the release
@@ -152,7 +179,7 @@ def _ds_items(K: gl.constexpr, num_items, num_ht, num_splits, a_len_ptr, a_len_s
               r5, r6, r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid,
               qp, s_buf, ready, free, tready, tfree, SRC_A: gl.constexpr, SRC_B: gl.constexpr,
               HAS_B: gl.constexpr, HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr,
-              SPLIT: gl.constexpr, BH: gl.constexpr):
+              SPLIT: gl.constexpr, BH: gl.constexpr, PREFETCH: gl.constexpr):
     """Dequant + S warpgroup ``K`` over this CTA's items: the blocks ``G`` of the CTA's run with
     ``G % 2 == K``. Its Q copy ``qp`` is rewritten at the start of an item it has blocks in (its
     previous wgmmas were waited), from registers loaded one item ahead."""
@@ -186,15 +213,15 @@ def _ds_items(K: gl.constexpr, num_items, num_ht, num_splits, a_len_ptr, a_len_s
                 if j < nblk_a:
                     _ds_block(K, g + j, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
                               idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf, ready,
-                              free, tready, tfree, SRC_A, BH)
+                              free, tready, tfree, SRC_A, BH, PREFETCH)
                 else:
                     _ds_block(K, g + j, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
                               idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf, ready,
-                              free, tready, tfree, SRC_B, BH)
+                              free, tready, tfree, SRC_B, BH, PREFETCH)
             else:
                 _ds_block(K, g + j, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
                           idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf, ready, free,
-                          tready, tfree, SRC_A, BH)
+                          tready, tfree, SRC_A, BH, PREFETCH)
         g += nblk
         q0 = n0
         q1 = n1
@@ -212,12 +239,13 @@ def _ds_items_0(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_l
                 r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp,
                 s_buf, ready, free, tready, tfree, SRC_A: gl.constexpr, SRC_B: gl.constexpr,
                 HAS_B: gl.constexpr, HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr,
-                SPLIT: gl.constexpr, BH: gl.constexpr):
+                SPLIT: gl.constexpr, BH: gl.constexpr, PREFETCH: gl.constexpr):
     """``_ds_items`` of warpgroup 0 (the even blocks)."""
     _ds_items(0, num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
               b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, r0, r1, r2, r3, r4, r5, r6, r7,
               rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf,
-              ready, free, tready, tfree, SRC_A, SRC_B, HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT, BH)
+              ready, free, tready, tfree, SRC_A, SRC_B, HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT, BH,
+              PREFETCH)
 
 
 @gluon.jit
@@ -226,12 +254,13 @@ def _ds_items_1(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_l
                 r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp,
                 s_buf, ready, free, tready, tfree, SRC_A: gl.constexpr, SRC_B: gl.constexpr,
                 HAS_B: gl.constexpr, HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr,
-                SPLIT: gl.constexpr, BH: gl.constexpr):
+                SPLIT: gl.constexpr, BH: gl.constexpr, PREFETCH: gl.constexpr):
     """``_ds_items`` of warpgroup 1 (the odd blocks)."""
     _ds_items(1, num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
               b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, r0, r1, r2, r3, r4, r5, r6, r7,
               rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf,
-              ready, free, tready, tfree, SRC_A, SRC_B, HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT, BH)
+              ready, free, tready, tfree, SRC_A, SRC_B, HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT, BH,
+              PREFETCH)
 
 
 @gluon.jit
@@ -332,12 +361,13 @@ def _sparse_mla_decode_few_ds_kernel(
     SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
     HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, HAS_SINK: gl.constexpr,
     SPLIT: gl.constexpr, BH: gl.constexpr, IDX_AHEAD: gl.constexpr = 1,
-    PRIOR: gl.constexpr = False,
+    DEQ_PREFETCH: gl.constexpr = True, PRIOR: gl.constexpr = False,
 ):
     """Persistent grid of at most one CTA per SM over the ``num_items = T * num_splits *
     num_ht`` items (``decode_few_ws``'s ``PERSIST``); launch with ``num_warps=MMA_WARPS``.
     Arguments as ``decode_few_ws._sparse_mla_decode_few_ws_kernel``'s (two ring stages, two key
-    tiles; 8-head tiles; e4m3 records, 584 or 528)."""
+    tiles; 8-head tiles; e4m3 records, 584 or 528); ``DEQ_PREFETCH``: the dequant + S
+    warpgroups load each group's bytes one group ahead."""
     gl.static_assert(BH == 8, "8-head tiles")
     gl.static_assert(SRC_A != 288 and (not HAS_B or SRC_B != 288), "e4m3 records")
     r0, r1, r2, r3, r4, r5, r6, r7, scale_ring, rope_ring, idx_ring = _alloc_rings(
@@ -385,11 +415,11 @@ def _sparse_mla_decode_few_ds_kernel(
                        b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, r0, r1, r2, r3, r4,
                        r5, r6, r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6,
                        k7, kid, qp0, s_buf, ready, free, tready, tfree, SRC_A, SRC_B, HAS_B,
-                       HAS_LEN_A, HAS_LEN_B, SPLIT, BH)),
+                       HAS_LEN_A, HAS_LEN_B, SPLIT, BH, DEQ_PREFETCH)),
         (_ds_items_1, (num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
                        b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, r0, r1, r2, r3, r4,
                        r5, r6, r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6,
                        k7, kid, qp1, s_buf, ready, free, tready, tfree, SRC_A, SRC_B, HAS_B,
-                       HAS_LEN_A, HAS_LEN_B, SPLIT, BH)),
+                       HAS_LEN_A, HAS_LEN_B, SPLIT, BH, DEQ_PREFETCH)),
     ], [PRODUCER_WARPS, DS_WARPS, DS_WARPS],
-        [PERSIST_PRODUCER_REGS_8, DS_REGS, DS_REGS])
+        [PRODUCER_REGS_DS, DS_REGS, DS_REGS])

@@ -390,7 +390,8 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
             from .decode_few_ds import _sparse_mla_decode_few_ds_kernel
             k = _sparse_mla_decode_few_ds_kernel[grid](
                 *args, H, qk_scale, ns, n_ht, items, **flags, SPLIT=ns > 1, BH=bh,
-                IDX_AHEAD=ahead, PRIOR=prior, num_warps=MMA_WARPS.value)
+                IDX_AHEAD=ahead, DEQ_PREFETCH=over.get("deq_prefetch", DEQ_PREFETCH),
+                PRIOR=prior, num_warps=MMA_WARPS.value)
             LAST_LAUNCH["fwd"] = (k, (bh, ns, MMA_WARPS.value, stages, "few_ds"))
             LAST_LAUNCH["persist"] = True
             return
