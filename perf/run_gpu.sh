@@ -10,8 +10,9 @@
 # and its ncu pass; "paged" the paged prefill with window rows: its GPU tests, then the 8-head
 # kernel rows and the layer's memory table, each step time-bounded so the part fits a 600 s
 # call; "persist" the few-heads decode on its per-token and persistent grids at decode batch
-# sizes; "ds" the record kernel's dequant + S form: its GPU tests, the top-k probe beside the
-# record kernel, the layer chunk with it off and on, memcheck) picks the parts to run and
+# sizes; "ds" the record kernel's dequant + S form: its GPU tests and the top-k probe beside
+# the record kernel; "dslayer" the layer chunk at 8K with it off and on, and its memcheck)
+# picks the parts to run and
 # TESTS_K narrows the GPU tests to a pytest -k expression, so a short device call can run only
 # what changed, e.g.
 #   PARTS="tests prefill" TESTS_K=wsp BENCH_GLUON_VARIANTS=ws,wsp bash perf/run_gpu.sh
@@ -124,6 +125,9 @@ if part ds; then
   timeout 120 $PY perf/paged_topk_probe.py --tokens 2048,4096 --check \
     --rows "decode,decode ds,decode ds no reads,prefill few" > "$OUTDIR/ds_probe.log" 2>&1
   cat "$OUTDIR/ds_probe.log"
+fi
+echo "== the dequant + S form in the layer chunk (8K, off / on) and under memcheck"
+if part dslayer; then
   for ds in 0 1; do
     timeout 120 $PY perf/bench_prefill.py --layer-only --contexts 8192 --few-ds $ds \
       > "$OUTDIR/ds_layer_$ds.log" 2>&1
