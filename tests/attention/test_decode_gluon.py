@@ -167,6 +167,43 @@ def test_gluon_picks_compile_at_launch_values(entry, shape):
         assert 0 < r["regs"] <= 255 and r["stack"] == 0, (case, r)
 
 
+def test_few_ds_dim_order_renames_the_a_fragment():
+    """``decode_few_ds._ds_perm`` (the order Q is loaded in) is the column order ``_ds_a``'s
+    reshape / permute gives a group, it is a permutation, every wgmma A-fragment column a
+    thread holds (``2 (l % 4) + {0, 1, 8, 9}`` of each 16-wide step) is one of the 16 dims that
+    thread loaded (``16 (l % 4) ..``), and the renamed product equals ``K Q^T``."""
+    from dsv41_triton.attention.gluon import decode_few_ds as ds
+
+    perm = ds._ds_perm.fn(torch.arange(64))
+    cols = torch.arange(64).reshape(4, 4, 2, 2).permute(1, 2, 0, 3).reshape(64)
+    assert torch.equal(perm, cols) and torch.equal(perm.sort().values, torch.arange(64))
+    for L in range(64):
+        lane_c = (L % 8) // 2  # the thread column (lane % 4) holding fragment column L % 16
+        assert 16 * lane_c <= int(perm[L]) < 16 * lane_c + 16, (L, int(perm[L]))
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(64, 64, generator=g, dtype=torch.float64)
+    q = torch.randn(8, 64, generator=g, dtype=torch.float64)
+    a = k.reshape(64, 4, 4, 2, 2).permute(0, 2, 3, 1, 4).reshape(64, 64)
+    assert torch.allclose(a @ q[:, perm].T, k @ q.T, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("H,src_a,src_b,shape,persist,ds", [
+    (8, 584, 584, "4:8:2:W", True, True), (8, 528, None, "4:8:2:W:0:p", True, True),
+    (8, 584, 528, "4:8:2:W", True, False), (8, 528, 288, "4:8:2:W", True, False),
+    (16, 584, 584, "4:16:2:W", True, False), (8, 584, 584, "4:8:2:w", False, False)])
+def test_few_ds_launch_conditions(H, src_a, src_b, shape, persist, ds):
+    """``launch.FEW_DS`` takes the dequant + S form on the persistent grid with 8-head tiles
+    and one e4m3 record width only (584 beside 528 needs both rings; 288 is e2m1; 16-head
+    tiles and the per-item grid keep ``decode_few_ws``)."""
+    if not gluon_pkg.AVAILABLE:
+        pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
+    from dsv41_triton.attention.gluon import compile_check as cc
+    (r,) = cc.capture_decode(300, H, src_a, src_b or 0, shape, persist=persist, ds=True)
+    assert r["kernel"].split(".")[0] == ("decode_few_ds" if ds else "decode_few_ws"), r["kernel"]
+    (r,) = cc.capture_decode(300, H, src_a, src_b or 0, shape, persist=persist, ds=False)
+    assert r["kernel"].split(".")[0] == "decode_few_ws", r["kernel"]
+
+
 @pytest.mark.parametrize("T,H,src_a,src_b,prior,shape", [
     (2048, 8, 584, 0, True, "4:8:2:W:0:p"), (2048, 8, 528, 0, True, "4:8:2:W:0:p"),
     (300, 13, 584, 584, False, "4:8:2:W"), (1, 3, 528, 528, False, "4:8:2:W:0")])
