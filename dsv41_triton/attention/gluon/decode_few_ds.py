@@ -10,8 +10,9 @@ of the CTA's run: warpgroup ``G % 2``, ring stage and key tile ``G % 2``):
   (no shared-memory read of K for S), then stores ``S^T [64 keys, BH]`` fp32 beside the tile and
   hands both over (``tready[k]``). Each warpgroup keeps its own copy of Q, loaded one item
   ahead, in the permuted dim order below.
-* **MMA** (the default warpgroup): per block the online softmax of the handed-over ``S^T`` and
-  ``O^T += K^T P^T``, then the prior merge and the epilogue of ``decode_few_ws._mma_part``.
+* **MMA** (the default warpgroup, ``decode_few_ws._mma_part`` with ``S_GIVEN``): per block the
+  online softmax of the handed-over ``S^T`` and ``O^T += K^T P^T``, then the prior merge and
+  the epilogue.
 
 A thread of a dequant warpgroup holds, per group, keys ``16 w + l // 4`` and ``+ 8`` and the 16
 consecutive dims ``16 (l % 4) ..`` (``_ds_layout``): one 16-byte read of the raw group, two
@@ -31,12 +32,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 
 from ._api import barrier
-from .common import _load_sink, _merge_prior, _prior_tiles
-from .decode import _acc_layout, _few_heads_epilogue, _online_softmax, _pv
+from .decode import _acc_layout
 from .dequant import _E4M3_ASM, _ue8m0_f32
 from .gather import _alloc_rings, _item_ids, _pick
 from .decode_heads_ws import PRODUCER_WARPS, _alloc_ids_pre
-from .decode_few_ws import MMA_WARPS, _item_lens, _item_step, _producer_items
+from .decode_few_ws import _item_lens, _item_step, _mma_part, _producer_items
 
 #: warps of each dequant + S partition (one warpgroup: the wgmma's A rows)
 DS_WARPS = gl.constexpr(4)
@@ -234,98 +234,6 @@ def _ds_items(K: gl.constexpr, num_items, num_ht, num_splits, a_len_ptr, a_len_s
 
 
 @gluon.jit
-def _ds_items_0(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
-                b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, r0, r1, r2, r3, r4, r5, r6,
-                r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp,
-                s_buf, ready, free, tready, tfree, SRC_A: gl.constexpr, SRC_B: gl.constexpr,
-                HAS_B: gl.constexpr, HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr,
-                SPLIT: gl.constexpr, BH: gl.constexpr, PREFETCH: gl.constexpr):
-    """``_ds_items`` of warpgroup 0 (the even blocks)."""
-    _ds_items(0, num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
-              b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, r0, r1, r2, r3, r4, r5, r6, r7,
-              rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf,
-              ready, free, tready, tfree, SRC_A, SRC_B, HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT, BH,
-              PREFETCH)
-
-
-@gluon.jit
-def _ds_items_1(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
-                b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, r0, r1, r2, r3, r4, r5, r6,
-                r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp,
-                s_buf, ready, free, tready, tfree, SRC_A: gl.constexpr, SRC_B: gl.constexpr,
-                HAS_B: gl.constexpr, HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr,
-                SPLIT: gl.constexpr, BH: gl.constexpr, PREFETCH: gl.constexpr):
-    """``_ds_items`` of warpgroup 1 (the odd blocks)."""
-    _ds_items(1, num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
-              b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, r0, r1, r2, r3, r4, r5, r6, r7,
-              rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf,
-              ready, free, tready, tfree, SRC_A, SRC_B, HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT, BH,
-              PREFETCH)
-
-
-@gluon.jit
-def _mma_ds_part(t_tok, split, ht, H, qk_scale, num_splits, nblk, sink_ptr, sink_st, out_ptr,
-                 stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, po_ptr, pl_ptr, k0, k1,
-                 k2, k3, k4, k5, k6, k7, kid, s_buf, p_smem, tready, tfree,
-                 HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BH: gl.constexpr,
-                 PRIOR: gl.constexpr, g0):
-    """One item on the MMA warpgroup: per block ``g0 + j`` (tile ``(g0 + j) % 2``) the handed-
-    over ``S^T``, the online softmax and ``O^T``; then the prior and the epilogue
-    (``decode_few_ws._mma_part``'s, the sink loaded before the key loop)."""
-    ACC: gl.constexpr = _acc_layout(BH, MMA_WARPS)
-    SINK_GIVEN: gl.constexpr = HAS_SINK and not SPLIT
-    sk = 0
-    if SINK_GIVEN:
-        hs = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, ACC))
-        sk = _load_sink(sink_ptr, sink_st, hs.to(gl.int64), hs < H)
-    if PRIOR:  # issued before the key loop, merged after it
-        hp = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, ACC))
-        hpm = hp < H
-        hp64 = hp.to(gl.int64)
-        dp = gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))
-        prow = out_ptr + t_tok * stride_ot + hp64[None, :] * stride_oh + dp[:, None]
-        pm = hpm[None, :] & (dp >= 0)[:, None]
-        lp = gl.load(lse_ptr + t_tok * stride_lt + hp64 * stride_lh, mask=hpm, other=float("inf"))
-        p0, p1, p2, p3, p4, p5, p6, p7 = _prior_tiles(prow, pm)
-    m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ACC))
-    zero = gl.full([64, BH], 0.0, gl.float32, layout=ACC)
-    l_part = zero
-    o0 = zero
-    o1 = zero
-    o2 = zero
-    o3 = zero
-    o4 = zero
-    o5 = zero
-    o6 = zero
-    o7 = zero
-    for j in range(nblk):
-        t = (g0 + j) % 2
-        mbarrier.wait(tready.index(t), ((g0 + j) // 2) & 1)
-        sT = s_buf.index(t).load(ACC)
-        kidx = kid.index(t).load(gl.SliceLayout(1, ACC))
-        p, alpha, m_i, l_part = _online_softmax(sT * qk_scale, kidx >= 0, m_i, l_part)
-        p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
-        fence_async_shared()
-        barrier()
-        kt0 = k0.index(t)
-        kt7 = k7.index(t)
-        o0, o1, o2, o3, o4, o5, o6, o7 = _pv(kt0, k1.index(t), k2.index(t), k3.index(t),
-                                             k4.index(t), k5.index(t), k6.index(t), kt7, kt7,
-                                             p_smem, p_smem, o0, o1, o2, o3, o4, o5, o6, o7,
-                                             alpha, False)
-        barrier()  # every warp's S^T / id reads and products precede the release
-        mbarrier.arrive(tfree.index(t))
-    l_i = gl.sum(l_part, axis=0)
-    if PRIOR:
-        l_i, m_i, o0, o1, o2, o3, o4, o5, o6, o7 = _merge_prior(
-            l_i, m_i, lp, o0, o1, o2, o3, o4, o5, o6, o7, p0, p1, p2, p3, p4, p5, p6, p7)
-    _few_heads_epilogue(o0, o1, o2, o3, o4, o5, o6, o7, l_i, m_i, 1.0, t_tok, split, ht, H,
-                        num_splits, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr,
-                        stride_lt, stride_lh, po_ptr, pl_ptr, ACC, HAS_SINK, SPLIT, BH,
-                        SINK_GIVEN, sk)
-
-
-@gluon.jit
 def _mma_ds_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
                   b_len_st, b_width, H, qk_scale, sink_ptr, sink_st, out_ptr, stride_ot,
                   stride_oh, lse_ptr, stride_lt, stride_lh, po_ptr, pl_ptr, k0, k1, k2, k3, k4,
@@ -342,10 +250,10 @@ def _mma_ds_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b
         ht, split, t, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk, la, lb = _item_step(
             item, grid, num_items, la, lb, num_ht, num_splits, a_len_ptr, a_len_st, a_width,
             b_len_ptr, b_len_st, b_width, HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT)
-        _mma_ds_part(t, split, ht, H, qk_scale, num_splits, nblk, sink_ptr, sink_st, out_ptr,
-                     stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, po_ptr, pl_ptr, k0,
-                     k1, k2, k3, k4, k5, k6, k7, kid, s_buf, p_smem, tready, tfree, HAS_SINK,
-                     SPLIT, BH, PRIOR, g)
+        _mma_part(0, 0, 0, t, split, ht, H, qk_scale, num_splits, nblk, sink_ptr, sink_st,
+                  out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, po_ptr, pl_ptr,
+                  k0, k1, k2, k3, k4, k5, k6, k7, kid, p_smem, p_smem, tready, tfree, HAS_SINK,
+                  SPLIT, BH, 2, PRIOR, g, SINK_AHEAD=True, s_buf=s_buf, S_GIVEN=True)
         g += nblk
 
 
@@ -411,12 +319,12 @@ def _sparse_mla_decode_few_ds_kernel(
                            b_page, b_rows, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring,
                            scale_ring, idx_ring, ids_pre, ready, free, SRC_A, SRC_B, HAS_B,
                            HAS_LEN_A, HAS_LEN_B, SPLIT, 2, IDX_AHEAD)),
-        (_ds_items_0, (num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
+        (_ds_items, (0, num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
                        b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, r0, r1, r2, r3, r4,
                        r5, r6, r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6,
                        k7, kid, qp0, s_buf, ready, free, tready, tfree, SRC_A, SRC_B, HAS_B,
                        HAS_LEN_A, HAS_LEN_B, SPLIT, BH, DEQ_PREFETCH)),
-        (_ds_items_1, (num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
+        (_ds_items, (1, num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
                        b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, r0, r1, r2, r3, r4,
                        r5, r6, r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6,
                        k7, kid, qp1, s_buf, ready, free, tready, tfree, SRC_A, SRC_B, HAS_B,

@@ -131,12 +131,14 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
               tfree, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BH: gl.constexpr,
               NT: gl.constexpr, PRIOR: gl.constexpr, g0=0, QREGS: gl.constexpr = False,
               q0=0, q1=0, q2=0, q3=0, q4=0, q5=0, q6=0, q7=0, SINK_AHEAD: gl.constexpr = False,
-              MODE: gl.constexpr = 0):
+              MODE: gl.constexpr = 0, s_buf=None, S_GIVEN: gl.constexpr = False):
     """One warpgroup: Q, then both swap-AB wgmmas and the softmax of every block (key tile
     ``(g0 + j) % NT``), then the epilogue. ``QREGS``: Q's eight 64-dim groups are ``q0..q7``
     (``_load_q``, loaded by the caller ahead of time). ``SINK_AHEAD``: the sink is loaded
     before the key loop, not in the epilogue (its latency hidden under the blocks). ``MODE``
-    1 / 2: each key tile released unread (no products)."""
+    1 / 2: each key tile released unread (no products). ``S_GIVEN`` (``decode_few_ds.py``): no
+    Q and no ``S^T`` product here, each block's ``S^T [64, BH]`` fp32 is read from ``s_buf[t]``
+    (handed over with the tile)."""
     ACC: gl.constexpr = _acc_layout(BH, MMA_WARPS)
     LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [MMA_WARPS, 1], [1, 0])
     SINK_GIVEN: gl.constexpr = SINK_AHEAD and HAS_SINK and not SPLIT
@@ -153,7 +155,9 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
         pm = hpm[None, :] & (dp >= 0)[:, None]
         lp = gl.load(lse_ptr + t_tok * stride_lt + hp64 * stride_lh, mask=hpm, other=float("inf"))
         p0, p1, p2, p3, p4, p5, p6, p7 = _prior_tiles(prow, pm)
-    if QREGS:
+    if S_GIVEN:
+        pass
+    elif QREGS:
         q_smem.index(0).store(q0)
         q_smem.index(1).store(q1)
         q_smem.index(2).store(q2)
@@ -165,8 +169,9 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
     else:
         qrow, hq, dq = _q_rows(q_ptr, t_tok, stride_qt, stride_qh, ht, BH, LQ)
         _store_q(qrow, hq, dq, H, q_smem)
-    fence_async_shared()
-    barrier()
+    if not S_GIVEN:
+        fence_async_shared()
+        barrier()
 
     m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ACC))
     zero = gl.full([64, BH], 0.0, gl.float32, layout=ACC)
@@ -191,7 +196,10 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
             kt5 = k5.index(t)
             kt6 = k6.index(t)
             kt7 = k7.index(t)
-            sT = _qk(kt0, kt1, kt2, kt3, kt4, kt5, kt6, kt7, q_smem, zero)  # S^T [64 keys, BH]
+            if S_GIVEN:
+                sT = s_buf.index(t).load(ACC)
+            else:
+                sT = _qk(kt0, kt1, kt2, kt3, kt4, kt5, kt6, kt7, q_smem, zero)  # [64 keys, BH]
             kidx = kid.index(t).load(gl.SliceLayout(1, ACC))
             p, alpha, m_i, l_part = _online_softmax(sT * qk_scale, kidx >= 0, m_i, l_part)
             p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
