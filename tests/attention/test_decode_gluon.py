@@ -192,9 +192,10 @@ def test_few_ds_dim_order_renames_the_a_fragment():
     (8, 584, 528, "4:8:2:W", True, False), (8, 528, 288, "4:8:2:W", True, False),
     (16, 584, 584, "4:16:2:W", True, False), (8, 584, 584, "4:8:2:w", False, False)])
 def test_few_ds_launch_conditions(H, src_a, src_b, shape, persist, ds):
-    """``launch.FEW_DS`` takes the dequant + S form on the persistent grid with 8-head tiles
-    and one e4m3 record width only (584 beside 528 needs both rings; 288 is e2m1; 16-head
-    tiles and the per-item grid keep ``decode_few_ws``)."""
+    """The override key ``ds`` takes the dequant + S form on the persistent grid with 8-head
+    tiles and one e4m3 record width only (584 beside 528 needs both rings; 288 is e2m1; 16-head
+    tiles and the per-item grid keep ``decode_few_ws``); ``launch.FEW_DS`` alone asks for it in
+    prior launches only (the paged prefill's top-k records), not in decodes."""
     if not gluon_pkg.AVAILABLE:
         pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
     from dsv41_triton.attention.gluon import compile_check as cc
@@ -202,6 +203,17 @@ def test_few_ds_launch_conditions(H, src_a, src_b, shape, persist, ds):
     assert r["kernel"].split(".")[0] == ("decode_few_ds" if ds else "decode_few_ws"), r["kernel"]
     (r,) = cc.capture_decode(300, H, src_a, src_b or 0, shape, persist=persist, ds=False)
     assert r["kernel"].split(".")[0] == "decode_few_ws", r["kernel"]
+    if src_b is None and persist:
+        from dsv41_triton.attention.gluon import launch as gl_launch
+        old = gl_launch.FEW_DS
+        gl_launch.FEW_DS = True
+        try:
+            (r,) = cc.capture_decode(300, H, src_a, 0, shape, persist=persist)
+            assert r["kernel"].split(".")[0] == "decode_few_ws", r["kernel"]  # a decode
+            (r,) = cc.capture_decode(300, H, src_a, 0, shape, persist=persist, prior=True)
+            assert r["kernel"].split(".")[0] == "decode_few_ds", r["kernel"]
+        finally:
+            gl_launch.FEW_DS = old
 
 
 @pytest.mark.parametrize("T,H,src_a,src_b,prior,shape", [
@@ -847,8 +859,7 @@ def test_gluon_few_ds_gpu(device, monkeypatch, shape, T, H, swa_rec, extra_rec):
     SMs, 1..13 heads (two head tiles at 13), split keys at T <= 5, a CUDA-graph replay."""
     _need_gluon_gpu()
     from dsv41_triton.attention.gluon import launch as gl_launch
-    monkeypatch.setattr(gl_launch, "FEW_DS", True)
-    monkeypatch.setenv("DSV41_GLUON_SHAPE", shape)
+    monkeypatch.setattr(gl_launch, "OVERRIDE", {**gl_launch.parse_shape(shape), "ds": True})
     _check_empty_rows(_empty_rows_case(device, T, H, swa_rec, extra_rec))
     assert gl_launch.LAST_LAUNCH["fwd"][1][4] == "few_ds"
     _check(_case(device, T, H, swa_rec, extra_rec))

@@ -228,9 +228,11 @@ def pick(T: int, H: int, a, b, device: torch.device) -> bool:
 #: DSV41_GLUON_SHAPE="num_warps:block_h:stages[:x]" (0 = default) sets it from the environment
 OVERRIDE = {}
 
-#: whether the few-heads ws kernel's persistent launches with 8-head tiles and one e4m3 record
-#: width run its dequant + S form (``decode_few_ds.py``: the dequant warpgroups compute the
-#: logits from the registers they converted, so K is read from shared memory once for S)
+#: whether ``launch(prior=True)`` (the paged prefill's top-k records) with 8-head tiles and one
+#: e4m3 record width runs the few-heads ws kernel's dequant + S form on its persistent grid
+#: (``decode_few_ds.py``: the dequant warpgroups compute the logits from the registers they
+#: converted, so K is read from shared memory once, for O^T); decodes take it only through the
+#: override key ``ds``. Off until timed on a GPU (perf/NOTES.md, "Session 30")
 FEW_DS = False
 
 #: whether ``launch(prior=True)`` runs the few-heads ws kernel on a persistent grid (at most
@@ -385,7 +387,7 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
                                 else DECODE_PERSIST and items > sms))
         grid = (min(sms, items),) if persist else (items,)
         srcs = {a.src, bb.src}
-        if (over.get("ds", FEW_DS) and persist and bh == 8 and over.get("mode", 0) == 0
+        if (over.get("ds", FEW_DS and prior) and persist and bh == 8 and over.get("mode", 0) == 0
                 and len(srcs) == 1 and 288 not in srcs):
             from .decode_few_ds import _sparse_mla_decode_few_ds_kernel
             k = _sparse_mla_decode_few_ds_kernel[grid](
