@@ -216,6 +216,30 @@ def test_few_ds_launch_conditions(H, src_a, src_b, shape, persist, ds):
             gl_launch.FEW_DS = old
 
 
+def test_few_ds_split_decode_merges_its_splits(monkeypatch):
+    """A split decode on the dequant + S form (one token: key splits fill the SMs) is followed
+    by the split merge, as on the record kernel: the form's launch takes the common path
+    after the kernel, not a return of its own."""
+    if not gluon_pkg.AVAILABLE:
+        pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
+    from dsv41_triton.attention import _launch
+    from dsv41_triton.attention.gluon import compile_check as cc
+    merges, recording = [], cc._recording
+
+    def counting(kernels, sms, run):
+        def run_counting():
+            _launch.merge_splits = lambda *a, **k: merges.append(a[7])  # ns
+            run()
+        return recording(kernels, sms, run_counting)
+    monkeypatch.setattr(cc, "_recording", counting)
+    for ds in (False, True):
+        merges.clear()
+        (r,) = cc.capture_decode(1, 3, 528, 528, "4:8:2:W", persist=True, ds=ds)
+        assert r["kernel"].split(".")[0] == ("decode_few_ds" if ds else "decode_few_ws")
+        ns = r["args"][-3]  # (..., H, qk_scale, num_splits, num_ht, num_items)
+        assert r["kwargs"]["SPLIT"] is True and ns > 1 and merges == [ns], (ds, ns, merges)
+
+
 @pytest.mark.parametrize("T,H,src_a,src_b,prior,shape", [
     (2048, 8, 584, 0, True, "4:8:2:W:0:p"), (2048, 8, 528, 0, True, "4:8:2:W:0:p"),
     (300, 13, 584, 584, False, "4:8:2:W"), (1, 3, 528, 528, False, "4:8:2:W:0")])

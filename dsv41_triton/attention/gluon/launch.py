@@ -387,22 +387,20 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
                                 else DECODE_PERSIST and items > sms))
         grid = (min(sms, items),) if persist else (items,)
         srcs = {a.src, bb.src}
-        if (over.get("ds", FEW_DS and prior) and persist and bh == 8 and over.get("mode", 0) == 0
+        mode = over.get("mode", 0)
+        if (over.get("ds", FEW_DS and prior) and persist and bh == 8 and mode == 0
                 and len(srcs) == 1 and 288 not in srcs):
-            from .decode_few_ds import _sparse_mla_decode_few_ds_kernel
-            k = _sparse_mla_decode_few_ds_kernel[grid](
-                *args, H, qk_scale, ns, n_ht, items, **flags, SPLIT=ns > 1, BH=bh,
-                IDX_AHEAD=ahead, DEQ_PREFETCH=over.get("deq_prefetch", DEQ_PREFETCH),
-                PRIOR=prior, num_warps=MMA_WARPS.value)
-            LAST_LAUNCH["fwd"] = (k, (bh, ns, MMA_WARPS.value, stages, "few_ds"))
-            LAST_LAUNCH["persist"] = True
-            return
-        k = _sparse_mla_decode_few_ws_kernel[grid](
-            *args, H, qk_scale, ns, n_ht, items, **flags, SPLIT=ns > 1, BH=bh, NS=stages,
-            NT=nt, IDX_AHEAD=ahead, DEQ_PREFETCH=over.get("deq_prefetch", DEQ_PREFETCH),
-            PRIOR=prior, PERSIST=persist, MODE=over.get("mode", 0),
-            num_warps=MMA_WARPS.value)
-        LAST_LAUNCH["fwd"] = (k, (bh, ns, MMA_WARPS.value, stages, "few_ws"))
+            # the dequant + S form: persistent, two stages and tiles by construction
+            from .decode_few_ds import _sparse_mla_decode_few_ds_kernel as kern
+            kind, form = "few_ds", {}
+        else:
+            kern, kind = _sparse_mla_decode_few_ws_kernel, "few_ws"
+            form = dict(NS=stages, NT=nt, PERSIST=persist, MODE=mode)
+        k = kern[grid](
+            *args, H, qk_scale, ns, n_ht, items, **flags, SPLIT=ns > 1, BH=bh,
+            IDX_AHEAD=ahead, DEQ_PREFETCH=over.get("deq_prefetch", DEQ_PREFETCH), PRIOR=prior,
+            **form, num_warps=MMA_WARPS.value)
+        LAST_LAUNCH["fwd"] = (k, (bh, ns, MMA_WARPS.value, stages, kind))
         LAST_LAUNCH["persist"] = persist
     elif bh == 64:
         # the many-heads kernel: 64-head tiles, two warpgroups (the warp-specialized variant: a
