@@ -10,7 +10,7 @@ of the CTA's run: warpgroup ``G % 2``, ring stage and key tile ``G % 2``):
   (no shared-memory read of K for S), then stores ``S^T [64 keys, BH]`` fp32 beside the tile and
   hands both over (``tready[k]``). Each warpgroup keeps its own copy of Q, loaded one item
   ahead, in the permuted dim order below.
-* **MMA** (the default warpgroup, ``decode_few_ws._mma_part`` with ``S_GIVEN``): per block the
+* **MMA** (the default warpgroup, ``decode_few_ws._mma_items`` with ``S_GIVEN``): per block the
   online softmax of the handed-over ``S^T`` and ``O^T += K^T P^T``, then the prior merge and
   the epilogue.
 
@@ -32,11 +32,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 
 from ._api import barrier
-from .decode import _acc_layout
+from .decode import _acc_layout, _q_group, _q_rows
 from .dequant import _E4M3_ASM, _ue8m0_f32
 from .gather import _alloc_rings, _item_ids, _pick
 from .decode_heads_ws import PRODUCER_WARPS, _alloc_ids_pre
-from .decode_few_ws import _item_lens, _item_step, _mma_part, _producer_items
+from .decode_few_ws import _item_lens, _item_step, _mma_items, _producer_items
 
 #: warps of each dequant + S partition (one warpgroup: the wgmma's A rows)
 DS_WARPS = gl.constexpr(4)
@@ -163,14 +163,12 @@ def _ds_q(q_ptr, item, num_items, num_ht, num_splits, stride_qt, stride_qh, H,
     the contraction order of ``_ds_perm`` (heads ``>= H`` as 0)."""
     LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [DS_WARPS, 1], [1, 0])
     ht, split, t = _item_ids(gl.minimum(item, num_items - 1), num_ht, num_splits)
-    hq = ht * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, LQ))
-    dq = _ds_perm(gl.arange(0, 64, layout=gl.SliceLayout(0, LQ)))
-    row = q_ptr + t * stride_qt + hq.to(gl.int64)[:, None] * stride_qh + dq[None, :]
-    m = (hq < H)[:, None]
-    return (gl.load(row, mask=m, other=0.0), gl.load(row + 64, mask=m, other=0.0),
-            gl.load(row + 128, mask=m, other=0.0), gl.load(row + 192, mask=m, other=0.0),
-            gl.load(row + 256, mask=m, other=0.0), gl.load(row + 320, mask=m, other=0.0),
-            gl.load(row + 384, mask=m, other=0.0), gl.load(row + 448, mask=m, other=0.0))
+    qrow, hq, dq = _q_rows(q_ptr, t, stride_qt, stride_qh, ht, BH, LQ)
+    dq = _ds_perm(dq)
+    return (_q_group(qrow, hq, dq, H, 0), _q_group(qrow, hq, dq, H, 1),
+            _q_group(qrow, hq, dq, H, 2), _q_group(qrow, hq, dq, H, 3),
+            _q_group(qrow, hq, dq, H, 4), _q_group(qrow, hq, dq, H, 5),
+            _q_group(qrow, hq, dq, H, 6), _q_group(qrow, hq, dq, H, 7))
 
 
 @gluon.jit
@@ -234,30 +232,6 @@ def _ds_items(K: gl.constexpr, num_items, num_ht, num_splits, a_len_ptr, a_len_s
 
 
 @gluon.jit
-def _mma_ds_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
-                  b_len_st, b_width, H, qk_scale, sink_ptr, sink_st, out_ptr, stride_ot,
-                  stride_oh, lse_ptr, stride_lt, stride_lh, po_ptr, pl_ptr, k0, k1, k2, k3, k4,
-                  k5, k6, k7, kid, s_buf, p_smem, tready, tfree, HAS_B: gl.constexpr,
-                  HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, HAS_SINK: gl.constexpr,
-                  SPLIT: gl.constexpr, BH: gl.constexpr, PRIOR: gl.constexpr):
-    """The MMA warpgroup over this CTA's items (lens one item ahead)."""
-    pid = gl.program_id(0)
-    grid = gl.num_programs(0)
-    la, lb = _item_lens(pid, num_items, num_ht, num_splits, a_len_ptr, a_len_st, b_len_ptr,
-                        b_len_st, HAS_B, HAS_LEN_A, HAS_LEN_B)
-    g = 0
-    for item in range(pid, num_items, grid):
-        ht, split, t, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk, la, lb = _item_step(
-            item, grid, num_items, la, lb, num_ht, num_splits, a_len_ptr, a_len_st, a_width,
-            b_len_ptr, b_len_st, b_width, HAS_B, HAS_LEN_A, HAS_LEN_B, SPLIT)
-        _mma_part(0, 0, 0, t, split, ht, H, qk_scale, num_splits, nblk, sink_ptr, sink_st,
-                  out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, po_ptr, pl_ptr,
-                  k0, k1, k2, k3, k4, k5, k6, k7, kid, p_smem, p_smem, tready, tfree, HAS_SINK,
-                  SPLIT, BH, 2, PRIOR, g, SINK_AHEAD=True, s_buf=s_buf, S_GIVEN=True)
-        g += nblk
-
-
-@gluon.jit
 def _sparse_mla_decode_few_ds_kernel(
     q_ptr, stride_qt, stride_qh,
     a_ptr, a_idx_ptr, a_idx_st, a_len_ptr, a_len_st, a_width, a_bstride, a_page, a_rows,
@@ -308,11 +282,12 @@ def _sparse_mla_decode_few_ds_kernel(
         mbarrier.init(tfree.index(i), count=1)
 
     gl.warp_specialize([
-        (_mma_ds_items, (num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width,
-                         b_len_ptr, b_len_st, b_width, H, qk_scale, sink_ptr, sink_st, out_ptr,
-                         stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, po_ptr, pl_ptr,
-                         k0, k1, k2, k3, k4, k5, k6, k7, kid, s_buf, p_smem, tready, tfree,
-                         HAS_B, HAS_LEN_A, HAS_LEN_B, HAS_SINK, SPLIT, BH, PRIOR)),
+        (_mma_items, (num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
+                      b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, qk_scale, sink_ptr,
+                      sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
+                      po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid, p_smem, p_smem,
+                      tready, tfree, HAS_B, HAS_LEN_A, HAS_LEN_B, HAS_SINK, SPLIT, BH, 2, PRIOR,
+                      0, s_buf, True)),
         (_producer_items, (num_items, num_ht, num_splits, a_ptr, a_idx_ptr, a_idx_st,
                            a_len_ptr, a_len_st, a_width, a_bstride, a_page, a_rows, b_ptr,
                            b_idx_ptr, b_idx_st, b_len_ptr, b_len_st, b_width, b_bstride,

@@ -357,13 +357,15 @@ def _mma_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_le
                k1, k2, k3, k4, k5, k6, k7, kid, q_smem, p_smem, tready, tfree,
                HAS_B: gl.constexpr, HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr,
                HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BH: gl.constexpr,
-               NT: gl.constexpr, PRIOR: gl.constexpr, MODE: gl.constexpr = 0):
+               NT: gl.constexpr, PRIOR: gl.constexpr, MODE: gl.constexpr = 0, s_buf=None,
+               S_GIVEN: gl.constexpr = False):
     """``PERSIST``: the MMA warpgroup over this CTA's items, with the next item's lens (and,
     for 8-head tiles, its Q) loaded into registers while it works on this one (Q stored
     again per item: the previous item's products that read it were waited before its last
     block's warpgroup barrier; an item without blocks reads no Q). A 16-head tile's next Q
-    (32 more registers) would spill the partition's 240 registers, so it loads Q per item."""
-    QAHEAD: gl.constexpr = BH <= 8
+    (32 more registers) would spill the partition's 240 registers, so it loads Q per item.
+    ``S_GIVEN``: ``_mma_part``'s (no Q; each block's S^T from ``s_buf``)."""
+    QAHEAD: gl.constexpr = BH <= 8 and not S_GIVEN
     pid = gl.program_id(0)
     grid = gl.num_programs(0)
     la, lb = _item_lens(pid, num_items, num_ht, num_splits, a_len_ptr, a_len_st, b_len_ptr,
@@ -392,7 +394,7 @@ def _mma_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_le
                   sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
                   stride_lh, po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid, q_smem,
                   p_smem, tready, tfree, HAS_SINK, SPLIT, BH, NT, PRIOR, g, QAHEAD, q0, q1,
-                  q2, q3, q4, q5, q6, q7, True, MODE)
+                  q2, q3, q4, q5, q6, q7, True, MODE, s_buf, S_GIVEN)
         g += nblk
         if QAHEAD:
             q0 = n0
