@@ -191,7 +191,7 @@ def test_few_ds_dim_order_renames_the_a_fragment():
     (8, 584, 584, "4:8:2:W", True, True), (8, 528, None, "4:8:2:W:0:p", True, True),
     (8, 584, 528, "4:8:2:W", True, False), (8, 528, 288, "4:8:2:W", True, False),
     (16, 584, 584, "4:16:2:W", True, False), (8, 584, 584, "4:8:2:w", False, False)])
-def test_few_ds_launch_conditions(H, src_a, src_b, shape, persist, ds):
+def test_few_ds_launch_conditions(monkeypatch, H, src_a, src_b, shape, persist, ds):
     """The override key ``ds`` takes the dequant + S form on the persistent grid with 8-head
     tiles and one e4m3 record width only (584 beside 528 needs both rings; 288 is e2m1; 16-head
     tiles and the per-item grid keep ``decode_few_ws``); ``launch.FEW_DS`` alone asks for it in
@@ -205,15 +205,11 @@ def test_few_ds_launch_conditions(H, src_a, src_b, shape, persist, ds):
     assert r["kernel"].split(".")[0] == "decode_few_ws", r["kernel"]
     if src_b is None and persist:
         from dsv41_triton.attention.gluon import launch as gl_launch
-        old = gl_launch.FEW_DS
-        gl_launch.FEW_DS = True
-        try:
-            (r,) = cc.capture_decode(300, H, src_a, 0, shape, persist=persist)
-            assert r["kernel"].split(".")[0] == "decode_few_ws", r["kernel"]  # a decode
-            (r,) = cc.capture_decode(300, H, src_a, 0, shape, persist=persist, prior=True)
-            assert r["kernel"].split(".")[0] == "decode_few_ds", r["kernel"]
-        finally:
-            gl_launch.FEW_DS = old
+        monkeypatch.setattr(gl_launch, "FEW_DS", True)
+        (r,) = cc.capture_decode(300, H, src_a, 0, shape, persist=persist)
+        assert r["kernel"].split(".")[0] == "decode_few_ws", r["kernel"]  # a decode
+        (r,) = cc.capture_decode(300, H, src_a, 0, shape, persist=persist, prior=True)
+        assert r["kernel"].split(".")[0] == "decode_few_ds", r["kernel"]
 
 
 def test_few_ds_split_decode_merges_its_splits(monkeypatch):
@@ -244,9 +240,10 @@ def test_few_ds_split_decode_merges_its_splits(monkeypatch):
     (2048, 8, 584, 0, True, "4:8:2:W:0:p"), (2048, 8, 528, 0, True, "4:8:2:W:0:p"),
     (300, 13, 584, 584, False, "4:8:2:W"), (1, 3, 528, 528, False, "4:8:2:W:0")])
 def test_gluon_few_ds_launch_compiles(T, H, src_a, src_b, prior, shape):
-    """The few-heads kernel's dequant + S form (``launch.FEW_DS``) as ``launch.launch`` starts
-    it (the paged prefill's top-k launch with its prior, decodes of two head tiles and of
-    split keys), compiled as the GPU builds it: one CTA's shared memory, no stack, and in each
+    """The few-heads kernel's dequant + S form (override key ``ds``) as ``launch.launch``
+    starts it (the paged prefill's top-k launch with its prior, decodes of two head tiles and
+    of split keys), compiled as the GPU builds it: one CTA's shared memory, no spill in the
+    producer's block loop (at most one word on the stack outside it), and in each
     dequant + S warpgroup's block loop (the two loops with ``HGMMA`` and no ``LDGSTS`` beside
     the MMA warpgroup's) the 32 ``HGMMA`` of ``S^T`` with A from registers and no shuffles or
     extra shared-memory round trips: 7 or 8 groups of two 16-byte raw loads per thread (584:
@@ -259,6 +256,7 @@ def test_gluon_few_ds_launch_compiles(T, H, src_a, src_b, prior, shape):
                                                     prior=prior, persist=True, ds=True,
                                                     shape=shape, loop_ops=True)))
     (r,) = rows
+    # the form is persistent by construction: it has no PERSIST constexpr for the row to read
     assert r["kernel"].startswith("decode_few_ds") and r["persist"] is False, r["kernel"]
     # ptxas may keep one producer word on the stack across the partitions' register split
     # (reloaded once an item, outside the block loops checked below)

@@ -60,19 +60,15 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
         nw = NW.value
         from .decode_heads import _sparse_mla_decode_heads_kernel as kern
         consts.update(NS=ns, OVERLAP=overlap)
-    elif ds:
-        from .decode_few_ws import MMA_WARPS
-        from .decode_few_ds import _sparse_mla_decode_few_ds_kernel as kern
+    elif nt or ds:
+        from .decode_few_ws import MMA_WARPS, _sparse_mla_decode_few_ws_kernel as kern
         consts.update(BH=bh, IDX_AHEAD=ahead, DEQ_PREFETCH=deq_prefetch, PRIOR=prior)
+        if ds:
+            from .decode_few_ds import _sparse_mla_decode_few_ds_kernel as kern
+        else:
+            consts.update(NS=ns, NT=nt, PERSIST=persist, MODE=mode)
         return _compile(kern, _decode_args() + [("num_items", "i32")], _DECODE_ALIGNED, values,
                         consts, MMA_WARPS.value, arch)
-    elif nt:
-        from .decode_few_ws import MMA_WARPS, _sparse_mla_decode_few_ws_kernel as kern
-        nw = MMA_WARPS.value
-        consts.update(BH=bh, NS=ns, NT=nt, IDX_AHEAD=ahead, DEQ_PREFETCH=deq_prefetch,
-                      PRIOR=prior, PERSIST=persist, MODE=mode)
-        return _compile(kern, _decode_args() + [("num_items", "i32")], _DECODE_ALIGNED, values,
-                        consts, nw, arch)
     else:
         from .decode import _sparse_mla_decode_gluon_kernel as kern
         consts.update(BH=bh, NS=ns, NW=nw, F16=f16)
