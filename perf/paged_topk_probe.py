@@ -12,7 +12,9 @@ Rows (µs, CUDA graph, 512 MB L2 flush before each replay, median):
   each tile unread); ``decode copies+dequant`` (``MODE`` 2: no products);
 * ``... no reads``: the same with every slot id ``-1`` (the copies zero-fill shared memory,
   nothing is read from L2 or HBM): the kernel's work on shared memory and the tensor cores;
-* ``decode ds``: the record kernel's dequant + S form (``decode_few_ds.py``);
+* ``decode ds``: the record kernel's dequant + S form (``decode_few_ds.py``); ``... no
+  convert`` / ``no S`` / ``neither``: its ``MODE`` 1 / 2 / 3 (the bytes stored unconverted, no
+  S^T products, both);
 * ``prefill few``: the bf16 kernel with its prior on a 32768-row workspace holding the same
   entries (``prefill_launch.launch(..., FEW, prior=True)``).
 
@@ -81,13 +83,13 @@ def fns(inp):
         out.copy_(inp["prior_out"])
         lse.copy_(inp["prior_lse"])
 
-    def decode(mode, slot_ids, ds=False):
+    def decode(mode, slot_ids, ds=False, dsmode=0):
         def fn():
             prior()
             old = dict(dl.OVERRIDE)
             dl.OVERRIDE.clear()
             dl.OVERRIDE.update({**dl.parse_shape(dl.FEW_WS_PRELOAD_PREFETCH_SHAPE),
-                                "persist": True, "mode": mode, "ds": ds})
+                                "persist": True, "mode": mode, "ds": ds, "dsmode": dsmode})
             try:
                 dl.launch(q, _keyset(cache, slot_ids, inp["el"]), None, sink, scale, out, lse,
                           prior=True)
@@ -112,7 +114,10 @@ def fns(inp):
             ("decode copies+dequant no reads", decode(2, none)), ("prefill few", few),
             ("decode copies+products", decode(3, ids)),
             ("decode copies+products no reads", decode(3, none)),
-            ("decode ds", decode(0, ids, True)), ("decode ds no reads", decode(0, none, True))]
+            ("decode ds", decode(0, ids, True)), ("decode ds no reads", decode(0, none, True)),
+            ("decode ds no convert", decode(0, ids, True, 1)),
+            ("decode ds no S", decode(0, ids, True, 2)),
+            ("decode ds neither", decode(0, ids, True, 3))]
 
 
 def main(argv=None):

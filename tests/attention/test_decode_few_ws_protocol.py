@@ -159,7 +159,7 @@ def test_few_ws_persistent_item_ahead_loads_reach_their_items(two_ahead):
 
 
 # ---- the dequant + S form (``decode_few_ds.py``) -------------------------------------------
-def run_ds(nblks, seed, no_q_barrier=False, s_before_wait=False):
+def run_ds(nblks, seed, no_q_barrier=False, s_before_wait=False, free_before_read=False):
     """One CTA of the dequant + S form over items of ``nblks[k]`` blocks: the producer (ring
     stage ``G % 2``), two dequant + S warpgroups (group ``k`` takes the blocks ``G`` with ``G %
     2 == k``, stage and key tile ``k``; it rewrites its own Q copy at the start of an item it
@@ -167,7 +167,7 @@ def run_ds(nblks, seed, no_q_barrier=False, s_before_wait=False):
     read, the tile freed). Flags break the protocol on purpose: ``no_q_barrier`` (no
     warpgroup barrier between a group's Q stores and its products), ``s_before_wait`` (S^T
     stored before the ``tfree`` wait, i.e. over the MMA warpgroup's read of the block two
-    back)."""
+    back), ``free_before_read`` (a ring stage freed before the group's reads of it)."""
     bars = {}
     for s in range(2):
         bars[f"ready{s}"] = Bar(PW)
@@ -199,11 +199,17 @@ def run_ds(nblks, seed, no_q_barrier=False, s_before_wait=False):
                     yield ("write", ("S", k, w), G)
                 yield ("wait", f"ready{k}", G // 2)
                 yield ("wait", f"tfree{k}", G // 2 - 1)
+                # the first group's wgmma reads every warp's Q stores before the stage's
+                # release barrier
+                yield from rd(("Q", k), item, GW)
+                if free_before_read:
+                    yield ("tb", k)
+                    yield ("arrive", f"free{k}")
                 yield from rd(("ring", k), G, PW)
-                yield from rd(("Q", k), item, GW)  # the wgmmas read every warp's Q stores
+                if not free_before_read:
+                    yield ("tb", k)  # the stage is freed once read, before the last stores
+                    yield ("arrive", f"free{k}")
                 yield ("write", ("tile", k, w), G)
-                yield ("tb", k)
-                yield ("arrive", f"free{k}")
                 if not s_before_wait:
                     yield ("write", ("S", k, w), G)
                 yield ("tb", k)
@@ -243,10 +249,12 @@ def test_few_ds_protocol_random_schedules():
     run_ds([10, 0, 10, 0, 1], 4)
 
 
-@pytest.mark.parametrize("flags", [dict(no_q_barrier=True), dict(s_before_wait=True)])
+@pytest.mark.parametrize("flags", [dict(no_q_barrier=True), dict(s_before_wait=True),
+                                   dict(free_before_read=True)])
 def test_few_ds_protocol_model_catches_mutations(flags):
     """The model fails for a group's products started before all its warps stored the item's
-    Q, and for an S^T stored before the tile it sits beside was freed."""
+    Q, for an S^T stored before the tile it sits beside was freed, and for a ring stage freed
+    before it was read."""
     rnd = random.Random(5)
     with pytest.raises(AssertionError, match="stale"):
         for seed in range(3000):

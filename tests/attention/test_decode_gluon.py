@@ -278,6 +278,21 @@ def test_gluon_few_ds_launch_compiles(T, H, src_a, src_b, prior, shape):
     assert mma[0]["hgmma"] == 32 and mma[0]["local_ld_st"] == 0, mma[0]["ops"]
 
 
+@pytest.mark.parametrize("mode", [1, 2, 3])
+def test_gluon_few_ds_benchmark_modes_compile(mode):
+    """The dequant + S form's benchmark modes (``MODE`` 1: no conversion, 2: no ``S^T``
+    products, 3: neither) compile for sm_90a, each without what it leaves out: no e4m3
+    conversion (``F2FP``) in 1 and 3, no register-A ``HGMMA`` beyond the MMA warpgroup's 32 of
+    ``O^T`` in 2 and 3."""
+    if not gluon_pkg.AVAILABLE:
+        pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
+    ops = _compile_facts("ds_mode", mode)
+    # the two warpgroups convert 7 e4m3 groups each with 16 F2FP a group (8 unpacking, 8
+    # packing); what is left is the MMA warpgroup's packing of P and the epilogue's
+    assert (ops.get("F2FP", 0) < 100) == (mode in (1, 3)), ops
+    assert (ops.get("HGMMA", 0) == 32) == (mode in (2, 3)) and ops.get("HGMMA", 0) >= 32, ops
+
+
 @pytest.mark.parametrize("T,H,src,persist", [(512, 8, 584, False), (512, 8, 528, False),
                                              (7, 16, 584, False), (1, 3, 528, False),
                                              (300, 40, 584, False), (512, 8, 584, True),

@@ -44,7 +44,7 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
     ``IDX_AHEAD`` (their producer's slot-id lead in blocks); ``deq_prefetch`` / ``prior`` /
     ``persist`` / ``mode``: the few-heads ws kernel's ``DEQ_PREFETCH`` / ``PRIOR`` /
     ``PERSIST`` / ``MODE``; ``ds``: its dequant + S form (decode_few_ds.py, persistent, 8-head
-    tiles, two stages and tiles);
+    tiles, two stages and tiles; ``mode`` its ``MODE``);
     ``values`` (argument name -> int): specialized on a launch's integer arguments, as on the
     GPU (``_specialize``; ``compile_launch`` compiles what ``launch.launch`` actually
     passes)."""
@@ -65,6 +65,7 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
         consts.update(BH=bh, IDX_AHEAD=ahead, DEQ_PREFETCH=deq_prefetch, PRIOR=prior)
         if ds:
             from .decode_few_ds import _sparse_mla_decode_few_ds_kernel as kern
+            consts.update(MODE=mode)
         else:
             consts.update(NS=ns, NT=nt, PERSIST=persist, MODE=mode)
         return _compile(kern, _decode_args() + [("num_items", "i32")], _DECODE_ALIGNED, values,
@@ -621,6 +622,13 @@ if __name__ == "__main__":
             row["shared"] = int(k.metadata.shared)
             rows.append(row)
         print(json.dumps(rows))
+        sys.exit(0)
+    if len(sys.argv) == 3 and sys.argv[1] == "ds_mode":
+        # python -m ...compile_check ds_mode MODE -> JSON line: the SASS opcode counts of the
+        # dequant + S form as the paged prefill's top-k launch compiles it, at ``MODE``
+        k = compile_decode(584, 584, 8, False, has_b=False, ahead=0, deq_prefetch=True,
+                           prior=True, ds=True, mode=int(sys.argv[2]))
+        print(json.dumps(dict(sass_op_counts(k))))
         sys.exit(0)
     if len(sys.argv) in (3, 4) and sys.argv[1] == "prefill":
         # python -m ...compile_check prefill LAZY [WS] -> JSON line; WS: 0, 1 (= ws) or a

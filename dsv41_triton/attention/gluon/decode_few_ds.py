@@ -97,11 +97,20 @@ def _ds_load(g: gl.constexpr, s: gl.constexpr, r0, r1, r2, r3, r4, r5, r6, r7, r
     return raw3, sb
 
 
+#: benchmarks only (``MODE`` 1 / 3): a group's bytes spread into bf16 halves, unconverted
+_SPREAD_ASM = gl.constexpr("prmt.b32 $0, $2, 0, 0x4140; prmt.b32 $1, $2, 0, 0x4342;")
+
+
 @gluon.jit
-def _ds_convert(g: gl.constexpr, raw3, sb, SRC: gl.constexpr):
-    """``_ds_load``'s registers -> exact bf16 ``[64 keys, 64]`` in ``_ds_layout``."""
+def _ds_convert(g: gl.constexpr, raw3, sb, SRC: gl.constexpr, MODE: gl.constexpr = 0):
+    """``_ds_load``'s registers -> exact bf16 ``[64 keys, 64]`` in ``_ds_layout`` (``MODE`` 1 /
+    3: the bytes unconverted)."""
     if SRC == 584 and g == 7:
         x = raw3
+    elif MODE == 1 or MODE == 3:
+        x = gl.inline_asm_elementwise(_SPREAD_ASM, "=r,=r,r", [raw3], dtype=gl.bfloat16,
+                                      is_pure=True, pack=4)
+        x = gl.convert_layout(gl.reshape(x, [64, 64]), _ds_layout())
     else:
         sc = gl.broadcast(gl.expand_dims(_ue8m0_f32(sb), 2), raw3)[0]
         x = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r,r,r,r,r", [raw3, sc],
@@ -113,16 +122,20 @@ def _ds_convert(g: gl.constexpr, raw3, sb, SRC: gl.constexpr):
 @gluon.jit
 def _ds_block(K: gl.constexpr, G, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
               idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf, ready, free, tready,
-              tfree, SRC: gl.constexpr, BH: gl.constexpr, PREFETCH: gl.constexpr):
+              tfree, SRC: gl.constexpr, BH: gl.constexpr, PREFETCH: gl.constexpr,
+              MODE: gl.constexpr = 0):
     """Block ``G`` (``G % 2 == K``): stage ``K``'s records -> bf16 key tile ``K`` and ``S^T``
     (raw dot products, fp32) into ``s_buf[K]``; ``free[K]`` once the stage is read,
-    ``tready[K]`` once both are stored. ``PREFETCH``: each group's bytes are loaded one group
-    ahead."""
+    ``tready[K]`` once both are stored. The stage is freed as soon as its last group is loaded
+    (before groups 6 and 7 are converted). ``PREFETCH``: each group's bytes are loaded one
+    group ahead. ``MODE`` (benchmarks only): 1 no conversion, 2 no ``S^T`` products (``S^T``
+    zero), 3 neither."""
     ACC: gl.constexpr = _acc_layout(BH, 4)
     LI: gl.constexpr = gl.BlockedLayout([1], [32], [DS_WARPS], [0])
     mbarrier.wait(ready.index(K), (G // 2) & 1)
     mbarrier.wait(tfree.index(K), ((G // 2) & 1) ^ 1)
     scale_s = scale_ring.index(K)
+    kid.index(K).store(idx_ring.index(K).load(LI))
     acc = gl.full([64, BH], 0.0, gl.float32, layout=ACC)
     prev = acc
     raw, sb = _ds_load(0, K, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
@@ -132,13 +145,15 @@ def _ds_block(K: gl.constexpr, G, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, sca
             # stores in program order)
             nraw, nsb = _ds_load(g + 1, K, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s,
                                  SRC)
-        x = _ds_convert(g, raw, sb, SRC)
+        x = _ds_convert(g, raw, sb, SRC, MODE)
         _pick(g, k0, k1, k2, k3, k4, k5, k6, k7).index(K).store(x)
-        a = _ds_a(x, BH)
-        acc = warpgroup_mma(a, qp.index(g).permute((1, 0)), acc, use_acc=g > 0, is_async=True)
-        if g > 0:
-            acc, prev = warpgroup_mma_wait(1, deps=[acc, prev])
-        prev = a
+        if MODE < 2:
+            a = _ds_a(x, BH)
+            acc = warpgroup_mma(a, qp.index(g).permute((1, 0)), acc, use_acc=g > 0,
+                                is_async=True)
+            if g > 0:
+                acc, prev = warpgroup_mma_wait(1, deps=[acc, prev])
+            prev = a
         if g < 7:
             if PREFETCH:
                 raw = nraw
@@ -146,13 +161,16 @@ def _ds_block(K: gl.constexpr, G, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, sca
             else:
                 raw, sb = _ds_load(g + 1, K, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring,
                                    scale_s, SRC)
-    kid.index(K).store(idx_ring.index(K).load(LI))
-    fence_async_shared()  # the key tiles are read by the MMA partition's wgmmas
-    barrier()  # every thread's stage reads precede the release
-    mbarrier.arrive(free.index(K))
-    acc, prev = warpgroup_mma_wait(0, deps=[acc, prev])
+        if g == 6:
+            # the last group is in registers: the stage is refilled while groups 6 and 7
+            # are converted and multiplied
+            barrier()  # every thread's stage reads precede the release
+            mbarrier.arrive(free.index(K))
+    if MODE < 2:
+        acc, prev = warpgroup_mma_wait(0, deps=[acc, prev])
     s_buf.index(K).store(acc)
-    barrier()  # every thread's S^T stores precede the hand-over
+    fence_async_shared()  # the key tiles are read by the MMA partition's wgmmas
+    barrier()  # every thread's tile and S^T stores precede the hand-over
     mbarrier.arrive(tready.index(K))
 
 
@@ -177,7 +195,8 @@ def _ds_items(K: gl.constexpr, num_items, num_ht, num_splits, a_len_ptr, a_len_s
               r5, r6, r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid,
               qp, s_buf, ready, free, tready, tfree, SRC_A: gl.constexpr, SRC_B: gl.constexpr,
               HAS_B: gl.constexpr, HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr,
-              SPLIT: gl.constexpr, BH: gl.constexpr, PREFETCH: gl.constexpr):
+              SPLIT: gl.constexpr, BH: gl.constexpr, PREFETCH: gl.constexpr,
+              MODE: gl.constexpr = 0):
     """Dequant + S warpgroup ``K`` over this CTA's items: the blocks ``G`` of the CTA's run with
     ``G % 2 == K``. Its Q copy ``qp`` is rewritten at the start of an item it has blocks in (its
     previous wgmmas were waited), from registers loaded one item ahead."""
@@ -211,15 +230,15 @@ def _ds_items(K: gl.constexpr, num_items, num_ht, num_splits, a_len_ptr, a_len_s
                 if j < nblk_a:
                     _ds_block(K, g + j, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
                               idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf, ready,
-                              free, tready, tfree, SRC_A, BH, PREFETCH)
+                              free, tready, tfree, SRC_A, BH, PREFETCH, MODE)
                 else:
                     _ds_block(K, g + j, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
                               idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf, ready,
-                              free, tready, tfree, SRC_B, BH, PREFETCH)
+                              free, tready, tfree, SRC_B, BH, PREFETCH, MODE)
             else:
                 _ds_block(K, g + j, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
                           idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf, ready, free,
-                          tready, tfree, SRC_A, BH, PREFETCH)
+                          tready, tfree, SRC_A, BH, PREFETCH, MODE)
         g += nblk
         q0 = n0
         q1 = n1
@@ -243,13 +262,14 @@ def _sparse_mla_decode_few_ds_kernel(
     SRC_A: gl.constexpr, SRC_B: gl.constexpr, HAS_B: gl.constexpr,
     HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, HAS_SINK: gl.constexpr,
     SPLIT: gl.constexpr, BH: gl.constexpr, IDX_AHEAD: gl.constexpr = 1,
-    DEQ_PREFETCH: gl.constexpr = True, PRIOR: gl.constexpr = False,
+    DEQ_PREFETCH: gl.constexpr = True, PRIOR: gl.constexpr = False, MODE: gl.constexpr = 0,
 ):
     """Persistent grid of at most one CTA per SM over the ``num_items = T * num_splits *
     num_ht`` items (``decode_few_ws``'s ``PERSIST``); launch with ``num_warps=MMA_WARPS``.
     Arguments as ``decode_few_ws._sparse_mla_decode_few_ws_kernel``'s (two ring stages, two key
     tiles; 8-head tiles; e4m3 records, 584 or 528); ``DEQ_PREFETCH``: the dequant + S
-    warpgroups load each group's bytes one group ahead."""
+    warpgroups load each group's bytes one group ahead; ``MODE`` (benchmarks only): see
+    ``_ds_block``."""
     gl.static_assert(BH == 8, "8-head tiles")
     gl.static_assert(SRC_A != 288 and (not HAS_B or SRC_B != 288), "e4m3 records")
     r0, r1, r2, r3, r4, r5, r6, r7, scale_ring, rope_ring, idx_ring = _alloc_rings(
@@ -298,11 +318,11 @@ def _sparse_mla_decode_few_ds_kernel(
                        b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, r0, r1, r2, r3, r4,
                        r5, r6, r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6,
                        k7, kid, qp0, s_buf, ready, free, tready, tfree, SRC_A, SRC_B, HAS_B,
-                       HAS_LEN_A, HAS_LEN_B, SPLIT, BH, DEQ_PREFETCH)),
+                       HAS_LEN_A, HAS_LEN_B, SPLIT, BH, DEQ_PREFETCH, MODE)),
         (_ds_items, (1, num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
                        b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, r0, r1, r2, r3, r4,
                        r5, r6, r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6,
                        k7, kid, qp1, s_buf, ready, free, tready, tfree, SRC_A, SRC_B, HAS_B,
-                       HAS_LEN_A, HAS_LEN_B, SPLIT, BH, DEQ_PREFETCH)),
+                       HAS_LEN_A, HAS_LEN_B, SPLIT, BH, DEQ_PREFETCH, MODE)),
     ], [PRODUCER_WARPS, DS_WARPS, DS_WARPS],
         [PRODUCER_REGS_DS, DS_REGS, DS_REGS])

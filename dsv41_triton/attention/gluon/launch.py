@@ -224,7 +224,8 @@ def pick(T: int, H: int, a, b, device: torch.device) -> bool:
 #: launch-shape override for benchmarks: keys block_h, num_warps, stages, f16 and variant
 #: (absent = default), ``persist`` (the few-heads ws kernel's persistent grid), ``mode``
 #: (its ``MODE``: 1 the copies alone, 2 copies and dequant, 3 copies and products) and ``ds``
-#: (its dequant + S form where it applies, ``FEW_DS``);
+#: (its dequant + S form where it applies, ``FEW_DS``), ``dsmode`` (that form's ``MODE``: 1 no
+#: conversion, 2 no S products, 3 neither);
 #: DSV41_GLUON_SHAPE="num_warps:block_h:stages[:x]" (0 = default) sets it from the environment
 OVERRIDE = {}
 
@@ -392,7 +393,7 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
                 and len(srcs) == 1 and 288 not in srcs):
             # the dequant + S form: persistent, two stages and tiles by construction
             from .decode_few_ds import _sparse_mla_decode_few_ds_kernel as kern
-            kind, form = "few_ds", {}
+            kind, form = "few_ds", dict(MODE=over.get("dsmode", 0))
         else:
             kern, kind = _sparse_mla_decode_few_ws_kernel, "few_ws"
             form = dict(NS=stages, NT=nt, PERSIST=persist, MODE=mode)
