@@ -492,9 +492,9 @@ def main(argv=None):
     ap.add_argument("--paged-records", default="584,584",
                     help="window,compressed record widths of the paged rows (e.g. 528,288)")
     ap.add_argument("--no-shared", action="store_true", help="skip the shared-window rows")
-    ap.add_argument("--few-ds", choices=("0", "1"), default=None,
-                    help="the record kernel's dequant + S form off / on (launch.FEW_DS; "
-                         "default: the package's)")
+    ap.add_argument("--few-ds", choices=("0", "1", "f16"), default=None,
+                    help="the record kernel's dequant + S form off / on / on with fp16 "
+                         "operands (launch.FEW_DS, FEW_DS_F16; default: the package's)")
     ap.add_argument("--contexts", default="",
                     help="layer rows: comma-separated context lengths (default 8192,131072,"
                          "1048576)")
@@ -502,7 +502,8 @@ def main(argv=None):
     contexts = tuple(int(c) for c in args.contexts.split(",")) if args.contexts else CONTEXTS
     if args.few_ds is not None:
         from dsv41_triton.attention.gluon import launch as gl_launch
-        gl_launch.FEW_DS = args.few_ds == "1"
+        gl_launch.FEW_DS = args.few_ds in ("1", "f16")
+        gl_launch.FEW_DS_F16 = args.few_ds == "f16"
     global PAGED_CANDIDATES, PAGED_RECORDS, NO_SHARED, QUICK, HEADS
     NO_SHARED = args.no_shared
     PAGED_CANDIDATES = args.paged_candidates

@@ -1,7 +1,7 @@
 """The paged prefill's top-k part at 8 heads, taken apart (sm_90): the few-heads decode kernel
 with its prior (``decode_few_ws.py``, persistent grid: what ``sparse_mla_prefill_shared_window``
 runs with ``topk_cache``) beside the few-heads prefill kernel with its prior over bf16 rows
-(what the workspace path runs), on the same tokens and top-k entries.
+(what the workspace path runs), on the same tokens and top-k positions.
 
     python perf/paged_topk_probe.py [--tokens 2048,4096] [--ncu]
 
@@ -13,10 +13,12 @@ Rows (µs, CUDA graph, 512 MB L2 flush before each replay, median):
 * ``... no reads``: the same with every slot id ``-1`` (the copies zero-fill shared memory,
   nothing is read from L2 or HBM): the kernel's work on shared memory and the tensor cores;
 * ``decode ds``: the record kernel's dequant + S form (``decode_few_ds.py``); ``... no
-  convert`` / ``no S`` / ``neither``: its ``MODE`` 1 / 2 / 3 (the bytes stored unconverted, no
-  S^T products, both);
-* ``prefill few``: the bf16 kernel with its prior on a 32768-row workspace holding the same
-  entries (``prefill_launch.launch(..., FEW, prior=True)``).
+  convert`` / ``no S`` / ``neither`` / ``f16 conversion``: its ``MODE`` 1 / 2 / 3 / 4 (the
+  bytes stored unconverted, no S^T products, both, the fp16 operands' conversion instead);
+  ``decode ds f16``: the form with fp16 operands (``launch.FEW_DS_F16``);
+* ``prefill few``: the bf16 kernel with its prior on a 32768-row workspace, read at the same
+  positions (random rows, not the records' values; ``prefill_launch.launch(..., FEW,
+  prior=True)``).
 
 ``--ncu``: one launch of each of ``--ncu-rows`` (default ``decode``, ``prefill few``) at the
 first token count (for ``ncu -k regex:few``), no timing. ``--json`` (CPU, Triton 3.6): the
@@ -43,7 +45,8 @@ from dsv41_triton.ops.prefill_indices import prefill_window_slot_indices  # noqa
 
 def inputs(T: int):
     """8-head inputs of ``bench_prefill`` at ``T`` tokens: the top-k slot ids into the 584-byte
-    compressed cache (``ei`` / ``el``) and the same entries as rows of the bf16 workspace."""
+    compressed cache (``ei`` / ``el``) and the same positions as rows of the bf16 workspace (its
+    rows are random, not the records' values)."""
     bp.T = T
     inp = bp.build_kernel_inputs(8)
     pg = inp["paged"]
@@ -83,13 +86,14 @@ def fns(inp):
         out.copy_(inp["prior_out"])
         lse.copy_(inp["prior_lse"])
 
-    def decode(mode, slot_ids, ds=False, dsmode=0):
+    def decode(mode, slot_ids, ds=False, dsmode=0, f16=False):
         def fn():
             prior()
             old = dict(dl.OVERRIDE)
             dl.OVERRIDE.clear()
             dl.OVERRIDE.update({**dl.parse_shape(dl.FEW_WS_PRELOAD_PREFETCH_SHAPE),
-                                "persist": True, "mode": mode, "ds": ds, "dsmode": dsmode})
+                                "persist": True, "mode": mode, "ds": ds, "dsmode": dsmode,
+                                "ds_f16": f16})
             try:
                 dl.launch(q, _keyset(cache, slot_ids, inp["el"]), None, sink, scale, out, lse,
                           prior=True)
@@ -117,7 +121,9 @@ def fns(inp):
             ("decode ds", decode(0, ids, True)), ("decode ds no reads", decode(0, none, True)),
             ("decode ds no convert", decode(0, ids, True, 1)),
             ("decode ds no S", decode(0, ids, True, 2)),
-            ("decode ds neither", decode(0, ids, True, 3))]
+            ("decode ds neither", decode(0, ids, True, 3)),
+            ("decode ds f16 conversion", decode(0, ids, True, 4)),
+            ("decode ds f16", decode(0, ids, True, 0, True))]
 
 
 def main(argv=None):
@@ -128,8 +134,8 @@ def main(argv=None):
                     help="with --ncu: the rows launched once each (comma-separated labels)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--check", action="store_true",
-                    help="first compare the ds form's and the bf16 kernel's outputs with the "
-                         "record kernel's")
+                    help="first compare the dequant + S forms' outputs with the record "
+                         "kernel's")
     ap.add_argument("--rows", default="", help="time only these rows (comma-separated labels)")
     a = ap.parse_args(argv)
     if a.json:
@@ -149,7 +155,7 @@ def main(argv=None):
             return
         if a.check:
             ref = [x.clone() for x in dict(rows)["decode"]()]
-            for lab in ("decode ds", "prefill few"):
+            for lab in ("decode ds", "decode ds f16"):
                 dl.LAST_LAUNCH.pop("fwd", None)
                 o, lse = dict(rows)[lab]()
                 kind = dl.LAST_LAUNCH["fwd"][1][4] if "fwd" in dl.LAST_LAUNCH else "-"

@@ -11,7 +11,9 @@
 # kernel rows and the layer's memory table, each step time-bounded so the part fits a 600 s
 # call; "persist" the few-heads decode on its per-token and persistent grids at decode batch
 # sizes; "ds" the record kernel's dequant + S form: its GPU tests and the top-k probe beside
-# the record kernel; "dslayer" the layer chunk at 8K with it off and on, and its memcheck)
+# the record kernel; "dslayer" the layer chunk at 8K with it off and on, and its memcheck;
+# "dsf16" the form with fp16 operands: its GPU tests, the probe beside the record kernel, the
+# layer chunk at 8K off / on / f16, memcheck)
 # picks the parts to run and
 # TESTS_K narrows the GPU tests to a pytest -k expression, so a short device call can run only
 # what changed, e.g.
@@ -33,6 +35,20 @@ $PY -c "import flash_mla; print('flash_mla: importable')" 2>/dev/null || echo "f
 
 PARTS=${PARTS:-tests harness decode prefill}
 part() { case " $PARTS " in *" $1 "*) return 0 ;; *) echo "(skipped: not in PARTS)"; return 1 ;; esac; }
+# the layer chunk at 8K with the paged prefill's top-k form FORM (bench_prefill --few-ds): LABEL FORM
+layer_8k() {
+  timeout 120 $PY perf/bench_prefill.py --layer-only --contexts 8192 --few-ds "$2" \
+    > "$OUTDIR/$1_layer_$2.log" 2>&1
+  grep -E "graph" "$OUTDIR/$1_layer_$2.log" | grep -E "paged-window |workspace |auto" | sort -u \
+    | sed "s/^/ds=$2 /"
+}
+# compute-sanitizer memcheck of test_decode_gluon.py tests: LABEL KEXPR
+gluon_memcheck() {
+  compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 $PY -m pytest \
+    tests/attention/test_decode_gluon.py -q -p no:cacheprovider -k "$2" > "$OUTDIR/$1_sanitize.log" 2>&1
+  echo "$1 memcheck rc=$?: $(grep -E 'passed|failed' "$OUTDIR/$1_sanitize.log" | tail -1)," \
+    "$(grep 'ERROR SUMMARY' "$OUTDIR/$1_sanitize.log" | head -1)"
+}
 test_rc=0
 bench_rc=0
 
@@ -128,16 +144,24 @@ if part ds; then
 fi
 echo "== the dequant + S form in the layer chunk (8K, off / on) and under memcheck"
 if part dslayer; then
-  for ds in 0 1; do
-    timeout 120 $PY perf/bench_prefill.py --layer-only --contexts 8192 --few-ds $ds \
-      > "$OUTDIR/ds_layer_$ds.log" 2>&1
-    grep -E "graph" "$OUTDIR/ds_layer_$ds.log" | grep -E "paged-window |workspace |auto" | sed "s/^/ds=$ds /"
-  done
-  compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 $PY -m pytest \
-    tests/attention/test_decode_gluon.py -q -p no:cacheprovider -k "few_ds_gpu and (-5- or -300-) and 584-584" \
-    > "$OUTDIR/ds_sanitize.log" 2>&1
-  echo "ds memcheck rc=$?: $(grep -E 'passed|failed' "$OUTDIR/ds_sanitize.log" | tail -1)," \
-    "$(grep 'ERROR SUMMARY' "$OUTDIR/ds_sanitize.log" | head -1)"
+  layer_8k ds 0
+  layer_8k ds 1
+  gluon_memcheck ds "few_ds_gpu and (-5- or -300-) and 584-584"
+fi
+
+echo "== the dequant + S form with fp16 operands (decode_few_ds F16, launch.FEW_DS_F16)"
+if part dsf16; then
+  timeout 100 $PY perf/paged_topk_probe.py --tokens 2048 --check \
+    --rows "decode,decode ds,decode ds f16" > "$OUTDIR/dsf16_probe.log" 2>&1
+  grep -v "^$" "$OUTDIR/dsf16_probe.log" | tail -8
+  timeout 200 $PY -m pytest tests/attention/test_decode_gluon.py tests/attention/test_prefill_shared.py \
+    -q -p no:cacheprovider -k "few_ds_f16_gpu or (paged_topk_few_ds_gpu and True)" \
+    > "$OUTDIR/dsf16_tests.log" 2>&1
+  echo "dsf16 tests rc=$?: $(tail -n 1 "$OUTDIR/dsf16_tests.log")"
+  grep -E "^(FAILED|ERROR)" "$OUTDIR/dsf16_tests.log" | head -10
+  layer_8k dsf16 0
+  layer_8k dsf16 f16
+  gluon_memcheck dsf16 "few_ds_f16_gpu and (-8-5 or -8-300)"
 fi
 
 echo "== Hopper prefill (tl vs Gluon vs FlashMLA's flash_mla_sparse_fwd, issue 11's table)"

@@ -278,19 +278,45 @@ def test_gluon_few_ds_launch_compiles(T, H, src_a, src_b, prior, shape):
     assert mma[0]["hgmma"] == 32 and mma[0]["local_ld_st"] == 0, mma[0]["ops"]
 
 
-@pytest.mark.parametrize("mode", [1, 2, 3])
+@pytest.mark.parametrize("mode", [1, 2, 3, 4])
 def test_gluon_few_ds_benchmark_modes_compile(mode):
     """The dequant + S form's benchmark modes (``MODE`` 1: no conversion, 2: no ``S^T``
-    products, 3: neither) compile for sm_90a, each without what it leaves out: no e4m3
-    conversion (``F2FP``) in 1 and 3, no register-A ``HGMMA`` beyond the MMA warpgroup's 32 of
-    ``O^T`` in 2 and 3."""
+    products, 3: neither, 4: the fp16 operands' conversion) compile for sm_90a, each without
+    what it leaves out: no e4m3 conversion (``F2FP``) in 1 and 3, half of it in 4 (no bf16
+    packing), no register-A ``HGMMA`` beyond the MMA warpgroup's 32 of ``O^T`` in 2 and 3."""
     if not gluon_pkg.AVAILABLE:
         pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
     ops = _compile_facts("ds_mode", mode)
     # the two warpgroups convert 7 e4m3 groups each with 16 F2FP a group (8 unpacking, 8
     # packing); what is left is the MMA warpgroup's packing of P and the epilogue's
     assert (ops.get("F2FP", 0) < 100) == (mode in (1, 3)), ops
+    assert (ops.get("F2FP", 0) < 300) == (mode in (1, 3, 4)), ops
     assert (ops.get("HGMMA", 0) == 32) == (mode in (2, 3)) and ops.get("HGMMA", 0) >= 32, ops
+
+
+@pytest.mark.parametrize("src,split", [(584, 0), (528, 0), (584, 1)])
+def test_gluon_few_ds_f16_compiles(src, split):
+    """The dequant + S form with fp16 operands as the paged prefill's top-k launch compiles it
+    (ids one block ahead): one CTA's shared memory; in each dequant + S warpgroup's block loop
+    the 32 register-A ``HGMMA`` of ``S^T``, one ``HMUL2`` per two e4m3 bytes (the block's
+    power-of-two scales: 7 or 8 groups x 16), no fp32 round trip and at most one stack reload;
+    the MMA warpgroup's block loop with its 32 ``HGMMA`` of ``O^T`` and no spills."""
+    if not gluon_pkg.AVAILABLE:
+        pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
+    r = _compile_facts("ds_f16", src, split)
+    assert 0 < r["shared"] <= 227 * 1024, r["shared"]
+    assert r["ops"].get("HMUL2", 0) == 2 * 16 * (7 if src == 584 else 8), r["ops"]
+    loops = [lp for lp in r["loop_ops"] if lp["instructions"] > 150 and lp["hgmma"]]
+    inner = [lp for lp in loops if not any(o is not lp and int(o["start"], 16) > int(
+        lp["start"], 16) and int(o["end"], 16) < int(lp["end"], 16) for o in loops)]
+    ds = [lp for lp in inner if lp["ops"].get("HMUL2", 0)]
+    mma = [lp for lp in inner if lp not in ds]
+    assert len(ds) == 2 and len(mma) == 1, [(lp["start"], lp["ops"]) for lp in inner]
+    for lp in ds:
+        assert lp["hgmma"] == 32 and lp["ops"]["HMUL2"] == 16 * (7 if src == 584 else 8), lp
+        # no fp32 round trip: the e4m3 unpacking and the few packs of the loop's bookkeeping
+        assert lp["ops"].get("F2FP", 0) <= 16 * 8 + 8 and lp["local_ld_st"] <= 1, lp
+    assert mma[0]["hgmma"] == 32 and mma[0]["local_ld_st"] == 0, mma[0]
 
 
 @pytest.mark.parametrize("T,H,src,persist", [(512, 8, 584, False), (512, 8, 528, False),
@@ -908,6 +934,28 @@ def test_gluon_few_ds_gpu(device, monkeypatch, shape, T, H, swa_rec, extra_rec):
     assert_graph_replay(sparse_mla_decode, static, {n: fresh[n] for n in GRAPH_INPUTS}, out,
                         sparse_mla_decode_ref, out_tol=OUT_TOL, lse_tol=LSE_TOL, _kernel="gluon")
     assert gl_launch.LAST_LAUNCH["fwd"][1][4] == "few_ds"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 5, 300])
+@pytest.mark.parametrize("H", [1, 8, 13])
+@pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, None)])
+def test_gluon_few_ds_f16_gpu(device, monkeypatch, T, H, swa_rec, extra_rec):
+    """The dequant + S form with fp16 operands (override key ``ds_f16``: each block's tiles in
+    its own power-of-two units, the MMA warpgroup's running exponent): ragged and empty rows,
+    1..13 heads, split keys at T <= 5, and every other page's keys 2**12 smaller (blocks of
+    different exponents: the accumulators rescaled between blocks)."""
+    _need_gluon_gpu()
+    from dsv41_triton.attention.gluon import launch as gl_launch
+    monkeypatch.setattr(gl_launch, "OVERRIDE", {**gl_launch.parse_shape("4:8:2:W:0"),
+                                                "ds": True, "ds_f16": True})
+    _check_empty_rows(_empty_rows_case(device, T, H, swa_rec, extra_rec))
+    assert gl_launch.LAST_LAUNCH["fwd"][1][4] == "few_ds"
+    args = _case(device, T, H, swa_rec, extra_rec)
+    ca = args["swa_cache"]
+    ca[1::2].copy_(random_k_cache(ca.shape[0], ca.shape[1], swa_rec, device,
+                                  scale=2.0 ** -12)[1::2])
+    _check(args)
 
 
 @pytest.mark.gpu

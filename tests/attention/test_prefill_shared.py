@@ -310,17 +310,19 @@ def test_shared_window_paged_topk_matches_ref(device, rec, H):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("f16", [False, True])
 @pytest.mark.parametrize("rec", [584, 528])
 @pytest.mark.parametrize("H", [1, 8])
 @pytest.mark.parametrize("qlens", [(3, 0, 13, 6), (200, 1, 77)])
-def test_shared_window_paged_topk_few_ds_gpu(device, monkeypatch, rec, H, qlens):
-    """The top-k records on the few-heads kernel's dequant + S form (``launch.FEW_DS``): the
-    same results as the reference, the prior merged."""
+def test_shared_window_paged_topk_few_ds_gpu(device, monkeypatch, rec, H, qlens, f16):
+    """The top-k records on the few-heads kernel's dequant + S form (``launch.FEW_DS``, with
+    fp16 operands: ``FEW_DS_F16``): the same results as the reference, the prior merged."""
     from dsv41_triton.attention.gluon import launch as gl_launch
     if (device != "cuda" or not gl_launch.AVAILABLE
             or torch.cuda.get_device_capability() != (9, 0)):
         pytest.skip("the Gluon kernels target sm_90")
     monkeypatch.setattr(gl_launch, "FEW_DS", True)
+    monkeypatch.setattr(gl_launch, "FEW_DS_F16", f16)
     _check_paged(_paged_case(device, rec=rec, H=H, seed=H + len(qlens), qlens=qlens, K=600))
     assert gl_launch.LAST_LAUNCH["fwd"][1][4] == "few_ds"
 

@@ -31,9 +31,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from ._api import barrier
+from ._api import barrier, reinterpret
 from .decode import _acc_layout, _q_group, _q_rows
-from .dequant import _E4M3_ASM, _ue8m0_f32
+from .dequant import R_MIN, _E4M3_ASM, _E4M3_F16_ASM, _block_exp, _exp2i, _ue8m0_f32
 from .gather import _alloc_rings, _item_ids, _pick
 from .decode_heads_ws import PRODUCER_WARPS, _alloc_ids_pre
 from .decode_few_ws import _item_lens, _item_step, _mma_items, _producer_items
@@ -102,15 +102,40 @@ _SPREAD_ASM = gl.constexpr("prmt.b32 $0, $2, 0, 0x4140; prmt.b32 $1, $2, 0, 0x43
 
 
 @gluon.jit
+def _ds_convert_f16(g: gl.constexpr, raw3, sb, R, SRC: gl.constexpr):
+    """``_ds_load``'s registers -> fp16 ``[64 keys, 64]`` holding ``value * 2**(127 - R)`` in
+    ``_ds_layout`` (``R``: the block's largest scale byte, at least ``R_MIN``; one ``cvt`` per
+    two bytes and one multiply), or the 584 records' bf16 RoPE group as it is."""
+    if SRC == 584 and g == 7:
+        x = raw3
+    else:
+        sc = gl.broadcast(gl.expand_dims(_exp2i(sb.to(gl.int32) - R).to(gl.float16), 2),
+                          raw3)[0]
+        x = gl.inline_asm_elementwise(_E4M3_F16_ASM, "=r,=r,r,r,r", [raw3, sc],
+                                      dtype=gl.float16, is_pure=True, pack=4)
+        x = gl.convert_layout(gl.reshape(x, [64, 64]), _ds_layout())
+    return x
+
+
+@gluon.jit
 def _ds_convert(g: gl.constexpr, raw3, sb, SRC: gl.constexpr, MODE: gl.constexpr = 0):
     """``_ds_load``'s registers -> exact bf16 ``[64 keys, 64]`` in ``_ds_layout`` (``MODE`` 1 /
-    3: the bytes unconverted)."""
+    3: the bytes unconverted; 4: the fp16 conversion's instructions, values wrong)."""
     if SRC == 584 and g == 7:
         x = raw3
     elif MODE == 1 or MODE == 3:
         x = gl.inline_asm_elementwise(_SPREAD_ASM, "=r,=r,r", [raw3], dtype=gl.bfloat16,
                                       is_pure=True, pack=4)
         x = gl.convert_layout(gl.reshape(x, [64, 64]), _ds_layout())
+    elif MODE == 4:
+        # fp16 operands' conversion cost: one cvt per two bytes, one multiply by a per-key
+        # power of two (the values as bf16 bits: timing only)
+        sc = gl.broadcast(gl.expand_dims(_exp2i(sb.to(gl.int32) - 127).to(gl.float16), 2),
+                          raw3)[0]
+        x = gl.inline_asm_elementwise(_E4M3_F16_ASM, "=r,=r,r,r,r", [raw3, sc],
+                                      dtype=gl.float16, is_pure=True, pack=4)
+        x = gl.convert_layout(gl.reshape(x, [64, 64]), _ds_layout())
+        x = x.to(gl.bfloat16, bitcast=True)
     else:
         sc = gl.broadcast(gl.expand_dims(_ue8m0_f32(sb), 2), raw3)[0]
         x = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r,r,r,r,r", [raw3, sc],
@@ -123,21 +148,30 @@ def _ds_convert(g: gl.constexpr, raw3, sb, SRC: gl.constexpr, MODE: gl.constexpr
 def _ds_block(K: gl.constexpr, G, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
               idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf, ready, free, tready,
               tfree, SRC: gl.constexpr, BH: gl.constexpr, PREFETCH: gl.constexpr,
-              MODE: gl.constexpr = 0):
+              MODE: gl.constexpr = 0, F16: gl.constexpr = False, qr=None, r_buf=None, cqh=1.0):
     """Block ``G`` (``G % 2 == K``): stage ``K``'s records -> bf16 key tile ``K`` and ``S^T``
     (raw dot products, fp32) into ``s_buf[K]``; ``free[K]`` once the stage is read,
     ``tready[K]`` once both are stored. The stage is freed as soon as its last group is loaded
     (before groups 6 and 7 are converted). ``PREFETCH``: each group's bytes are loaded one
     group ahead. ``MODE`` (benchmarks only): 1 no conversion, 2 no ``S^T`` products (``S^T``
-    zero), 3 neither."""
+    zero), 3 neither, 4 the fp16 operands' conversion (wrong values). ``F16``: fp16 key tiles
+    holding ``value * 2**(127 - R)`` (``R``: the block's largest scale byte, at least
+    ``R_MIN``, stored to ``r_buf[K]``) against the fp16 Q groups of ``qp`` (each head times
+    ``1 / cqh``); 584 records' bf16 RoPE group against the bf16 Q tail ``qr`` in an
+    accumulator of its own; ``S^T`` stored in true units."""
     ACC: gl.constexpr = _acc_layout(BH, 4)
+    ROPE: gl.constexpr = F16 and SRC == 584
     LI: gl.constexpr = gl.BlockedLayout([1], [32], [DS_WARPS], [0])
     mbarrier.wait(ready.index(K), (G // 2) & 1)
     mbarrier.wait(tfree.index(K), ((G // 2) & 1) ^ 1)
     scale_s = scale_ring.index(K)
     kid.index(K).store(idx_ring.index(K).load(LI))
     acc = gl.full([64, BH], 0.0, gl.float32, layout=ACC)
+    acr = acc
     prev = acc
+    R = 0
+    if F16:
+        R = gl.maximum(_block_exp(scale_s, SRC, DS_WARPS), R_MIN)
     raw, sb = _ds_load(0, K, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
     for g in gl.static_range(8):
         if PREFETCH and g < 7:
@@ -145,12 +179,18 @@ def _ds_block(K: gl.constexpr, G, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, sca
             # stores in program order)
             nraw, nsb = _ds_load(g + 1, K, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s,
                                  SRC)
-        x = _ds_convert(g, raw, sb, SRC, MODE)
+        if F16:
+            x = _ds_convert_f16(g, raw, sb, R, SRC)
+        else:
+            x = _ds_convert(g, raw, sb, SRC, MODE)
         _pick(g, k0, k1, k2, k3, k4, k5, k6, k7).index(K).store(x)
-        if MODE < 2:
+        if MODE < 2 or MODE == 4:
             a = _ds_a(x, BH)
-            acc = warpgroup_mma(a, qp.index(g).permute((1, 0)), acc, use_acc=g > 0,
-                                is_async=True)
+            if ROPE and g == 7:
+                acr = warpgroup_mma(a, qr.permute((1, 0)), acr, use_acc=False, is_async=True)
+            else:
+                acc = warpgroup_mma(a, qp.index(g).permute((1, 0)), acc, use_acc=g > 0,
+                                    is_async=True)
             if g > 0:
                 acc, prev = warpgroup_mma_wait(1, deps=[acc, prev])
             prev = a
@@ -166,8 +206,14 @@ def _ds_block(K: gl.constexpr, G, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, sca
             # are converted and multiplied
             barrier()  # every thread's stage reads precede the release
             mbarrier.arrive(free.index(K))
-    if MODE < 2:
-        acc, prev = warpgroup_mma_wait(0, deps=[acc, prev])
+    if MODE < 2 or MODE == 4:
+        acc, acr, prev = warpgroup_mma_wait(0, deps=[acc, acr, prev])
+    if F16:
+        # true units: the fp16 groups times 2**(R - 127) and the head's cqh
+        acc = acc * (cqh * _exp2i(R - 127))[None, :]
+        if ROPE:
+            acc = acc + acr
+        r_buf.index(K).store(gl.full([BH], 0, gl.int32, layout=gl.SliceLayout(0, ACC)) + R)
     s_buf.index(K).store(acc)
     fence_async_shared()  # the key tiles are read by the MMA partition's wgmmas
     barrier()  # every thread's tile and S^T stores precede the hand-over
@@ -190,13 +236,69 @@ def _ds_q(q_ptr, item, num_items, num_ht, num_splits, stride_qt, stride_qh, H,
 
 
 @gluon.jit
+def _ds_q_store(qp, q0, q1, q2, q3, q4, q5, q6, q7, SRC: gl.constexpr, BH: gl.constexpr,
+                F16: gl.constexpr):
+    """An item's Q groups (``_ds_q``) into the warpgroup's copy ``qp``; with ``F16`` as fp16,
+    each head times ``2**(141 - e)`` (``e``: the biased exponent of its amax over the fp16
+    groups, clamped to ``[15, 255]``: the amax lands in ``[2**14, 2**15)``), 584 records' RoPE
+    tail as bf16 into ``qp[7]`` (same bytes); returns ``cqh = 2**(e - 141) [BH]`` (1 without
+    ``F16``) in the accumulator's head layout."""
+    ACC: gl.constexpr = _acc_layout(BH, 4)
+    if F16:
+        NQ: gl.constexpr = 7 if SRC == 584 else 8
+        amax = gl.max(gl.abs(q0.to(gl.float32)), axis=1)
+        amax = gl.maximum(amax, gl.max(gl.abs(q1.to(gl.float32)), axis=1))
+        amax = gl.maximum(amax, gl.max(gl.abs(q2.to(gl.float32)), axis=1))
+        amax = gl.maximum(amax, gl.max(gl.abs(q3.to(gl.float32)), axis=1))
+        amax = gl.maximum(amax, gl.max(gl.abs(q4.to(gl.float32)), axis=1))
+        amax = gl.maximum(amax, gl.max(gl.abs(q5.to(gl.float32)), axis=1))
+        amax = gl.maximum(amax, gl.max(gl.abs(q6.to(gl.float32)), axis=1))
+        if NQ == 8:
+            amax = gl.maximum(amax, gl.max(gl.abs(q7.to(gl.float32)), axis=1))
+        ea = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
+        ea = gl.minimum(gl.maximum(ea, 15), 255)
+        qm = ((268 - ea) << 23).to(gl.float32, bitcast=True)[:, None]
+        qp.index(0).store((q0.to(gl.float32) * qm).to(gl.float16))
+        qp.index(1).store((q1.to(gl.float32) * qm).to(gl.float16))
+        qp.index(2).store((q2.to(gl.float32) * qm).to(gl.float16))
+        qp.index(3).store((q3.to(gl.float32) * qm).to(gl.float16))
+        qp.index(4).store((q4.to(gl.float32) * qm).to(gl.float16))
+        qp.index(5).store((q5.to(gl.float32) * qm).to(gl.float16))
+        qp.index(6).store((q6.to(gl.float32) * qm).to(gl.float16))
+        if NQ == 8:
+            qp.index(7).store((q7.to(gl.float32) * qm).to(gl.float16))
+        else:
+            _ds_q_rope(qp, BH).store(q7)
+        cqh = gl.convert_layout(((ea - 14) << 23).to(gl.float32, bitcast=True),
+                                gl.SliceLayout(0, ACC))
+    else:
+        qp.index(0).store(q0)
+        qp.index(1).store(q1)
+        qp.index(2).store(q2)
+        qp.index(3).store(q3)
+        qp.index(4).store(q4)
+        qp.index(5).store(q5)
+        qp.index(6).store(q6)
+        qp.index(7).store(q7)
+        cqh = gl.full([BH], 1.0, gl.float32, layout=gl.SliceLayout(0, ACC))
+    return cqh
+
+
+@gluon.jit
+def _ds_q_rope(qp, BH: gl.constexpr):
+    """``qp[7]`` (fp16 Q copy) viewed as the bf16 RoPE tail ``[BH, 64]`` (same bytes)."""
+    QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, 64], gl.bfloat16)
+    return reinterpret(qp.index(7), gl.bfloat16, [BH, 64], QL)
+
+
+@gluon.jit
 def _ds_items(K: gl.constexpr, num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width,
               b_len_ptr, b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, r0, r1, r2, r3, r4,
               r5, r6, r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid,
               qp, s_buf, ready, free, tready, tfree, SRC_A: gl.constexpr, SRC_B: gl.constexpr,
               HAS_B: gl.constexpr, HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr,
               SPLIT: gl.constexpr, BH: gl.constexpr, PREFETCH: gl.constexpr,
-              MODE: gl.constexpr = 0):
+              MODE: gl.constexpr = 0, F16: gl.constexpr = False, r_buf=None):
     """Dequant + S warpgroup ``K`` over this CTA's items: the blocks ``G`` of the CTA's run with
     ``G % 2 == K``. Its Q copy ``qp`` is rewritten at the start of an item it has blocks in (its
     previous wgmmas were waited), from registers loaded one item ahead."""
@@ -206,6 +308,11 @@ def _ds_items(K: gl.constexpr, num_items, num_ht, num_splits, a_len_ptr, a_len_s
                         b_len_st, HAS_B, HAS_LEN_A, HAS_LEN_B)
     q0, q1, q2, q3, q4, q5, q6, q7 = _ds_q(q_ptr, pid, num_items, num_ht, num_splits,
                                            stride_qt, stride_qh, H, BH)
+    if F16 and SRC_A == 584:
+        qr = _ds_q_rope(qp, BH)
+    else:
+        qr = qp.index(7)
+    cqh = gl.full([BH], 1.0, gl.float32, layout=gl.SliceLayout(0, _acc_layout(BH, 4)))
     g = 0
     for item in range(pid, num_items, grid):
         ht, split, t, lo_a, hi_a, lo_b, hi_b, nblk_a, nblk, la, lb = _item_step(
@@ -215,14 +322,7 @@ def _ds_items(K: gl.constexpr, num_items, num_ht, num_splits, a_len_ptr, a_len_s
                                                num_splits, stride_qt, stride_qh, H, BH)
         j0 = (K + 2 - g % 2) % 2
         if j0 < nblk:
-            qp.index(0).store(q0)
-            qp.index(1).store(q1)
-            qp.index(2).store(q2)
-            qp.index(3).store(q3)
-            qp.index(4).store(q4)
-            qp.index(5).store(q5)
-            qp.index(6).store(q6)
-            qp.index(7).store(q7)
+            cqh = _ds_q_store(qp, q0, q1, q2, q3, q4, q5, q6, q7, SRC_A, BH, F16)
             fence_async_shared()
             barrier()
         for j in range(j0, nblk, 2):
@@ -230,15 +330,17 @@ def _ds_items(K: gl.constexpr, num_items, num_ht, num_splits, a_len_ptr, a_len_s
                 if j < nblk_a:
                     _ds_block(K, g + j, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
                               idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf, ready,
-                              free, tready, tfree, SRC_A, BH, PREFETCH, MODE)
+                              free, tready, tfree, SRC_A, BH, PREFETCH, MODE, F16, qr,
+                              r_buf, cqh)
                 else:
                     _ds_block(K, g + j, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
                               idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf, ready,
-                              free, tready, tfree, SRC_B, BH, PREFETCH, MODE)
+                              free, tready, tfree, SRC_B, BH, PREFETCH, MODE, F16, qr,
+                              r_buf, cqh)
             else:
                 _ds_block(K, g + j, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
                           idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf, ready, free,
-                          tready, tfree, SRC_A, BH, PREFETCH, MODE)
+                          tready, tfree, SRC_A, BH, PREFETCH, MODE, F16, qr, r_buf, cqh)
         g += nblk
         q0 = n0
         q1 = n1
@@ -263,33 +365,50 @@ def _sparse_mla_decode_few_ds_kernel(
     HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, HAS_SINK: gl.constexpr,
     SPLIT: gl.constexpr, BH: gl.constexpr, IDX_AHEAD: gl.constexpr = 1,
     DEQ_PREFETCH: gl.constexpr = True, PRIOR: gl.constexpr = False, MODE: gl.constexpr = 0,
+    F16: gl.constexpr = False,
 ):
     """Persistent grid of at most one CTA per SM over the ``num_items = T * num_splits *
     num_ht`` items (``decode_few_ws``'s ``PERSIST``); launch with ``num_warps=MMA_WARPS``.
     Arguments as ``decode_few_ws._sparse_mla_decode_few_ws_kernel``'s (two ring stages, two key
     tiles; 8-head tiles; e4m3 records, 584 or 528); ``DEQ_PREFETCH``: the dequant + S
     warpgroups load each group's bytes one group ahead; ``MODE`` (benchmarks only): see
-    ``_ds_block``."""
+    ``_ds_block``; ``F16``: fp16 operands in each block's own units (``_ds_block``,
+    ``decode_few_ws._mma_part``'s ``S_F16``; with 584 records it needs ``IDX_AHEAD = 1`` to fit)."""
     gl.static_assert(BH == 8, "8-head tiles")
     gl.static_assert(SRC_A != 288 and (not HAS_B or SRC_B != 288), "e4m3 records")
     r0, r1, r2, r3, r4, r5, r6, r7, scale_ring, rope_ring, idx_ring = _alloc_rings(
         SRC_A, SRC_B, HAS_B, 2, 16, False)
-    KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
-    QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, 64], gl.bfloat16)
-    k0 = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], KL)
-    k1 = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], KL)
-    k2 = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], KL)
-    k3 = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], KL)
-    k4 = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], KL)
-    k5 = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], KL)
-    k6 = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], KL)
-    k7 = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], KL)
+    ROPE: gl.constexpr = F16 and SRC_A == 584  # fp16 tiles beside the bf16 RoPE group
+    KDT: gl.constexpr = gl.float16 if F16 else gl.bfloat16
+    K7T: gl.constexpr = gl.bfloat16 if ROPE else KDT
+    KL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], KDT)
+    K7L: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], K7T)
+    QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, 64], KDT)
+    k0 = gl.allocate_shared_memory(KDT, [2, 64, 64], KL)
+    k1 = gl.allocate_shared_memory(KDT, [2, 64, 64], KL)
+    k2 = gl.allocate_shared_memory(KDT, [2, 64, 64], KL)
+    k3 = gl.allocate_shared_memory(KDT, [2, 64, 64], KL)
+    k4 = gl.allocate_shared_memory(KDT, [2, 64, 64], KL)
+    k5 = gl.allocate_shared_memory(KDT, [2, 64, 64], KL)
+    k6 = gl.allocate_shared_memory(KDT, [2, 64, 64], KL)
+    k7 = gl.allocate_shared_memory(K7T, [2, 64, 64], K7L)
     kid = gl.allocate_shared_memory(gl.int32, [2, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    qp0 = gl.allocate_shared_memory(gl.bfloat16, [8, BH, 64], QL)
-    qp1 = gl.allocate_shared_memory(gl.bfloat16, [8, BH, 64], QL)
+    qp0 = gl.allocate_shared_memory(KDT, [8, BH, 64], QL)
+    qp1 = gl.allocate_shared_memory(KDT, [8, BH, 64], QL)
     s_buf = gl.allocate_shared_memory(gl.float32, [2, 64, BH],
                                       gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], QL)
+    p_smem = gl.allocate_shared_memory(KDT, [BH, 64], QL)
+    if F16:
+        r_buf = gl.allocate_shared_memory(gl.int32, [2, BH],
+                                          gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    else:
+        r_buf = kid
+    if ROPE:
+        p_r = gl.allocate_shared_memory(gl.bfloat16, [BH, 64],
+                                        gl.NVMMASharedLayout.get_default_for([BH, 64],
+                                                                             gl.bfloat16))
+    else:
+        p_r = p_smem
     ids_pre = _alloc_ids_pre(idx_ring, IDX_AHEAD)
     ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -307,7 +426,7 @@ def _sparse_mla_decode_few_ds_kernel(
                       sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
                       po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid, p_smem, p_smem,
                       tready, tfree, HAS_B, HAS_LEN_A, HAS_LEN_B, HAS_SINK, SPLIT, BH, 2, PRIOR,
-                      0, s_buf, True)),
+                      0, s_buf, True, p_r, r_buf, F16, ROPE)),
         (_producer_items, (num_items, num_ht, num_splits, a_ptr, a_idx_ptr, a_idx_st,
                            a_len_ptr, a_len_st, a_width, a_bstride, a_page, a_rows, b_ptr,
                            b_idx_ptr, b_idx_st, b_len_ptr, b_len_st, b_width, b_bstride,
@@ -318,11 +437,11 @@ def _sparse_mla_decode_few_ds_kernel(
                        b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, r0, r1, r2, r3, r4,
                        r5, r6, r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6,
                        k7, kid, qp0, s_buf, ready, free, tready, tfree, SRC_A, SRC_B, HAS_B,
-                       HAS_LEN_A, HAS_LEN_B, SPLIT, BH, DEQ_PREFETCH, MODE)),
+                       HAS_LEN_A, HAS_LEN_B, SPLIT, BH, DEQ_PREFETCH, MODE, F16, r_buf)),
         (_ds_items, (1, num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
                        b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, r0, r1, r2, r3, r4,
                        r5, r6, r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6,
                        k7, kid, qp1, s_buf, ready, free, tready, tfree, SRC_A, SRC_B, HAS_B,
-                       HAS_LEN_A, HAS_LEN_B, SPLIT, BH, DEQ_PREFETCH, MODE)),
+                       HAS_LEN_A, HAS_LEN_B, SPLIT, BH, DEQ_PREFETCH, MODE, F16, r_buf)),
     ], [PRODUCER_WARPS, DS_WARPS, DS_WARPS],
         [PRODUCER_REGS_DS, DS_REGS, DS_REGS])

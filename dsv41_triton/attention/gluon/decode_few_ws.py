@@ -40,7 +40,7 @@ from ._api import barrier
 from .common import _load_sink, _merge_prior, _prior_tiles
 from .decode import (_acc_layout, _few_heads_epilogue, _online_softmax, _pv, _q_group, _q_rows,
                      _qk, _store_q)
-from .dequant import _convert_group, _dequant_group, _load_group
+from .dequant import R_MIN, _convert_group, _dequant_group, _exp2i, _load_group
 from .gather import (_alloc_rings, _item_ids, _key_ranges, _lens_ranges, _load_lens,
                      _program_ids, _put)
 from .decode_heads_ws import (PRODUCER_REGS, PRODUCER_WARPS, _alloc_ids_pre, _first_ids,
@@ -131,14 +131,20 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
               tfree, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BH: gl.constexpr,
               NT: gl.constexpr, PRIOR: gl.constexpr, g0=0, QREGS: gl.constexpr = False,
               q0=0, q1=0, q2=0, q3=0, q4=0, q5=0, q6=0, q7=0, SINK_AHEAD: gl.constexpr = False,
-              MODE: gl.constexpr = 0, s_buf=None, S_GIVEN: gl.constexpr = False):
+              MODE: gl.constexpr = 0, s_buf=None, S_GIVEN: gl.constexpr = False,
+              p_r=None, r_buf=None, S_F16: gl.constexpr = False,
+              F16_ROPE: gl.constexpr = False):
     """One warpgroup: Q, then both swap-AB wgmmas and the softmax of every block (key tile
     ``(g0 + j) % NT``), then the epilogue. ``QREGS``: Q's eight 64-dim groups are ``q0..q7``
     (``_load_q``, loaded by the caller ahead of time). ``SINK_AHEAD``: the sink is loaded
     before the key loop, not in the epilogue (its latency hidden under the blocks). ``MODE``
     1 / 2: each key tile released unread (no products). ``S_GIVEN`` (``decode_few_ds.py``): no
     Q and no ``S^T`` product here, each block's ``S^T [64, BH]`` fp32 is read from ``s_buf[t]``
-    (handed over with the tile)."""
+    (handed over with the tile). ``S_F16`` (with ``S_GIVEN``): fp16 key tiles holding ``value *
+    2**(127 - r_buf[t])`` (the block's own exponent); ``O^T`` is kept in units of ``2**(127 -
+    R)`` with ``R`` the running maximum of the blocks' exponents (``P * 2**(r - R)`` in fp16 in
+    ``p_smem``, the accumulators rescaled with ``alpha`` when ``R`` grows); ``F16_ROPE``: group
+    7 is the bf16 RoPE tile against ``P * 2**(127 - R)`` in bf16 (``p_r``)."""
     ACC: gl.constexpr = _acc_layout(BH, MMA_WARPS)
     LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [MMA_WARPS, 1], [1, 0])
     SINK_GIVEN: gl.constexpr = SINK_AHEAD and HAS_SINK and not SPLIT
@@ -184,6 +190,7 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
     o5 = zero
     o6 = zero
     o7 = zero
+    r_run = gl.full([BH], R_MIN, gl.int32, layout=gl.SliceLayout(0, ACC))
     for j in range(nblk):
         t = (g0 + j) % NT
         mbarrier.wait(tready.index(t), ((g0 + j) // NT) & 1)
@@ -202,20 +209,50 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
                 sT = _qk(kt0, kt1, kt2, kt3, kt4, kt5, kt6, kt7, q_smem, zero)  # [64 keys, BH]
             kidx = kid.index(t).load(gl.SliceLayout(1, ACC))
             p, alpha, m_i, l_part = _online_softmax(sT * qk_scale, kidx >= 0, m_i, l_part)
-            p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
+            if S_F16:
+                rb = r_buf.index(t).load(gl.SliceLayout(0, ACC))
+                r_new = gl.maximum(r_run, rb)
+                p_smem.store(gl.permute((p * _exp2i(rb - r_new)[None, :]).to(gl.float16),
+                                        (1, 0)))
+                if F16_ROPE:
+                    p_r.store(gl.permute((p * _exp2i(127 - r_new)[None, :]).to(gl.bfloat16),
+                                         (1, 0)))
+                alpha = alpha * _exp2i(r_run - r_new)
+                r_run = r_new
+            else:
+                p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
             fence_async_shared()
             barrier()
             # O^T_g = O^T_g * alpha + K_g^T P^T (waited: the tile and P are free after it)
-            o0, o1, o2, o3, o4, o5, o6, o7 = _pv(kt0, kt1, kt2, kt3, kt4, kt5, kt6, kt7, kt7,
-                                                 p_smem, p_smem, o0, o1, o2, o3, o4, o5, o6, o7,
-                                                 alpha, False)
+            if F16_ROPE:
+                o0, o1, o2, o3, o4, o5, o6, o7 = _pv(kt0, kt1, kt2, kt3, kt4, kt5, kt6, kt7,
+                                                     kt7, p_smem, p_r, o0, o1, o2, o3, o4, o5,
+                                                     o6, o7, alpha, True)
+            else:
+                o0, o1, o2, o3, o4, o5, o6, o7 = _pv(kt0, kt1, kt2, kt3, kt4, kt5, kt6, kt7,
+                                                     kt7, p_smem, p_smem, o0, o1, o2, o3, o4,
+                                                     o5, o6, o7, alpha, False)
             barrier()
         mbarrier.arrive(tfree.index(t))
     l_i = gl.sum(l_part, axis=0)
+    o_unit = 1.0
+    if S_F16:
+        o_unit = _exp2i(r_run - 127)
+        if PRIOR:  # the prior is in true units
+            u = o_unit[None, :]
+            o0 = o0 * u
+            o1 = o1 * u
+            o2 = o2 * u
+            o3 = o3 * u
+            o4 = o4 * u
+            o5 = o5 * u
+            o6 = o6 * u
+            o7 = o7 * u
+            o_unit = 1.0
     if PRIOR:
         l_i, m_i, o0, o1, o2, o3, o4, o5, o6, o7 = _merge_prior(
             l_i, m_i, lp, o0, o1, o2, o3, o4, o5, o6, o7, p0, p1, p2, p3, p4, p5, p6, p7)
-    _few_heads_epilogue(o0, o1, o2, o3, o4, o5, o6, o7, l_i, m_i, 1.0, t_tok, split, ht, H,
+    _few_heads_epilogue(o0, o1, o2, o3, o4, o5, o6, o7, l_i, m_i, o_unit, t_tok, split, ht, H,
                         num_splits, sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr,
                         stride_lt, stride_lh, po_ptr, pl_ptr, ACC, HAS_SINK, SPLIT, BH,
                         SINK_GIVEN, sk)
@@ -358,13 +395,15 @@ def _mma_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_le
                HAS_B: gl.constexpr, HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr,
                HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BH: gl.constexpr,
                NT: gl.constexpr, PRIOR: gl.constexpr, MODE: gl.constexpr = 0, s_buf=None,
-               S_GIVEN: gl.constexpr = False):
+               S_GIVEN: gl.constexpr = False, p_r=None, r_buf=None, S_F16: gl.constexpr = False,
+               F16_ROPE: gl.constexpr = False):
     """``PERSIST``: the MMA warpgroup over this CTA's items, with the next item's lens (and,
     for 8-head tiles, its Q) loaded into registers while it works on this one (Q stored
     again per item: the previous item's products that read it were waited before its last
     block's warpgroup barrier; an item without blocks reads no Q). A 16-head tile's next Q
     (32 more registers) would spill the partition's 240 registers, so it loads Q per item.
-    ``S_GIVEN``: ``_mma_part``'s (no Q; each block's S^T from ``s_buf``)."""
+    ``S_GIVEN`` / ``S_F16`` / ``F16_ROPE``: ``_mma_part``'s (no Q; each block's S^T from
+    ``s_buf``; fp16 key tiles in the block's own units)."""
     QAHEAD: gl.constexpr = BH <= 8 and not S_GIVEN
     pid = gl.program_id(0)
     grid = gl.num_programs(0)
@@ -394,7 +433,8 @@ def _mma_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_le
                   sink_ptr, sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
                   stride_lh, po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid, q_smem,
                   p_smem, tready, tfree, HAS_SINK, SPLIT, BH, NT, PRIOR, g, QAHEAD, q0, q1,
-                  q2, q3, q4, q5, q6, q7, True, MODE, s_buf, S_GIVEN)
+                  q2, q3, q4, q5, q6, q7, True, MODE, s_buf, S_GIVEN, p_r, r_buf, S_F16,
+                  F16_ROPE)
         g += nblk
         if QAHEAD:
             q0 = n0

@@ -225,7 +225,8 @@ def pick(T: int, H: int, a, b, device: torch.device) -> bool:
 #: (absent = default), ``persist`` (the few-heads ws kernel's persistent grid), ``mode``
 #: (its ``MODE``: 1 the copies alone, 2 copies and dequant, 3 copies and products) and ``ds``
 #: (its dequant + S form where it applies, ``FEW_DS``), ``dsmode`` (that form's ``MODE``: 1 no
-#: conversion, 2 no S products, 3 neither);
+#: conversion, 2 no S products, 3 neither, 4 the fp16 operands' conversion with wrong values),
+#: ``ds_f16`` (that form with fp16 operands, ``FEW_DS_F16``);
 #: DSV41_GLUON_SHAPE="num_warps:block_h:stages[:x]" (0 = default) sets it from the environment
 OVERRIDE = {}
 
@@ -233,8 +234,14 @@ OVERRIDE = {}
 #: e4m3 record width runs the few-heads ws kernel's dequant + S form on its persistent grid
 #: (``decode_few_ds.py``: the dequant warpgroups compute the logits from the registers they
 #: converted, so K is read from shared memory once, for O^T); decodes take it only through the
-#: override key ``ds``. Off until timed on a GPU (perf/NOTES.md, "Session 30")
+#: override key ``ds``. Off: with bf16 operands it measured no faster than the record kernel
+#: (perf/NOTES.md, "Session 31")
 FEW_DS = False
+
+#: whether that form runs with fp16 operands (``decode_few_ds``'s ``F16``: each block's tiles in
+#: its own power-of-two units, one ``cvt`` and one multiply per two bytes); override key
+#: ``ds_f16``. Off until its GPU tests have run (perf/NOTES.md, "Session 31")
+FEW_DS_F16 = False
 
 #: whether ``launch(prior=True)`` runs the few-heads ws kernel on a persistent grid (at most
 #: one CTA per SM looping over tokens: a token's first gathers overlap the previous token's
@@ -393,7 +400,10 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
                 and len(srcs) == 1 and 288 not in srcs):
             # the dequant + S form: persistent, two stages and tiles by construction
             from .decode_few_ds import _sparse_mla_decode_few_ds_kernel as kern
-            kind, form = "few_ds", dict(MODE=over.get("dsmode", 0))
+            f16 = bool(over.get("ds_f16", FEW_DS_F16))
+            kind, form = "few_ds", dict(MODE=over.get("dsmode", 0), F16=f16)
+            if f16 and a.src == 584:
+                ahead = 1  # the bf16 P of the RoPE group takes the preload's shared memory
         else:
             kern, kind = _sparse_mla_decode_few_ws_kernel, "few_ws"
             form = dict(NS=stages, NT=nt, PERSIST=persist, MODE=mode)
