@@ -589,6 +589,16 @@ def _v41(device, T, H, swa_rec=584, extra_rec=584, nb=512, page=64, W=128, K=512
                 attn_sink=torch.randn(H, device=device))
 
 
+def _check_graph_replay(device, T, H, swa_rec, extra_rec):
+    """A CUDA graph of ``sparse_mla_decode`` captured on one V4.1 case (``_v41``) and replayed on
+    fresh inputs copied into its buffers matches the reference."""
+    static = _v41(device, T, H, swa_rec, extra_rec)
+    out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=device)
+    fresh = _v41(device, T, H, swa_rec, extra_rec)
+    assert_graph_replay(sparse_mla_decode, static, {n: fresh[n] for n in GRAPH_INPUTS}, out,
+                        sparse_mla_decode_ref, out_tol=OUT_TOL, lse_tol=LSE_TOL, _kernel="gluon")
+
+
 def _check(args, out=None, scale=None):
     T, H = args["q"].shape[:2]
     if out is None:
@@ -737,11 +747,7 @@ def test_gluon_int64_offsets_gpu(device):
                                                    (32, 64, 584, 584)])
 def test_gluon_cuda_graph_gpu(device, T, H, swa_rec, extra_rec):
     _need_gluon_gpu()
-    static = _v41(device, T, H, swa_rec, extra_rec)
-    out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=device)
-    fresh = _v41(device, T, H, swa_rec, extra_rec)
-    assert_graph_replay(sparse_mla_decode, static, {n: fresh[n] for n in GRAPH_INPUTS}, out,
-                        sparse_mla_decode_ref, out_tol=OUT_TOL, lse_tol=LSE_TOL, _kernel="gluon")
+    _check_graph_replay(device, T, H, swa_rec, extra_rec)
 
 
 @pytest.mark.gpu
@@ -876,11 +882,7 @@ def test_gluon_few_ws_edges_gpu(device, monkeypatch, shape, H, T, swa_rec, extra
     if T < 512:
         _check_empty_rows(_empty_rows_case(device, T, H, swa_rec, extra_rec, sink="-inf"))
     _check(_v41(device, T, H, swa_rec, extra_rec))
-    static = _v41(device, T, H, swa_rec, extra_rec)
-    out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=device)
-    fresh = _v41(device, T, H, swa_rec, extra_rec)
-    assert_graph_replay(sparse_mla_decode, static, {n: fresh[n] for n in GRAPH_INPUTS}, out,
-                        sparse_mla_decode_ref, out_tol=OUT_TOL, lse_tol=LSE_TOL, _kernel="gluon")
+    _check_graph_replay(device, T, H, swa_rec, extra_rec)
 
 
 @pytest.mark.gpu
@@ -902,11 +904,7 @@ def test_gluon_few_ws_persistent_gpu(device, monkeypatch, shape, T, H, swa_rec, 
     assert gl_launch.LAST_LAUNCH["fwd"][1][4] == "few_ws"
     if extra_rec is None:
         return
-    static = _v41(device, T, H, swa_rec, extra_rec)
-    out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=device)
-    fresh = _v41(device, T, H, swa_rec, extra_rec)
-    assert_graph_replay(sparse_mla_decode, static, {n: fresh[n] for n in GRAPH_INPUTS}, out,
-                        sparse_mla_decode_ref, out_tol=OUT_TOL, lse_tol=LSE_TOL, _kernel="gluon")
+    _check_graph_replay(device, T, H, swa_rec, extra_rec)
 
 
 @pytest.mark.gpu
@@ -928,11 +926,7 @@ def test_gluon_few_ds_gpu(device, monkeypatch, shape, T, H, swa_rec, extra_rec):
     _check(_case(device, T, H, swa_rec, extra_rec))
     if extra_rec is None:
         return
-    static = _v41(device, T, H, swa_rec, extra_rec)
-    out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=device)
-    fresh = _v41(device, T, H, swa_rec, extra_rec)
-    assert_graph_replay(sparse_mla_decode, static, {n: fresh[n] for n in GRAPH_INPUTS}, out,
-                        sparse_mla_decode_ref, out_tol=OUT_TOL, lse_tol=LSE_TOL, _kernel="gluon")
+    _check_graph_replay(device, T, H, swa_rec, extra_rec)
     assert gl_launch.LAST_LAUNCH["fwd"][1][4] == "few_ds"
 
 

@@ -247,39 +247,22 @@ def _ds_q_store(qp, q0, q1, q2, q3, q4, q5, q6, q7, SRC: gl.constexpr, BH: gl.co
     if F16:
         NQ: gl.constexpr = 7 if SRC == 584 else 8
         amax = gl.max(gl.abs(q0.to(gl.float32)), axis=1)
-        amax = gl.maximum(amax, gl.max(gl.abs(q1.to(gl.float32)), axis=1))
-        amax = gl.maximum(amax, gl.max(gl.abs(q2.to(gl.float32)), axis=1))
-        amax = gl.maximum(amax, gl.max(gl.abs(q3.to(gl.float32)), axis=1))
-        amax = gl.maximum(amax, gl.max(gl.abs(q4.to(gl.float32)), axis=1))
-        amax = gl.maximum(amax, gl.max(gl.abs(q5.to(gl.float32)), axis=1))
-        amax = gl.maximum(amax, gl.max(gl.abs(q6.to(gl.float32)), axis=1))
-        if NQ == 8:
-            amax = gl.maximum(amax, gl.max(gl.abs(q7.to(gl.float32)), axis=1))
+        for g in gl.static_range(1, NQ):
+            qg = _pick(g, q0, q1, q2, q3, q4, q5, q6, q7)
+            amax = gl.maximum(amax, gl.max(gl.abs(qg.to(gl.float32)), axis=1))
         ea = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
         ea = gl.minimum(gl.maximum(ea, 15), 255)
         qm = ((268 - ea) << 23).to(gl.float32, bitcast=True)[:, None]
-        qp.index(0).store((q0.to(gl.float32) * qm).to(gl.float16))
-        qp.index(1).store((q1.to(gl.float32) * qm).to(gl.float16))
-        qp.index(2).store((q2.to(gl.float32) * qm).to(gl.float16))
-        qp.index(3).store((q3.to(gl.float32) * qm).to(gl.float16))
-        qp.index(4).store((q4.to(gl.float32) * qm).to(gl.float16))
-        qp.index(5).store((q5.to(gl.float32) * qm).to(gl.float16))
-        qp.index(6).store((q6.to(gl.float32) * qm).to(gl.float16))
-        if NQ == 8:
-            qp.index(7).store((q7.to(gl.float32) * qm).to(gl.float16))
-        else:
+        for g in gl.static_range(NQ):
+            qg = _pick(g, q0, q1, q2, q3, q4, q5, q6, q7)
+            qp.index(g).store((qg.to(gl.float32) * qm).to(gl.float16))
+        if NQ == 7:
             _ds_q_rope(qp, BH).store(q7)
         cqh = gl.convert_layout(((ea - 14) << 23).to(gl.float32, bitcast=True),
                                 gl.SliceLayout(0, ACC))
     else:
-        qp.index(0).store(q0)
-        qp.index(1).store(q1)
-        qp.index(2).store(q2)
-        qp.index(3).store(q3)
-        qp.index(4).store(q4)
-        qp.index(5).store(q5)
-        qp.index(6).store(q6)
-        qp.index(7).store(q7)
+        for g in gl.static_range(8):
+            qp.index(g).store(_pick(g, q0, q1, q2, q3, q4, q5, q6, q7))
         cqh = gl.full([BH], 1.0, gl.float32, layout=gl.SliceLayout(0, ACC))
     return cqh
 
@@ -295,20 +278,21 @@ def _ds_q_rope(qp, BH: gl.constexpr):
 def _ds_items(K: gl.constexpr, num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width,
               b_len_ptr, b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, r0, r1, r2, r3, r4,
               r5, r6, r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid,
-              qp, s_buf, ready, free, tready, tfree, SRC_A: gl.constexpr, SRC_B: gl.constexpr,
-              HAS_B: gl.constexpr, HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr,
-              SPLIT: gl.constexpr, BH: gl.constexpr, PREFETCH: gl.constexpr,
-              MODE: gl.constexpr = 0, F16: gl.constexpr = False, r_buf=None):
+              qp, s_buf, ready, free, tready, tfree, SRC: gl.constexpr, HAS_B: gl.constexpr,
+              HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, SPLIT: gl.constexpr,
+              BH: gl.constexpr, PREFETCH: gl.constexpr, MODE: gl.constexpr = 0,
+              F16: gl.constexpr = False, r_buf=None):
     """Dequant + S warpgroup ``K`` over this CTA's items: the blocks ``G`` of the CTA's run with
-    ``G % 2 == K``. Its Q copy ``qp`` is rewritten at the start of an item it has blocks in (its
-    previous wgmmas were waited), from registers loaded one item ahead."""
+    ``G % 2 == K``, all of one record width ``SRC``. Its Q copy ``qp`` is rewritten at the
+    start of an item it has blocks in (its previous wgmmas were waited), from registers loaded
+    one item ahead."""
     pid = gl.program_id(0)
     grid = gl.num_programs(0)
     la, lb = _item_lens(pid, num_items, num_ht, num_splits, a_len_ptr, a_len_st, b_len_ptr,
                         b_len_st, HAS_B, HAS_LEN_A, HAS_LEN_B)
     q0, q1, q2, q3, q4, q5, q6, q7 = _ds_q(q_ptr, pid, num_items, num_ht, num_splits,
                                            stride_qt, stride_qh, H, BH)
-    if F16 and SRC_A == 584:
+    if F16 and SRC == 584:
         qr = _ds_q_rope(qp, BH)
     else:
         qr = qp.index(7)
@@ -322,25 +306,13 @@ def _ds_items(K: gl.constexpr, num_items, num_ht, num_splits, a_len_ptr, a_len_s
                                                num_splits, stride_qt, stride_qh, H, BH)
         j0 = (K + 2 - g % 2) % 2
         if j0 < nblk:
-            cqh = _ds_q_store(qp, q0, q1, q2, q3, q4, q5, q6, q7, SRC_A, BH, F16)
+            cqh = _ds_q_store(qp, q0, q1, q2, q3, q4, q5, q6, q7, SRC, BH, F16)
             fence_async_shared()
             barrier()
         for j in range(j0, nblk, 2):
-            if HAS_B and SRC_A != SRC_B:
-                if j < nblk_a:
-                    _ds_block(K, g + j, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
-                              idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf, ready,
-                              free, tready, tfree, SRC_A, BH, PREFETCH, MODE, F16, qr,
-                              r_buf, cqh)
-                else:
-                    _ds_block(K, g + j, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
-                              idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf, ready,
-                              free, tready, tfree, SRC_B, BH, PREFETCH, MODE, F16, qr,
-                              r_buf, cqh)
-            else:
-                _ds_block(K, g + j, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
-                          idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf, ready, free,
-                          tready, tfree, SRC_A, BH, PREFETCH, MODE, F16, qr, r_buf, cqh)
+            _ds_block(K, g + j, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring,
+                      k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf, ready, free, tready, tfree,
+                      SRC, BH, PREFETCH, MODE, F16, qr, r_buf, cqh)
         g += nblk
         q0 = n0
         q1 = n1
@@ -376,6 +348,7 @@ def _sparse_mla_decode_few_ds_kernel(
     ``decode_few_ws._mma_part``'s ``S_F16``; with 584 records it needs ``IDX_AHEAD = 1`` to fit)."""
     gl.static_assert(BH == 8, "8-head tiles")
     gl.static_assert(SRC_A != 288 and (not HAS_B or SRC_B != 288), "e4m3 records")
+    gl.static_assert(not HAS_B or SRC_A == SRC_B, "one record width (two rings do not fit)")
     r0, r1, r2, r3, r4, r5, r6, r7, scale_ring, rope_ring, idx_ring = _alloc_rings(
         SRC_A, SRC_B, HAS_B, 2, 16, False)
     ROPE: gl.constexpr = F16 and SRC_A == 584  # fp16 tiles beside the bf16 RoPE group
@@ -436,12 +409,12 @@ def _sparse_mla_decode_few_ds_kernel(
         (_ds_items, (0, num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
                        b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, r0, r1, r2, r3, r4,
                        r5, r6, r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6,
-                       k7, kid, qp0, s_buf, ready, free, tready, tfree, SRC_A, SRC_B, HAS_B,
+                       k7, kid, qp0, s_buf, ready, free, tready, tfree, SRC_A, HAS_B,
                        HAS_LEN_A, HAS_LEN_B, SPLIT, BH, DEQ_PREFETCH, MODE, F16, r_buf)),
         (_ds_items, (1, num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
                        b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, r0, r1, r2, r3, r4,
                        r5, r6, r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6,
-                       k7, kid, qp1, s_buf, ready, free, tready, tfree, SRC_A, SRC_B, HAS_B,
+                       k7, kid, qp1, s_buf, ready, free, tready, tfree, SRC_A, HAS_B,
                        HAS_LEN_A, HAS_LEN_B, SPLIT, BH, DEQ_PREFETCH, MODE, F16, r_buf)),
     ], [PRODUCER_WARPS, DS_WARPS, DS_WARPS],
         [PRODUCER_REGS_DS, DS_REGS, DS_REGS])
