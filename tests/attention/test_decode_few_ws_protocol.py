@@ -159,7 +159,8 @@ def test_few_ws_persistent_item_ahead_loads_reach_their_items(two_ahead):
 
 
 # ---- the dequant + S form (``decode_few_ds.py``) -------------------------------------------
-def run_ds(nblks, seed, no_q_barrier=False, s_before_wait=False, free_before_read=False):
+def run_ds(nblks, seed, no_q_barrier=False, s_before_wait=False, free_before_read=False,
+           split_free=False, second_early=False):
     """One CTA of the dequant + S form over items of ``nblks[k]`` blocks: the producer (ring
     stage ``G % 2``), two dequant + S warpgroups (group ``k`` takes the blocks ``G`` with ``G %
     2 == k``, stage and key tile ``k``; it rewrites its own Q copy at the start of an item it
@@ -167,13 +168,18 @@ def run_ds(nblks, seed, no_q_barrier=False, s_before_wait=False, free_before_rea
     read, the tile freed). Flags break the protocol on purpose: ``no_q_barrier`` (no
     warpgroup barrier between a group's Q stores and its products), ``s_before_wait`` (S^T
     stored before the ``tfree`` wait, i.e. over the MMA warpgroup's read of the block two
-    back), ``free_before_read`` (a ring stage freed before the group's reads of it)."""
+    back), ``free_before_read`` (a ring stage freed before the group's reads of it).
+    ``split_free`` (``FREE_SPLIT``): the MMA warpgroup frees each tile's first groups (with
+    the slot ids beside it) once their products are done and the rest after them; the
+    dequant + S warpgroup stores each part after its own wait (``second_early``: the second
+    part stored after the first wait only, to be caught)."""
     bars = {}
     for s in range(2):
         bars[f"ready{s}"] = Bar(PW)
         bars[f"free{s}"] = Bar(1)
         bars[f"tready{s}"] = Bar(1)
         bars[f"tfree{s}"] = Bar(1)
+        bars[f"tfreeb{s}"] = Bar(1)
 
     def producer(w):
         g = 0
@@ -198,7 +204,9 @@ def run_ds(nblks, seed, no_q_barrier=False, s_before_wait=False, free_before_rea
                 if s_before_wait:
                     yield ("write", ("S", k, w), G)
                 yield ("wait", f"ready{k}", G // 2)
-                yield ("wait", f"tfree{k}", G // 2 - 1)
+                if not split_free:
+                    yield ("wait", f"tfree{k}", G // 2 - 1)
+                    yield ("write", ("ids", k, w), G)
                 # the first group's wgmma reads every warp's Q stores before the stage's
                 # release barrier
                 yield from rd(("Q", k), item, GW)
@@ -206,10 +214,19 @@ def run_ds(nblks, seed, no_q_barrier=False, s_before_wait=False, free_before_rea
                     yield ("tb", k)
                     yield ("arrive", f"free{k}")
                 yield from rd(("ring", k), G, PW)
+                if split_free:
+                    yield ("wait", f"tfree{k}", G // 2 - 1)
+                    yield ("write", ("ids", k, w), G)
+                    yield ("write", ("tile", k, w), G)
+                    if not second_early:
+                        yield ("wait", f"tfreeb{k}", G // 2 - 1)
+                    yield ("write", ("tileb", k, w), G)
                 if not free_before_read:
                     yield ("tb", k)  # the stage is freed once read, before the last stores
                     yield ("arrive", f"free{k}")
-                yield ("write", ("tile", k, w), G)
+                if not split_free:
+                    yield ("write", ("tile", k, w), G)
+                    yield ("write", ("tileb", k, w), G)
                 if not s_before_wait:
                     yield ("write", ("S", k, w), G)
                 yield ("tb", k)
@@ -223,10 +240,15 @@ def run_ds(nblks, seed, no_q_barrier=False, s_before_wait=False, free_before_rea
                 t = g % 2
                 yield ("wait", f"tready{t}", g // 2)
                 yield from rd(("S", t), g, GW)
+                yield from rd(("ids", t), g, GW)
                 yield ("tb", 2)  # P stored
-                yield from rd(("tile", t), g, GW)  # O
+                yield from rd(("tile", t), g, GW)  # O of groups 0..3
+                if split_free:
+                    yield ("tb", 2)
+                    yield ("arrive", f"tfree{t}")
+                yield from rd(("tileb", t), g, GW)  # O of groups 4..7
                 yield ("tb", 2)
-                yield ("arrive", f"tfree{t}")
+                yield ("arrive", f"tfreeb{t}" if split_free else f"tfree{t}")
                 g += 1
 
     agents = {("P", w): producer(w) for w in range(PW)}
@@ -239,22 +261,26 @@ def run_ds(nblks, seed, no_q_barrier=False, s_before_wait=False, free_before_rea
     assert bars["tready0"].done == -(-n // 2) and bars["tready1"].done == n // 2
 
 
-def test_few_ds_protocol_random_schedules():
+@pytest.mark.parametrize("split_free", [False, True])
+def test_few_ds_protocol_random_schedules(split_free):
     rnd = random.Random(11)
     for seed in range(400):
-        run_ds(_items(rnd), seed)
-    run_ds([0] * 9, 1)
-    run_ds([1] * 9, 2)  # one block per item: the groups alternate items
-    run_ds([1, 0, 1, 2, 1, 1, 3], 3)
-    run_ds([10, 0, 10, 0, 1], 4)
+        run_ds(_items(rnd), seed, split_free=split_free)
+    run_ds([0] * 9, 1, split_free=split_free)
+    run_ds([1] * 9, 2, split_free=split_free)  # one block per item: the groups alternate items
+    run_ds([1, 0, 1, 2, 1, 1, 3], 3, split_free=split_free)
+    run_ds([10, 0, 10, 0, 1], 4, split_free=split_free)
 
 
 @pytest.mark.parametrize("flags", [dict(no_q_barrier=True), dict(s_before_wait=True),
-                                   dict(free_before_read=True)])
+                                   dict(free_before_read=True),
+                                   dict(split_free=True, second_early=True),
+                                   dict(split_free=True, s_before_wait=True)])
 def test_few_ds_protocol_model_catches_mutations(flags):
     """The model fails for a group's products started before all its warps stored the item's
-    Q, for an S^T stored before the tile it sits beside was freed, and for a ring stage freed
-    before it was read."""
+    Q, for an S^T stored before the tile it sits beside was freed, for a ring stage freed
+    before it was read, and (tiles freed in two parts) for a second part stored before its own
+    release."""
     rnd = random.Random(5)
     with pytest.raises(AssertionError, match="stale"):
         for seed in range(3000):

@@ -294,16 +294,19 @@ def test_gluon_few_ds_benchmark_modes_compile(mode):
     assert (ops.get("HGMMA", 0) == 32) == (mode in (2, 3)) and ops.get("HGMMA", 0) >= 32, ops
 
 
-@pytest.mark.parametrize("src,split", [(584, 0), (528, 0), (584, 1)])
-def test_gluon_few_ds_f16_compiles(src, split):
+@pytest.mark.parametrize("src,split,key_r,free_split", [
+    (584, 0, 0, 0), (528, 0, 0, 0), (584, 1, 0, 0), (584, 0, 1, 1), (528, 0, 1, 4)])
+def test_gluon_few_ds_f16_compiles(src, split, key_r, free_split):
     """The dequant + S form with fp16 operands as the paged prefill's top-k launch compiles it
-    (ids one block ahead): one CTA's shared memory; in each dequant + S warpgroup's block loop
-    the 32 register-A ``HGMMA`` of ``S^T``, one ``HMUL2`` per two e4m3 bytes (the block's
-    power-of-two scales: 7 or 8 groups x 16), no fp32 round trip and at most one stack reload;
-    the MMA warpgroup's block loop with its 32 ``HGMMA`` of ``O^T`` and no spills."""
+    (ids one block ahead; ``key_r``: each key in its own units; ``free_split``: the tiles freed
+    in two parts): one CTA's shared memory; in each dequant + S warpgroup's block loop the 32
+    register-A ``HGMMA`` of ``S^T``, one ``HMUL2`` per two e4m3 bytes (power-of-two scales: 7
+    or 8 groups x 16), no fp32 round trip, at most one stack reload, and a third mbarrier wait
+    with ``free_split``; the MMA warpgroup's block loop with its 32 ``HGMMA`` of ``O^T``, no
+    spills and a second arrive with ``free_split``."""
     if not gluon_pkg.AVAILABLE:
         pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
-    r = _compile_facts("ds_f16", src, split)
+    r = _compile_facts("ds_f16", src, split, key_r, free_split)
     assert 0 < r["shared"] <= 227 * 1024, r["shared"]
     assert r["ops"].get("HMUL2", 0) == 2 * 16 * (7 if src == 584 else 8), r["ops"]
     loops = [lp for lp in r["loop_ops"] if lp["instructions"] > 150 and lp["hgmma"]]
@@ -316,7 +319,9 @@ def test_gluon_few_ds_f16_compiles(src, split):
         assert lp["hgmma"] == 32 and lp["ops"]["HMUL2"] == 16 * (7 if src == 584 else 8), lp
         # no fp32 round trip: the e4m3 unpacking and the few packs of the loop's bookkeeping
         assert lp["ops"].get("F2FP", 0) <= 16 * 8 + 8 and lp["local_ld_st"] <= 1, lp
+        assert lp["mbar_wait"] == 2 + bool(free_split), lp
     assert mma[0]["hgmma"] == 32 and mma[0]["local_ld_st"] == 0, mma[0]
+    assert mma[0]["mbar_arrive"] == 1 + bool(free_split), mma[0]
 
 
 @pytest.mark.parametrize("T,H,src,persist", [(512, 8, 584, False), (512, 8, 528, False),
@@ -934,15 +939,18 @@ def test_gluon_few_ds_gpu(device, monkeypatch, shape, T, H, swa_rec, extra_rec):
 @pytest.mark.parametrize("T", [1, 5, 300])
 @pytest.mark.parametrize("H", [1, 8, 13])
 @pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, None)])
-def test_gluon_few_ds_f16_gpu(device, monkeypatch, T, H, swa_rec, extra_rec):
+@pytest.mark.parametrize("key_r,split", [(False, 0), (True, 0), (True, 1), (False, 4)])
+def test_gluon_few_ds_f16_gpu(device, monkeypatch, T, H, swa_rec, extra_rec, key_r, split):
     """The dequant + S form with fp16 operands (override key ``ds_f16``: each block's tiles in
-    its own power-of-two units, the MMA warpgroup's running exponent): ragged and empty rows,
-    1..13 heads, split keys at T <= 5, and every other page's keys 2**12 smaller (blocks of
+    its own power-of-two units, or with ``ds_keyr`` each key's, the MMA warpgroup's running
+    exponent; ``ds_split``: the key tiles freed in two parts): ragged and empty rows, 1..13
+    heads, split keys at T <= 5, and every other page's keys 2**12 smaller (blocks and keys of
     different exponents: the accumulators rescaled between blocks)."""
     _need_gluon_gpu()
     from dsv41_triton.attention.gluon import launch as gl_launch
     monkeypatch.setattr(gl_launch, "OVERRIDE", {**gl_launch.parse_shape("4:8:2:W:0"),
-                                                "ds": True, "ds_f16": True})
+                                                "ds": True, "ds_f16": True, "ds_keyr": key_r,
+                                                "ds_split": split})
     _check_empty_rows(_empty_rows_case(device, T, H, swa_rec, extra_rec))
     assert gl_launch.LAST_LAUNCH["fwd"][1][4] == "few_ds"
     args = _case(device, T, H, swa_rec, extra_rec)

@@ -138,10 +138,11 @@ def _online_softmax(sT, ok, m_i, l_part):
 
 @gluon.jit
 def _pv(k0, k1, k2, k3, k4, k5, k6, k7, rope_s, p16, p_r, o0, o1, o2, o3, o4, o5, o6, o7,
-        alpha, ROPE: gl.constexpr):
-    """``O^T_g = O^T_g * alpha + K_g^T P^T`` for the 8 groups, waited (``P`` in ``p16``, bf16 or
-    fp16 as the key tiles; with ``ROPE`` group 7 is the bf16 RoPE tile ``rope_s`` against the
-    bf16 ``P * 2**(127 - R)`` in ``p_r``, else ``k7`` against ``p16``)."""
+        alpha, ROPE: gl.constexpr, WAIT: gl.constexpr = True):
+    """``O^T_g = O^T_g * alpha + K_g^T P^T`` for the 8 groups, one wgmma group each in order
+    and waited unless ``WAIT`` is off (``P`` in ``p16``, bf16 or fp16 as the key tiles; with
+    ``ROPE`` group 7 is the bf16 RoPE tile ``rope_s`` against the bf16 ``P * 2**(127 - R)`` in
+    ``p_r``, else ``k7`` against ``p16``)."""
     pT = p16.permute((1, 0))
     o0 = warpgroup_mma(k0.permute((1, 0)), pT, o0 * alpha[None, :], is_async=True)
     o1 = warpgroup_mma(k1.permute((1, 0)), pT, o1 * alpha[None, :], is_async=True)
@@ -155,7 +156,10 @@ def _pv(k0, k1, k2, k3, k4, k5, k6, k7, rope_s, p16, p_r, o0, o1, o2, o3, o4, o5
                            is_async=True)
     else:
         o7 = warpgroup_mma(k7.permute((1, 0)), pT, o7 * alpha[None, :], is_async=True)
-    return warpgroup_mma_wait(0, deps=[o0, o1, o2, o3, o4, o5, o6, o7])
+    if WAIT:
+        o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(
+            0, deps=[o0, o1, o2, o3, o4, o5, o6, o7])
+    return o0, o1, o2, o3, o4, o5, o6, o7
 
 
 @gluon.jit

@@ -58,6 +58,29 @@ def _ds_layout():
         warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 64])
 
 
+@gluon.constexpr_function
+def _ds_key_layout(w):
+    """``[64 keys, w]`` scale bytes with ``_ds_layout``'s keys: each thread all ``w`` bytes of
+    its two keys (lanes of one key replicate them)."""
+    reg = [[0, 1 << i] for i in range(w.bit_length() - 1)] + [[8, 0]]
+    return gl.DistributedLinearLayout(
+        reg_bases=reg, lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, w])
+
+
+@gluon.jit
+def _ds_key_exp(scale_s, SRC: gl.constexpr):
+    """Each key's largest UE8M0 scale byte (584: the 7 real ones of 8; 528: all 16), at least
+    ``R_MIN``: int32 ``[64]`` in ``_ds_layout``'s key layout (no cross-thread step)."""
+    W: gl.constexpr = 8 if SRC == 584 else 16
+    LK: gl.constexpr = _ds_key_layout(W)
+    e = scale_s.slice(0, W, dim=1).load(LK).to(gl.int32)
+    if SRC == 584:
+        c = gl.arange(0, W, layout=gl.SliceLayout(0, LK))
+        e = gl.where((c < 7)[None, :], e, 0)
+    return gl.maximum(gl.max(e, axis=1), R_MIN)
+
+
 @gluon.jit
 def _ds_perm(L):
     """Contraction position ``L`` of a 64-dim group -> its dim (``16 c + 4 i + 2 h + e`` for
@@ -102,15 +125,21 @@ _SPREAD_ASM = gl.constexpr("prmt.b32 $0, $2, 0, 0x4140; prmt.b32 $1, $2, 0, 0x43
 
 
 @gluon.jit
-def _ds_convert_f16(g: gl.constexpr, raw3, sb, R, SRC: gl.constexpr):
+def _ds_convert_f16(g: gl.constexpr, raw3, sb, R, SRC: gl.constexpr,
+                    KEY_R: gl.constexpr = False):
     """``_ds_load``'s registers -> fp16 ``[64 keys, 64]`` holding ``value * 2**(127 - R)`` in
-    ``_ds_layout`` (``R``: the block's largest scale byte, at least ``R_MIN``; one ``cvt`` per
-    two bytes and one multiply), or the 584 records' bf16 RoPE group as it is."""
+    ``_ds_layout`` (``R``: the block's largest scale byte, at least ``R_MIN``, or with
+    ``KEY_R`` each key's, ``[64]`` from ``_ds_key_exp``; one ``cvt`` per two bytes and one
+    multiply), or the 584 records' bf16 RoPE group as it is."""
     if SRC == 584 and g == 7:
         x = raw3
     else:
-        sc = gl.broadcast(gl.expand_dims(_exp2i(sb.to(gl.int32) - R).to(gl.float16), 2),
-                          raw3)[0]
+        e = sb.to(gl.int32)
+        if KEY_R:
+            e = e - gl.expand_dims(gl.convert_layout(R, gl.SliceLayout(1, sb.type.layout)), 1)
+        else:
+            e = e - R
+        sc = gl.broadcast(gl.expand_dims(_exp2i(e).to(gl.float16), 2), raw3)[0]
         x = gl.inline_asm_elementwise(_E4M3_F16_ASM, "=r,=r,r,r,r", [raw3, sc],
                                       dtype=gl.float16, is_pure=True, pack=4)
         x = gl.convert_layout(gl.reshape(x, [64, 64]), _ds_layout())
@@ -148,30 +177,45 @@ def _ds_convert(g: gl.constexpr, raw3, sb, SRC: gl.constexpr, MODE: gl.constexpr
 def _ds_block(K: gl.constexpr, G, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring,
               idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf, ready, free, tready,
               tfree, SRC: gl.constexpr, BH: gl.constexpr, PREFETCH: gl.constexpr,
-              MODE: gl.constexpr = 0, F16: gl.constexpr = False, qr=None, r_buf=None, cqh=1.0):
+              MODE: gl.constexpr = 0, F16: gl.constexpr = False, qr=None, r_buf=None, cqh=1.0,
+              KEY_R: gl.constexpr = False, rk_buf=None, FREE_SPLIT: gl.constexpr = 0,
+              tfree_b=None):
     """Block ``G`` (``G % 2 == K``): stage ``K``'s records -> bf16 key tile ``K`` and ``S^T``
     (raw dot products, fp32) into ``s_buf[K]``; ``free[K]`` once the stage is read,
     ``tready[K]`` once both are stored. The stage is freed as soon as its last group is loaded
     (before groups 6 and 7 are converted). ``PREFETCH``: each group's bytes are loaded one
     group ahead. ``MODE`` (benchmarks only): 1 no conversion, 2 no ``S^T`` products (``S^T``
-    zero), 3 neither, 4 the fp16 operands' conversion (wrong values). ``F16``: fp16 key tiles
+    zero), 3 neither, 4 the fp16 operands' conversion (wrong values), 5 (``F16``) ``R = 127``
+    without the block's maximum (wrong values where a scale byte exceeds it). ``F16``: fp16 key tiles
     holding ``value * 2**(127 - R)`` (``R``: the block's largest scale byte, at least
     ``R_MIN``, stored to ``r_buf[K]``) against the fp16 Q groups of ``qp`` (each head times
     ``1 / cqh``); 584 records' bf16 RoPE group against the bf16 Q tail ``qr`` in an
-    accumulator of its own; ``S^T`` stored in true units."""
+    accumulator of its own; ``S^T`` stored in true units. ``KEY_R`` (with ``F16``): each key
+    in its own units ``2**(127 - R_k)`` (``R_k``: its largest scale byte, to ``rk_buf[K]``),
+    so no conversion waits on the block's maximum (still stored to ``r_buf[K]``).
+    ``FREE_SPLIT`` (1..7, 0 off): tile ``K`` is taken in two parts, groups ``0 ..
+    FREE_SPLIT - 1`` (with ``kid[K]``) after ``tfree[K]``, the rest after ``tfree_b[K]`` (the
+    MMA warpgroup's ``FREE_SPLIT``), so the block's first loads, conversion and products
+    overlap the ``O^T`` products still reading the tile."""
     ACC: gl.constexpr = _acc_layout(BH, 4)
     ROPE: gl.constexpr = F16 and SRC == 584
     LI: gl.constexpr = gl.BlockedLayout([1], [32], [DS_WARPS], [0])
     mbarrier.wait(ready.index(K), (G // 2) & 1)
-    mbarrier.wait(tfree.index(K), ((G // 2) & 1) ^ 1)
     scale_s = scale_ring.index(K)
-    kid.index(K).store(idx_ring.index(K).load(LI))
+    if FREE_SPLIT == 0:
+        mbarrier.wait(tfree.index(K), ((G // 2) & 1) ^ 1)
+        kid.index(K).store(idx_ring.index(K).load(LI))
     acc = gl.full([64, BH], 0.0, gl.float32, layout=ACC)
     acr = acc
     prev = acc
     R = 0
-    if F16:
+    if F16 and MODE == 5:
+        R = 127
+    elif F16:
         R = gl.maximum(_block_exp(scale_s, SRC, DS_WARPS), R_MIN)
+    rk = R
+    if F16 and KEY_R:
+        rk = _ds_key_exp(scale_s, SRC)
     raw, sb = _ds_load(0, K, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
     for g in gl.static_range(8):
         if PREFETCH and g < 7:
@@ -179,12 +223,17 @@ def _ds_block(K: gl.constexpr, G, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, sca
             # stores in program order)
             nraw, nsb = _ds_load(g + 1, K, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s,
                                  SRC)
-        if F16:
-            x = _ds_convert_f16(g, raw, sb, R, SRC)
+        if F16 and (MODE == 1 or MODE == 3):
+            x = _ds_convert(g, raw, sb, SRC, MODE)
+            if SRC != 584 or g < 7:
+                x = x.to(gl.float16, bitcast=True)
+        elif F16:
+            x = _ds_convert_f16(g, raw, sb, rk, SRC, KEY_R)
         else:
             x = _ds_convert(g, raw, sb, SRC, MODE)
-        _pick(g, k0, k1, k2, k3, k4, k5, k6, k7).index(K).store(x)
-        if MODE < 2 or MODE == 4:
+        if FREE_SPLIT == 0:
+            _pick(g, k0, k1, k2, k3, k4, k5, k6, k7).index(K).store(x)
+        if MODE != 2 and MODE != 3:
             a = _ds_a(x, BH)
             if ROPE and g == 7:
                 acr = warpgroup_mma(a, qr.permute((1, 0)), acr, use_acc=False, is_async=True)
@@ -194,6 +243,15 @@ def _ds_block(K: gl.constexpr, G, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, sca
             if g > 0:
                 acc, prev = warpgroup_mma_wait(1, deps=[acc, prev])
             prev = a
+        if FREE_SPLIT > 0:
+            # the products are issued first: the conversion precedes the waits (a pure value
+            # used only by the store would be sunk past them)
+            if g == 0:
+                mbarrier.wait(tfree.index(K), ((G // 2) & 1) ^ 1)
+                kid.index(K).store(idx_ring.index(K).load(LI))
+            if g == FREE_SPLIT:
+                mbarrier.wait(tfree_b.index(K), ((G // 2) & 1) ^ 1)
+            _pick(g, k0, k1, k2, k3, k4, k5, k6, k7).index(K).store(x)
         if g < 7:
             if PREFETCH:
                 raw = nraw
@@ -206,11 +264,17 @@ def _ds_block(K: gl.constexpr, G, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, sca
             # are converted and multiplied
             barrier()  # every thread's stage reads precede the release
             mbarrier.arrive(free.index(K))
-    if MODE < 2 or MODE == 4:
+    if MODE != 2 and MODE != 3:
         acc, acr, prev = warpgroup_mma_wait(0, deps=[acc, acr, prev])
     if F16:
-        # true units: the fp16 groups times 2**(R - 127) and the head's cqh
-        acc = acc * (cqh * _exp2i(R - 127))[None, :]
+        if KEY_R:
+            # true units: each key's row times 2**(R_k - 127), each head's column times cqh
+            rka = gl.convert_layout(rk, gl.SliceLayout(1, ACC))
+            acc = acc * _exp2i(rka - 127)[:, None] * cqh[None, :]
+            rk_buf.index(K).store(rka)
+        else:
+            # true units: the fp16 groups times 2**(R - 127) and the head's cqh
+            acc = acc * (cqh * _exp2i(R - 127))[None, :]
         if ROPE:
             acc = acc + acr
         r_buf.index(K).store(gl.full([BH], 0, gl.int32, layout=gl.SliceLayout(0, ACC)) + R)
@@ -281,7 +345,8 @@ def _ds_items(K: gl.constexpr, num_items, num_ht, num_splits, a_len_ptr, a_len_s
               qp, s_buf, ready, free, tready, tfree, SRC: gl.constexpr, HAS_B: gl.constexpr,
               HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, SPLIT: gl.constexpr,
               BH: gl.constexpr, PREFETCH: gl.constexpr, MODE: gl.constexpr = 0,
-              F16: gl.constexpr = False, r_buf=None):
+              F16: gl.constexpr = False, r_buf=None, KEY_R: gl.constexpr = False,
+              rk_buf=None, FREE_SPLIT: gl.constexpr = 0, tfree_b=None):
     """Dequant + S warpgroup ``K`` over this CTA's items: the blocks ``G`` of the CTA's run with
     ``G % 2 == K``, all of one record width ``SRC``. Its Q copy ``qp`` is rewritten at the
     start of an item it has blocks in (its previous wgmmas were waited), from registers loaded
@@ -312,7 +377,8 @@ def _ds_items(K: gl.constexpr, num_items, num_ht, num_splits, a_len_ptr, a_len_s
         for j in range(j0, nblk, 2):
             _ds_block(K, g + j, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring,
                       k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf, ready, free, tready, tfree,
-                      SRC, BH, PREFETCH, MODE, F16, qr, r_buf, cqh)
+                      SRC, BH, PREFETCH, MODE, F16, qr, r_buf, cqh, KEY_R, rk_buf, FREE_SPLIT,
+                      tfree_b)
         g += nblk
         q0 = n0
         q1 = n1
@@ -337,7 +403,7 @@ def _sparse_mla_decode_few_ds_kernel(
     HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, HAS_SINK: gl.constexpr,
     SPLIT: gl.constexpr, BH: gl.constexpr, IDX_AHEAD: gl.constexpr = 1,
     DEQ_PREFETCH: gl.constexpr = True, PRIOR: gl.constexpr = False, MODE: gl.constexpr = 0,
-    F16: gl.constexpr = False,
+    F16: gl.constexpr = False, KEY_R: gl.constexpr = False, FREE_SPLIT: gl.constexpr = 0,
 ):
     """Persistent grid of at most one CTA per SM over the ``num_items = T * num_splits *
     num_ht`` items (``decode_few_ws``'s ``PERSIST``); launch with ``num_warps=MMA_WARPS``.
@@ -345,8 +411,11 @@ def _sparse_mla_decode_few_ds_kernel(
     tiles; 8-head tiles; e4m3 records, 584 or 528); ``DEQ_PREFETCH``: the dequant + S
     warpgroups load each group's bytes one group ahead; ``MODE`` (benchmarks only): see
     ``_ds_block``; ``F16``: fp16 operands in each block's own units (``_ds_block``,
-    ``decode_few_ws._mma_part``'s ``S_F16``; with 584 records it needs ``IDX_AHEAD = 1`` to fit)."""
+    ``decode_few_ws._mma_part``'s ``S_F16``; with 584 records it needs ``IDX_AHEAD = 1`` to fit);
+    ``KEY_R`` (with ``F16``): each key in its own units; ``FREE_SPLIT``: each key tile freed
+    and retaken in two parts (``_ds_block``)."""
     gl.static_assert(BH == 8, "8-head tiles")
+    gl.static_assert(FREE_SPLIT == 0 or FREE_SPLIT == 1 or FREE_SPLIT == 4, "FREE_SPLIT 0, 1, 4")
     gl.static_assert(SRC_A != 288 and (not HAS_B or SRC_B != 288), "e4m3 records")
     gl.static_assert(not HAS_B or SRC_A == SRC_B, "one record width (two rings do not fit)")
     r0, r1, r2, r3, r4, r5, r6, r7, scale_ring, rope_ring, idx_ring = _alloc_rings(
@@ -376,6 +445,11 @@ def _sparse_mla_decode_few_ds_kernel(
                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
     else:
         r_buf = kid
+    if F16 and KEY_R:
+        rk_buf = gl.allocate_shared_memory(gl.int32, [2, 64],
+                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    else:
+        rk_buf = kid
     if ROPE:
         p_r = gl.allocate_shared_memory(gl.bfloat16, [BH, 64],
                                         gl.NVMMASharedLayout.get_default_for([BH, 64],
@@ -387,11 +461,17 @@ def _sparse_mla_decode_few_ds_kernel(
     free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     tready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     tfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    if FREE_SPLIT > 0:
+        tfree_b = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    else:
+        tfree_b = tfree
     for i in gl.static_range(2):
         mbarrier.init(ready.index(i), count=32 * PRODUCER_WARPS + 1)
         mbarrier.init(free.index(i), count=1)
         mbarrier.init(tready.index(i), count=1)
         mbarrier.init(tfree.index(i), count=1)
+        if FREE_SPLIT > 0:
+            mbarrier.init(tfree_b.index(i), count=1)
 
     gl.warp_specialize([
         (_mma_items, (num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
@@ -399,7 +479,8 @@ def _sparse_mla_decode_few_ds_kernel(
                       sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
                       po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid, p_smem, p_smem,
                       tready, tfree, HAS_B, HAS_LEN_A, HAS_LEN_B, HAS_SINK, SPLIT, BH, 2, PRIOR,
-                      0, s_buf, True, p_r, r_buf, F16, ROPE)),
+                      0, s_buf, True, p_r, r_buf, F16, ROPE, F16 and KEY_R, rk_buf, FREE_SPLIT,
+                      tfree_b)),
         (_producer_items, (num_items, num_ht, num_splits, a_ptr, a_idx_ptr, a_idx_st,
                            a_len_ptr, a_len_st, a_width, a_bstride, a_page, a_rows, b_ptr,
                            b_idx_ptr, b_idx_st, b_len_ptr, b_len_st, b_width, b_bstride,
@@ -410,11 +491,13 @@ def _sparse_mla_decode_few_ds_kernel(
                        b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, r0, r1, r2, r3, r4,
                        r5, r6, r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6,
                        k7, kid, qp0, s_buf, ready, free, tready, tfree, SRC_A, HAS_B,
-                       HAS_LEN_A, HAS_LEN_B, SPLIT, BH, DEQ_PREFETCH, MODE, F16, r_buf)),
+                       HAS_LEN_A, HAS_LEN_B, SPLIT, BH, DEQ_PREFETCH, MODE, F16, r_buf,
+                       F16 and KEY_R, rk_buf, FREE_SPLIT, tfree_b)),
         (_ds_items, (1, num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
                        b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, r0, r1, r2, r3, r4,
                        r5, r6, r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6,
                        k7, kid, qp1, s_buf, ready, free, tready, tfree, SRC_A, HAS_B,
-                       HAS_LEN_A, HAS_LEN_B, SPLIT, BH, DEQ_PREFETCH, MODE, F16, r_buf)),
+                       HAS_LEN_A, HAS_LEN_B, SPLIT, BH, DEQ_PREFETCH, MODE, F16, r_buf,
+                       F16 and KEY_R, rk_buf, FREE_SPLIT, tfree_b)),
     ], [PRODUCER_WARPS, DS_WARPS, DS_WARPS],
         [PRODUCER_REGS_DS, DS_REGS, DS_REGS])

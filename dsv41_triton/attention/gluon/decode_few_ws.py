@@ -34,7 +34,8 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
+                                                              warpgroup_mma_wait)
 
 from ._api import barrier
 from .common import _load_sink, _merge_prior, _prior_tiles
@@ -133,7 +134,8 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
               q0=0, q1=0, q2=0, q3=0, q4=0, q5=0, q6=0, q7=0, SINK_AHEAD: gl.constexpr = False,
               MODE: gl.constexpr = 0, s_buf=None, S_GIVEN: gl.constexpr = False,
               p_r=None, r_buf=None, S_F16: gl.constexpr = False,
-              F16_ROPE: gl.constexpr = False):
+              F16_ROPE: gl.constexpr = False, KEY_R: gl.constexpr = False, rk_buf=None,
+              FREE_SPLIT: gl.constexpr = 0, tfree_b=None):
     """One warpgroup: Q, then both swap-AB wgmmas and the softmax of every block (key tile
     ``(g0 + j) % NT``), then the epilogue. ``QREGS``: Q's eight 64-dim groups are ``q0..q7``
     (``_load_q``, loaded by the caller ahead of time). ``SINK_AHEAD``: the sink is loaded
@@ -144,7 +146,11 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
     2**(127 - r_buf[t])`` (the block's own exponent); ``O^T`` is kept in units of ``2**(127 -
     R)`` with ``R`` the running maximum of the blocks' exponents (``P * 2**(r - R)`` in fp16 in
     ``p_smem``, the accumulators rescaled with ``alpha`` when ``R`` grows); ``F16_ROPE``: group
-    7 is the bf16 RoPE tile against ``P * 2**(127 - R)`` in bf16 (``p_r``)."""
+    7 is the bf16 RoPE tile against ``P * 2**(127 - R)`` in bf16 (``p_r``); ``KEY_R``: each
+    key's row of the tile in its own units ``2**(127 - rk_buf[t][k])`` (``r_buf[t]`` their
+    maximum), ``P * 2**(R_k - R)`` in fp16. ``FREE_SPLIT`` (1 or 4; 0 off): the tile is freed in
+    two parts, ``tfree[t]`` once the ``O^T`` products of groups ``0 .. FREE_SPLIT - 1`` are
+    done, ``tfree_b[t]`` after all (its next writer waits for each part before storing it)."""
     ACC: gl.constexpr = _acc_layout(BH, MMA_WARPS)
     LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [MMA_WARPS, 1], [1, 0])
     SINK_GIVEN: gl.constexpr = SINK_AHEAD and HAS_SINK and not SPLIT
@@ -212,8 +218,12 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
             if S_F16:
                 rb = r_buf.index(t).load(gl.SliceLayout(0, ACC))
                 r_new = gl.maximum(r_run, rb)
-                p_smem.store(gl.permute((p * _exp2i(rb - r_new)[None, :]).to(gl.float16),
-                                        (1, 0)))
+                if KEY_R:
+                    rk = rk_buf.index(t).load(gl.SliceLayout(1, ACC))
+                    pu = _exp2i(rk[:, None] - r_new[None, :])
+                else:
+                    pu = _exp2i(rb - r_new)[None, :]
+                p_smem.store(gl.permute((p * pu).to(gl.float16), (1, 0)))
                 if F16_ROPE:
                     p_r.store(gl.permute((p * _exp2i(127 - r_new)[None, :]).to(gl.bfloat16),
                                          (1, 0)))
@@ -227,13 +237,29 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
             if F16_ROPE:
                 o0, o1, o2, o3, o4, o5, o6, o7 = _pv(kt0, kt1, kt2, kt3, kt4, kt5, kt6, kt7,
                                                      kt7, p_smem, p_r, o0, o1, o2, o3, o4, o5,
-                                                     o6, o7, alpha, True)
+                                                     o6, o7, alpha, True, FREE_SPLIT == 0)
             else:
                 o0, o1, o2, o3, o4, o5, o6, o7 = _pv(kt0, kt1, kt2, kt3, kt4, kt5, kt6, kt7,
                                                      kt7, p_smem, p_smem, o0, o1, o2, o3, o4,
-                                                     o5, o6, o7, alpha, False)
+                                                     o5, o6, o7, alpha, False, FREE_SPLIT == 0)
+            if FREE_SPLIT == 1:
+                o0 = warpgroup_mma_wait(7, deps=[o0])
+                barrier()  # every warp's products of group 0 are done
+                mbarrier.arrive(tfree.index(t))
+                o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(
+                    0, deps=[o1, o2, o3, o4, o5, o6, o7])
+            elif FREE_SPLIT == 4:
+                o0, o1, o2, o3 = warpgroup_mma_wait(4, deps=[o0, o1, o2, o3])
+                barrier()  # every warp's products of groups 0..3 are done
+                mbarrier.arrive(tfree.index(t))
+                o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=[o4, o5, o6, o7])
             barrier()
-        mbarrier.arrive(tfree.index(t))
+        elif FREE_SPLIT > 0:
+            mbarrier.arrive(tfree.index(t))
+        if FREE_SPLIT > 0:
+            mbarrier.arrive(tfree_b.index(t))
+        else:
+            mbarrier.arrive(tfree.index(t))
     l_i = gl.sum(l_part, axis=0)
     o_unit = 1.0
     if S_F16:
@@ -396,7 +422,8 @@ def _mma_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_le
                HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BH: gl.constexpr,
                NT: gl.constexpr, PRIOR: gl.constexpr, MODE: gl.constexpr = 0, s_buf=None,
                S_GIVEN: gl.constexpr = False, p_r=None, r_buf=None, S_F16: gl.constexpr = False,
-               F16_ROPE: gl.constexpr = False):
+               F16_ROPE: gl.constexpr = False, KEY_R: gl.constexpr = False, rk_buf=None,
+               FREE_SPLIT: gl.constexpr = 0, tfree_b=None):
     """``PERSIST``: the MMA warpgroup over this CTA's items, with the next item's lens (and,
     for 8-head tiles, its Q) loaded into registers while it works on this one (Q stored
     again per item: the previous item's products that read it were waited before its last
@@ -434,7 +461,7 @@ def _mma_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_le
                   stride_lh, po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid, q_smem,
                   p_smem, tready, tfree, HAS_SINK, SPLIT, BH, NT, PRIOR, g, QAHEAD, q0, q1,
                   q2, q3, q4, q5, q6, q7, True, MODE, s_buf, S_GIVEN, p_r, r_buf, S_F16,
-                  F16_ROPE)
+                  F16_ROPE, KEY_R, rk_buf, FREE_SPLIT, tfree_b)
         g += nblk
         if QAHEAD:
             q0 = n0
