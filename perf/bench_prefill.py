@@ -492,12 +492,13 @@ def main(argv=None):
     ap.add_argument("--paged-records", default="584,584",
                     help="window,compressed record widths of the paged rows (e.g. 528,288)")
     ap.add_argument("--no-shared", action="store_true", help="skip the shared-window rows")
-    ap.add_argument("--few-ds", choices=("0", "1", "f16", "f16k", "f16k1", "f16k4"),
-                    default=None,
+    ap.add_argument("--few-ds", choices=("0", "1", "f16"), default=None,
                     help="the record kernel's dequant + S form off / on / on with fp16 "
-                         "operands in each block's / each key's units (k), with its tiles "
-                         "freed in two parts after group 0 / 3 (1 / 4) (launch.FEW_DS, "
-                         "FEW_DS_F16, FEW_DS_KEY_R, FEW_DS_FREE_SPLIT; default: the package's)")
+                         "operands (launch.FEW_DS, FEW_DS_F16; default: the package's)")
+    ap.add_argument("--ds-split", type=int, default=None,
+                    help="with --few-ds: launch.FEW_DS_FREE_SPLIT (0, 1 or 4)")
+    ap.add_argument("--ds-ahead", type=int, default=None,
+                    help="with --few-ds f16: launch.FEW_DS_F16_AHEAD (1 or 2)")
     ap.add_argument("--contexts", default="",
                     help="layer rows: comma-separated context lengths (default 8192,131072,"
                          "1048576)")
@@ -506,9 +507,13 @@ def main(argv=None):
     if args.few_ds is not None:
         from dsv41_triton.attention.gluon import launch as gl_launch
         gl_launch.FEW_DS = args.few_ds != "0"
-        gl_launch.FEW_DS_F16 = args.few_ds.startswith("f16")
-        gl_launch.FEW_DS_KEY_R = "k" in args.few_ds
-        gl_launch.FEW_DS_FREE_SPLIT = int(args.few_ds[-1]) if args.few_ds[-1] in "14" else 0
+        gl_launch.FEW_DS_F16 = args.few_ds == "f16"
+    if args.ds_split is not None or args.ds_ahead is not None:
+        from dsv41_triton.attention.gluon import launch as gl_launch
+        if args.ds_split is not None:
+            gl_launch.FEW_DS_FREE_SPLIT = args.ds_split
+        if args.ds_ahead is not None:
+            gl_launch.FEW_DS_F16_AHEAD = args.ds_ahead
     global PAGED_CANDIDATES, PAGED_RECORDS, NO_SHARED, QUICK, HEADS
     NO_SHARED = args.no_shared
     PAGED_CANDIDATES = args.paged_candidates

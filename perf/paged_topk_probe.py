@@ -17,9 +17,9 @@ Rows (µs, CUDA graph, 512 MB L2 flush before each replay, median):
   bytes stored unconverted, no S^T products, both, the fp16 operands' conversion instead);
   ``decode ds f16``: the form with fp16 operands (``launch.FEW_DS_F16``), its ``no reads``
   row, ``no convert`` / ``neither`` (``MODE`` 1 / 3) and ``no max`` (``MODE`` 5: ``R = 127``
-  instead of each block's largest scale byte), ``key`` (``launch.FEW_DS_KEY_R``: each key in
-  its own units), ``split4`` / ``split1`` (``launch.FEW_DS_FREE_SPLIT``: the key tiles freed in
-  two parts, after group 3 / group 0);
+  instead of each block's largest scale byte), ``split4`` / ``split1`` (``launch.FEW_DS_FREE_SPLIT``: the key tiles freed in
+  two parts, after group 3 / group 0), ``ahead2`` (``launch.FEW_DS_F16_AHEAD``: the producer's
+  slot ids two blocks ahead);
 * ``prefill few``: the bf16 kernel with its prior on a 32768-row workspace, read at the same
   positions (random rows, not the records' values; ``prefill_launch.launch(..., FEW,
   prior=True)``).
@@ -90,14 +90,15 @@ def fns(inp):
         out.copy_(inp["prior_out"])
         lse.copy_(inp["prior_lse"])
 
-    def decode(mode, slot_ids, ds=False, dsmode=0, f16=False, keyr=False, split=0):
+    def decode(mode, slot_ids, ds=False, dsmode=0, f16=False, split=0, ahead=1):
         def fn():
             prior()
             old = dict(dl.OVERRIDE)
             dl.OVERRIDE.clear()
             dl.OVERRIDE.update({**dl.parse_shape(dl.FEW_WS_PRELOAD_PREFETCH_SHAPE),
                                 "persist": True, "mode": mode, "ds": ds, "dsmode": dsmode,
-                                "ds_f16": f16, "ds_keyr": keyr, "ds_split": split})
+                                "ds_f16": f16, "ds_split": split,
+                                "ds_ahead": ahead})
             try:
                 dl.launch(q, _keyset(cache, slot_ids, inp["el"]), None, sink, scale, out, lse,
                           prior=True)
@@ -132,11 +133,11 @@ def fns(inp):
             ("decode ds f16 no convert", decode(0, ids, True, 1, True)),
             ("decode ds f16 neither", decode(0, ids, True, 3, True)),
             ("decode ds f16 no max", decode(0, ids, True, 5, True)),
-            ("decode ds f16 key", decode(0, ids, True, 0, True, True)),
-            ("decode ds f16 split4", decode(0, ids, True, 0, True, False, 4)),
-            ("decode ds f16 key split4", decode(0, ids, True, 0, True, True, 4)),
-            ("decode ds f16 key split1", decode(0, ids, True, 0, True, True, 1)),
-            ("decode ds split4", decode(0, ids, True, 0, False, False, 4))]
+            ("decode ds f16 split4", decode(0, ids, True, 0, True, 4)),
+            ("decode ds f16 split1", decode(0, ids, True, 0, True, 1)),
+            ("decode ds split4", decode(0, ids, True, 0, False, 4)),
+            ("decode ds f16 split4 ahead2", decode(0, ids, True, 0, True, 4, 2)),
+            ("decode ds f16 ahead2", decode(0, ids, True, 0, True, 0, 2))]
 
 
 def main(argv=None):
@@ -168,9 +169,9 @@ def main(argv=None):
             return
         if a.check:
             ref = [x.clone() for x in dict(rows)["decode"]()]
-            for lab in ("decode ds", "decode ds f16", "decode ds f16 key", "decode ds f16 split4",
-                        "decode ds f16 key split4", "decode ds f16 key split1",
-                        "decode ds split4"):
+            for lab in ("decode ds", "decode ds f16", "decode ds f16 split4",
+                        "decode ds f16 split1", "decode ds split4",
+                        "decode ds f16 split4 ahead2"):
                 dl.LAST_LAUNCH.pop("fwd", None)
                 o, lse = dict(rows)[lab]()
                 kind = dl.LAST_LAUNCH["fwd"][1][4] if "fwd" in dl.LAST_LAUNCH else "-"

@@ -294,19 +294,20 @@ def test_gluon_few_ds_benchmark_modes_compile(mode):
     assert (ops.get("HGMMA", 0) == 32) == (mode in (2, 3)) and ops.get("HGMMA", 0) >= 32, ops
 
 
-@pytest.mark.parametrize("src,split,key_r,free_split", [
-    (584, 0, 0, 0), (528, 0, 0, 0), (584, 1, 0, 0), (584, 0, 1, 1), (528, 0, 1, 4)])
-def test_gluon_few_ds_f16_compiles(src, split, key_r, free_split):
+@pytest.mark.parametrize("src,split,free_split,ahead", [
+    (584, 0, 0, 1), (528, 0, 0, 1), (584, 1, 0, 1), (584, 0, 1, 1), (584, 0, 4, 2),
+    (528, 0, 4, 1)])
+def test_gluon_few_ds_f16_compiles(src, split, free_split, ahead):
     """The dequant + S form with fp16 operands as the paged prefill's top-k launch compiles it
-    (ids one block ahead; ``key_r``: each key in its own units; ``free_split``: the tiles freed
-    in two parts): one CTA's shared memory; in each dequant + S warpgroup's block loop the 32
+    (the producer's ids ``ahead`` blocks ahead; ``free_split``: the tiles freed in two parts):
+    one CTA's shared memory; in each dequant + S warpgroup's block loop the 32
     register-A ``HGMMA`` of ``S^T``, one ``HMUL2`` per two e4m3 bytes (power-of-two scales: 7
     or 8 groups x 16), no fp32 round trip, at most one stack reload, and a third mbarrier wait
     with ``free_split``; the MMA warpgroup's block loop with its 32 ``HGMMA`` of ``O^T``, no
     spills and a second arrive with ``free_split``."""
     if not gluon_pkg.AVAILABLE:
         pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
-    r = _compile_facts("ds_f16", src, split, key_r, free_split)
+    r = _compile_facts("ds_f16", src, split, free_split, ahead)
     assert 0 < r["shared"] <= 227 * 1024, r["shared"]
     assert r["ops"].get("HMUL2", 0) == 2 * 16 * (7 if src == 584 else 8), r["ops"]
     loops = [lp for lp in r["loop_ops"] if lp["instructions"] > 150 and lp["hgmma"]]
@@ -939,18 +940,18 @@ def test_gluon_few_ds_gpu(device, monkeypatch, shape, T, H, swa_rec, extra_rec):
 @pytest.mark.parametrize("T", [1, 5, 300])
 @pytest.mark.parametrize("H", [1, 8, 13])
 @pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, None)])
-@pytest.mark.parametrize("key_r,split", [(False, 0), (True, 0), (True, 1), (False, 4)])
-def test_gluon_few_ds_f16_gpu(device, monkeypatch, T, H, swa_rec, extra_rec, key_r, split):
+@pytest.mark.parametrize("split,ahead", [(0, 1), (1, 1), (4, 1), (4, 2)])
+def test_gluon_few_ds_f16_gpu(device, monkeypatch, T, H, swa_rec, extra_rec, split, ahead):
     """The dequant + S form with fp16 operands (override key ``ds_f16``: each block's tiles in
-    its own power-of-two units, or with ``ds_keyr`` each key's, the MMA warpgroup's running
-    exponent; ``ds_split``: the key tiles freed in two parts): ragged and empty rows, 1..13
+    its own power-of-two units, the MMA warpgroup's running exponent; ``ds_split``: the key tiles freed in two parts; ``ds_ahead``: the producer's ids
+    that many blocks ahead with 584 records): ragged and empty rows, 1..13
     heads, split keys at T <= 5, and every other page's keys 2**12 smaller (blocks and keys of
     different exponents: the accumulators rescaled between blocks)."""
     _need_gluon_gpu()
     from dsv41_triton.attention.gluon import launch as gl_launch
     monkeypatch.setattr(gl_launch, "OVERRIDE", {**gl_launch.parse_shape("4:8:2:W:0"),
-                                                "ds": True, "ds_f16": True, "ds_keyr": key_r,
-                                                "ds_split": split})
+                                                "ds": True, "ds_f16": True, "ds_split": split,
+                                                "ds_ahead": ahead})
     _check_empty_rows(_empty_rows_case(device, T, H, swa_rec, extra_rec))
     assert gl_launch.LAST_LAUNCH["fwd"][1][4] == "few_ds"
     args = _case(device, T, H, swa_rec, extra_rec)

@@ -38,8 +38,7 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
                    overlap: bool = True, f16: bool = False, ws: bool = False, nt: int = 0,
                    ahead: int = 1, deq_prefetch: bool = False, values: dict | None = None,
                    prior: bool = False, persist: bool = False, mode: int = 0,
-                   ds: bool = False, ds_f16: bool = False, ds_key_r: bool = False,
-                   ds_split: int = 0):
+                   ds: bool = False, ds_f16: bool = False, ds_split: int = 0):
     """``nt > 0`` with ``bh < 64``: the warp-specialized few-heads kernel (decode_few_ws.py)
     with ``nt`` key tiles and ``ns`` ring stages; ``ahead``: the warp-specialized kernels'
     ``IDX_AHEAD`` (their producer's slot-id lead in blocks); ``deq_prefetch`` / ``prior`` /
@@ -66,7 +65,7 @@ def compile_decode(src_a: int = 584, src_b: int = 584, bh: int = 8, split: bool 
         consts.update(BH=bh, IDX_AHEAD=ahead, DEQ_PREFETCH=deq_prefetch, PRIOR=prior)
         if ds:
             from .decode_few_ds import _sparse_mla_decode_few_ds_kernel as kern
-            consts.update(MODE=mode, F16=ds_f16, KEY_R=ds_key_r, FREE_SPLIT=ds_split)
+            consts.update(MODE=mode, F16=ds_f16, FREE_SPLIT=ds_split)
         else:
             consts.update(NS=ns, NT=nt, PERSIST=persist, MODE=mode)
         return _compile(kern, _decode_args() + [("num_items", "i32")], _DECODE_ALIGNED, values,
@@ -632,13 +631,13 @@ if __name__ == "__main__":
         print(json.dumps(dict(sass_op_counts(k))))
         sys.exit(0)
     if len(sys.argv) in (4, 6) and sys.argv[1] == "ds_f16":
-        # python -m ...compile_check ds_f16 SRC SPLIT [KEY_R FREE_SPLIT] -> JSON line: the
+        # python -m ...compile_check ds_f16 SRC SPLIT [FREE_SPLIT AHEAD] -> JSON line: the
         # dequant + S form with fp16 operands (the paged prefill's top-k launch, ids one block
-        # ahead): registers, stack, shared memory, SASS opcode counts, those of each loop
-        extra = sys.argv[4:] or ["0", "0"]
+        # ahead by default): registers, stack, shared memory, SASS opcode counts, each loop's
+        extra = sys.argv[4:] or ["0", "1"]
         k = compile_decode(int(sys.argv[2]), int(sys.argv[2]), 8, bool(int(sys.argv[3])),
-                           has_b=False, ahead=1, deq_prefetch=True, prior=True, ds=True,
-                           ds_f16=True, ds_key_r=bool(int(extra[0])), ds_split=int(extra[1]))
+                           has_b=False, ahead=int(extra[1]), deq_prefetch=True, prior=True,
+                           ds=True, ds_f16=True, ds_split=int(extra[0]))
         regs, stack = _regs_stack(k)
         print(json.dumps(dict(regs=regs, stack=stack, shared=int(k.metadata.shared),
                               ops=dict(sass_op_counts(k)), loop_ops=loop_op_counts(k))))

@@ -58,29 +58,6 @@ def _ds_layout():
         warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 64])
 
 
-@gluon.constexpr_function
-def _ds_key_layout(w):
-    """``[64 keys, w]`` scale bytes with ``_ds_layout``'s keys: each thread all ``w`` bytes of
-    its two keys (lanes of one key replicate them)."""
-    reg = [[0, 1 << i] for i in range(w.bit_length() - 1)] + [[8, 0]]
-    return gl.DistributedLinearLayout(
-        reg_bases=reg, lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, w])
-
-
-@gluon.jit
-def _ds_key_exp(scale_s, SRC: gl.constexpr):
-    """Each key's largest UE8M0 scale byte (584: the 7 real ones of 8; 528: all 16), at least
-    ``R_MIN``: int32 ``[64]`` in ``_ds_layout``'s key layout (no cross-thread step)."""
-    W: gl.constexpr = 8 if SRC == 584 else 16
-    LK: gl.constexpr = _ds_key_layout(W)
-    e = scale_s.slice(0, W, dim=1).load(LK).to(gl.int32)
-    if SRC == 584:
-        c = gl.arange(0, W, layout=gl.SliceLayout(0, LK))
-        e = gl.where((c < 7)[None, :], e, 0)
-    return gl.maximum(gl.max(e, axis=1), R_MIN)
-
-
 @gluon.jit
 def _ds_perm(L):
     """Contraction position ``L`` of a 64-dim group -> its dim (``16 c + 4 i + 2 h + e`` for
@@ -125,21 +102,15 @@ _SPREAD_ASM = gl.constexpr("prmt.b32 $0, $2, 0, 0x4140; prmt.b32 $1, $2, 0, 0x43
 
 
 @gluon.jit
-def _ds_convert_f16(g: gl.constexpr, raw3, sb, R, SRC: gl.constexpr,
-                    KEY_R: gl.constexpr = False):
+def _ds_convert_f16(g: gl.constexpr, raw3, sb, R, SRC: gl.constexpr):
     """``_ds_load``'s registers -> fp16 ``[64 keys, 64]`` holding ``value * 2**(127 - R)`` in
-    ``_ds_layout`` (``R``: the block's largest scale byte, at least ``R_MIN``, or with
-    ``KEY_R`` each key's, ``[64]`` from ``_ds_key_exp``; one ``cvt`` per two bytes and one
-    multiply), or the 584 records' bf16 RoPE group as it is."""
+    ``_ds_layout`` (``R``: the block's largest scale byte, at least ``R_MIN``; one ``cvt`` per
+    two bytes and one multiply), or the 584 records' bf16 RoPE group as it is."""
     if SRC == 584 and g == 7:
         x = raw3
     else:
-        e = sb.to(gl.int32)
-        if KEY_R:
-            e = e - gl.expand_dims(gl.convert_layout(R, gl.SliceLayout(1, sb.type.layout)), 1)
-        else:
-            e = e - R
-        sc = gl.broadcast(gl.expand_dims(_exp2i(e).to(gl.float16), 2), raw3)[0]
+        sc = gl.broadcast(gl.expand_dims(_exp2i(sb.to(gl.int32) - R).to(gl.float16), 2),
+                          raw3)[0]
         x = gl.inline_asm_elementwise(_E4M3_F16_ASM, "=r,=r,r,r,r", [raw3, sc],
                                       dtype=gl.float16, is_pure=True, pack=4)
         x = gl.convert_layout(gl.reshape(x, [64, 64]), _ds_layout())
@@ -178,8 +149,7 @@ def _ds_block(K: gl.constexpr, G, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, sca
               idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf, ready, free, tready,
               tfree, SRC: gl.constexpr, BH: gl.constexpr, PREFETCH: gl.constexpr,
               MODE: gl.constexpr = 0, F16: gl.constexpr = False, qr=None, r_buf=None, cqh=1.0,
-              KEY_R: gl.constexpr = False, rk_buf=None, FREE_SPLIT: gl.constexpr = 0,
-              tfree_b=None):
+              FREE_SPLIT: gl.constexpr = 0, tfree_b=None):
     """Block ``G`` (``G % 2 == K``): stage ``K``'s records -> bf16 key tile ``K`` and ``S^T``
     (raw dot products, fp32) into ``s_buf[K]``; ``free[K]`` once the stage is read,
     ``tready[K]`` once both are stored. The stage is freed as soon as its last group is loaded
@@ -190,9 +160,7 @@ def _ds_block(K: gl.constexpr, G, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, sca
     holding ``value * 2**(127 - R)`` (``R``: the block's largest scale byte, at least
     ``R_MIN``, stored to ``r_buf[K]``) against the fp16 Q groups of ``qp`` (each head times
     ``1 / cqh``); 584 records' bf16 RoPE group against the bf16 Q tail ``qr`` in an
-    accumulator of its own; ``S^T`` stored in true units. ``KEY_R`` (with ``F16``): each key
-    in its own units ``2**(127 - R_k)`` (``R_k``: its largest scale byte, to ``rk_buf[K]``),
-    so no conversion waits on the block's maximum (still stored to ``r_buf[K]``).
+    accumulator of its own; ``S^T`` stored in true units.
     ``FREE_SPLIT`` (1..7, 0 off): tile ``K`` is taken in two parts, groups ``0 ..
     FREE_SPLIT - 1`` (with ``kid[K]``) after ``tfree[K]``, the rest after ``tfree_b[K]`` (the
     MMA warpgroup's ``FREE_SPLIT``), so the block's first loads, conversion and products
@@ -213,9 +181,6 @@ def _ds_block(K: gl.constexpr, G, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, sca
         R = 127
     elif F16:
         R = gl.maximum(_block_exp(scale_s, SRC, DS_WARPS), R_MIN)
-    rk = R
-    if F16 and KEY_R:
-        rk = _ds_key_exp(scale_s, SRC)
     raw, sb = _ds_load(0, K, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_s, SRC)
     for g in gl.static_range(8):
         if PREFETCH and g < 7:
@@ -228,7 +193,7 @@ def _ds_block(K: gl.constexpr, G, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, sca
             if SRC != 584 or g < 7:
                 x = x.to(gl.float16, bitcast=True)
         elif F16:
-            x = _ds_convert_f16(g, raw, sb, rk, SRC, KEY_R)
+            x = _ds_convert_f16(g, raw, sb, R, SRC)
         else:
             x = _ds_convert(g, raw, sb, SRC, MODE)
         if FREE_SPLIT == 0:
@@ -267,14 +232,8 @@ def _ds_block(K: gl.constexpr, G, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, sca
     if MODE != 2 and MODE != 3:
         acc, acr, prev = warpgroup_mma_wait(0, deps=[acc, acr, prev])
     if F16:
-        if KEY_R:
-            # true units: each key's row times 2**(R_k - 127), each head's column times cqh
-            rka = gl.convert_layout(rk, gl.SliceLayout(1, ACC))
-            acc = acc * _exp2i(rka - 127)[:, None] * cqh[None, :]
-            rk_buf.index(K).store(rka)
-        else:
-            # true units: the fp16 groups times 2**(R - 127) and the head's cqh
-            acc = acc * (cqh * _exp2i(R - 127))[None, :]
+        # true units: the fp16 groups times 2**(R - 127) and the head's cqh
+        acc = acc * (cqh * _exp2i(R - 127))[None, :]
         if ROPE:
             acc = acc + acr
         r_buf.index(K).store(gl.full([BH], 0, gl.int32, layout=gl.SliceLayout(0, ACC)) + R)
@@ -345,8 +304,8 @@ def _ds_items(K: gl.constexpr, num_items, num_ht, num_splits, a_len_ptr, a_len_s
               qp, s_buf, ready, free, tready, tfree, SRC: gl.constexpr, HAS_B: gl.constexpr,
               HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, SPLIT: gl.constexpr,
               BH: gl.constexpr, PREFETCH: gl.constexpr, MODE: gl.constexpr = 0,
-              F16: gl.constexpr = False, r_buf=None, KEY_R: gl.constexpr = False,
-              rk_buf=None, FREE_SPLIT: gl.constexpr = 0, tfree_b=None):
+              F16: gl.constexpr = False, r_buf=None, FREE_SPLIT: gl.constexpr = 0,
+              tfree_b=None):
     """Dequant + S warpgroup ``K`` over this CTA's items: the blocks ``G`` of the CTA's run with
     ``G % 2 == K``, all of one record width ``SRC``. Its Q copy ``qp`` is rewritten at the
     start of an item it has blocks in (its previous wgmmas were waited), from registers loaded
@@ -377,7 +336,7 @@ def _ds_items(K: gl.constexpr, num_items, num_ht, num_splits, a_len_ptr, a_len_s
         for j in range(j0, nblk, 2):
             _ds_block(K, g + j, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring,
                       k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf, ready, free, tready, tfree,
-                      SRC, BH, PREFETCH, MODE, F16, qr, r_buf, cqh, KEY_R, rk_buf, FREE_SPLIT,
+                      SRC, BH, PREFETCH, MODE, F16, qr, r_buf, cqh, FREE_SPLIT,
                       tfree_b)
         g += nblk
         q0 = n0
@@ -403,7 +362,7 @@ def _sparse_mla_decode_few_ds_kernel(
     HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, HAS_SINK: gl.constexpr,
     SPLIT: gl.constexpr, BH: gl.constexpr, IDX_AHEAD: gl.constexpr = 1,
     DEQ_PREFETCH: gl.constexpr = True, PRIOR: gl.constexpr = False, MODE: gl.constexpr = 0,
-    F16: gl.constexpr = False, KEY_R: gl.constexpr = False, FREE_SPLIT: gl.constexpr = 0,
+    F16: gl.constexpr = False, FREE_SPLIT: gl.constexpr = 0,
 ):
     """Persistent grid of at most one CTA per SM over the ``num_items = T * num_splits *
     num_ht`` items (``decode_few_ws``'s ``PERSIST``); launch with ``num_warps=MMA_WARPS``.
@@ -412,8 +371,7 @@ def _sparse_mla_decode_few_ds_kernel(
     warpgroups load each group's bytes one group ahead; ``MODE`` (benchmarks only): see
     ``_ds_block``; ``F16``: fp16 operands in each block's own units (``_ds_block``,
     ``decode_few_ws._mma_part``'s ``S_F16``; with 584 records it needs ``IDX_AHEAD = 1`` to fit);
-    ``KEY_R`` (with ``F16``): each key in its own units; ``FREE_SPLIT``: each key tile freed
-    and retaken in two parts (``_ds_block``)."""
+    ``FREE_SPLIT``: each key tile freed and retaken in two parts (``_ds_block``)."""
     gl.static_assert(BH == 8, "8-head tiles")
     gl.static_assert(FREE_SPLIT == 0 or FREE_SPLIT == 1 or FREE_SPLIT == 4, "FREE_SPLIT 0, 1, 4")
     gl.static_assert(SRC_A != 288 and (not HAS_B or SRC_B != 288), "e4m3 records")
@@ -445,11 +403,6 @@ def _sparse_mla_decode_few_ds_kernel(
                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
     else:
         r_buf = kid
-    if F16 and KEY_R:
-        rk_buf = gl.allocate_shared_memory(gl.int32, [2, 64],
-                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    else:
-        rk_buf = kid
     if ROPE:
         p_r = gl.allocate_shared_memory(gl.bfloat16, [BH, 64],
                                         gl.NVMMASharedLayout.get_default_for([BH, 64],
@@ -479,7 +432,7 @@ def _sparse_mla_decode_few_ds_kernel(
                       sink_st, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
                       po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid, p_smem, p_smem,
                       tready, tfree, HAS_B, HAS_LEN_A, HAS_LEN_B, HAS_SINK, SPLIT, BH, 2, PRIOR,
-                      0, s_buf, True, p_r, r_buf, F16, ROPE, F16 and KEY_R, rk_buf, FREE_SPLIT,
+                      0, s_buf, True, p_r, r_buf, F16, ROPE, FREE_SPLIT,
                       tfree_b)),
         (_producer_items, (num_items, num_ht, num_splits, a_ptr, a_idx_ptr, a_idx_st,
                            a_len_ptr, a_len_st, a_width, a_bstride, a_page, a_rows, b_ptr,
@@ -492,12 +445,12 @@ def _sparse_mla_decode_few_ds_kernel(
                        r5, r6, r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6,
                        k7, kid, qp0, s_buf, ready, free, tready, tfree, SRC_A, HAS_B,
                        HAS_LEN_A, HAS_LEN_B, SPLIT, BH, DEQ_PREFETCH, MODE, F16, r_buf,
-                       F16 and KEY_R, rk_buf, FREE_SPLIT, tfree_b)),
+                       FREE_SPLIT, tfree_b)),
         (_ds_items, (1, num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
                        b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, r0, r1, r2, r3, r4,
                        r5, r6, r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6,
                        k7, kid, qp1, s_buf, ready, free, tready, tfree, SRC_A, HAS_B,
                        HAS_LEN_A, HAS_LEN_B, SPLIT, BH, DEQ_PREFETCH, MODE, F16, r_buf,
-                       F16 and KEY_R, rk_buf, FREE_SPLIT, tfree_b)),
+                       FREE_SPLIT, tfree_b)),
     ], [PRODUCER_WARPS, DS_WARPS, DS_WARPS],
         [PRODUCER_REGS_DS, DS_REGS, DS_REGS])

@@ -134,8 +134,7 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
               q0=0, q1=0, q2=0, q3=0, q4=0, q5=0, q6=0, q7=0, SINK_AHEAD: gl.constexpr = False,
               MODE: gl.constexpr = 0, s_buf=None, S_GIVEN: gl.constexpr = False,
               p_r=None, r_buf=None, S_F16: gl.constexpr = False,
-              F16_ROPE: gl.constexpr = False, KEY_R: gl.constexpr = False, rk_buf=None,
-              FREE_SPLIT: gl.constexpr = 0, tfree_b=None):
+              F16_ROPE: gl.constexpr = False, FREE_SPLIT: gl.constexpr = 0, tfree_b=None):
     """One warpgroup: Q, then both swap-AB wgmmas and the softmax of every block (key tile
     ``(g0 + j) % NT``), then the epilogue. ``QREGS``: Q's eight 64-dim groups are ``q0..q7``
     (``_load_q``, loaded by the caller ahead of time). ``SINK_AHEAD``: the sink is loaded
@@ -146,9 +145,7 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
     2**(127 - r_buf[t])`` (the block's own exponent); ``O^T`` is kept in units of ``2**(127 -
     R)`` with ``R`` the running maximum of the blocks' exponents (``P * 2**(r - R)`` in fp16 in
     ``p_smem``, the accumulators rescaled with ``alpha`` when ``R`` grows); ``F16_ROPE``: group
-    7 is the bf16 RoPE tile against ``P * 2**(127 - R)`` in bf16 (``p_r``); ``KEY_R``: each
-    key's row of the tile in its own units ``2**(127 - rk_buf[t][k])`` (``r_buf[t]`` their
-    maximum), ``P * 2**(R_k - R)`` in fp16. ``FREE_SPLIT`` (1 or 4; 0 off): the tile is freed in
+    7 is the bf16 RoPE tile against ``P * 2**(127 - R)`` in bf16 (``p_r``). ``FREE_SPLIT`` (1 or 4; 0 off): the tile is freed in
     two parts, ``tfree[t]`` once the ``O^T`` products of groups ``0 .. FREE_SPLIT - 1`` are
     done, ``tfree_b[t]`` after all (its next writer waits for each part before storing it)."""
     ACC: gl.constexpr = _acc_layout(BH, MMA_WARPS)
@@ -218,12 +215,8 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
             if S_F16:
                 rb = r_buf.index(t).load(gl.SliceLayout(0, ACC))
                 r_new = gl.maximum(r_run, rb)
-                if KEY_R:
-                    rk = rk_buf.index(t).load(gl.SliceLayout(1, ACC))
-                    pu = _exp2i(rk[:, None] - r_new[None, :])
-                else:
-                    pu = _exp2i(rb - r_new)[None, :]
-                p_smem.store(gl.permute((p * pu).to(gl.float16), (1, 0)))
+                p_smem.store(gl.permute((p * _exp2i(rb - r_new)[None, :]).to(gl.float16),
+                                        (1, 0)))
                 if F16_ROPE:
                     p_r.store(gl.permute((p * _exp2i(127 - r_new)[None, :]).to(gl.bfloat16),
                                          (1, 0)))
@@ -422,8 +415,7 @@ def _mma_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_le
                HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BH: gl.constexpr,
                NT: gl.constexpr, PRIOR: gl.constexpr, MODE: gl.constexpr = 0, s_buf=None,
                S_GIVEN: gl.constexpr = False, p_r=None, r_buf=None, S_F16: gl.constexpr = False,
-               F16_ROPE: gl.constexpr = False, KEY_R: gl.constexpr = False, rk_buf=None,
-               FREE_SPLIT: gl.constexpr = 0, tfree_b=None):
+               F16_ROPE: gl.constexpr = False, FREE_SPLIT: gl.constexpr = 0, tfree_b=None):
     """``PERSIST``: the MMA warpgroup over this CTA's items, with the next item's lens (and,
     for 8-head tiles, its Q) loaded into registers while it works on this one (Q stored
     again per item: the previous item's products that read it were waited before its last
@@ -461,7 +453,7 @@ def _mma_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_le
                   stride_lh, po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid, q_smem,
                   p_smem, tready, tfree, HAS_SINK, SPLIT, BH, NT, PRIOR, g, QAHEAD, q0, q1,
                   q2, q3, q4, q5, q6, q7, True, MODE, s_buf, S_GIVEN, p_r, r_buf, S_F16,
-                  F16_ROPE, KEY_R, rk_buf, FREE_SPLIT, tfree_b)
+                  F16_ROPE, FREE_SPLIT, tfree_b)
         g += nblk
         if QAHEAD:
             q0 = n0

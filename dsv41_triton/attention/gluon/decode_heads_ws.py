@@ -180,11 +180,12 @@ def _producer(a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_row, b_b
               NS: gl.constexpr, AHEAD: gl.constexpr = 1, g0=0, FIRST: gl.constexpr = False,
               fa=0, fb=0):
     """Every block's slot ids and raw records into ring stage ``(g0 + j) % NS`` once it is
-    free (``g0``: blocks the ring took before this token's); a block's ids are loaded one block
-    before it (``AHEAD = 1``), or (``AHEAD = 0``) those of ``PRELOAD_BLOCKS`` blocks at once
-    into ``ids_pre``. ``FIRST``: the first block's (chunk's) raw ids are ``fa`` / ``fb``,
-    loaded by the caller ahead of time (``_first_ids``)."""
-    gl.static_assert(AHEAD == 0 or AHEAD == 1, "AHEAD: 0 (preload) or 1 block")
+    free (``g0``: blocks the ring took before this token's); a block's ids are loaded one or two
+    blocks before it (``AHEAD = 1 | 2``: two keep a block's time between a load and its use),
+    or (``AHEAD = 0``) those of ``PRELOAD_BLOCKS`` blocks at once into ``ids_pre``. ``FIRST``:
+    the first block's (chunk's) raw ids are ``fa`` / ``fb``, loaded by the caller ahead of
+    time (``_first_ids``)."""
+    gl.static_assert(AHEAD == 0 or AHEAD == 1 or AHEAD == 2, "AHEAD: 0 (preload), 1 or 2")
     LI: gl.constexpr = gl.SliceLayout(1, _copy_layout(16, PRODUCER_WARPS))
     if AHEAD == 0:
         _producer_preload(a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_row,
@@ -199,6 +200,11 @@ def _producer(a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_row, b_b
         else:
             a0, b0 = _load_idx_raw(0, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b,
                                    hi_b, HAS_B, LI)
+        a1 = a0
+        b1 = b0
+        if AHEAD == 2:
+            a1, b1 = _load_idx_raw(1, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b,
+                                   hi_b, HAS_B, LI)
         for j in range(nblk):
             s = (g0 + j) % NS
             mbarrier.wait(free.index(s), (((g0 + j) // NS) & 1) ^ 1)
@@ -206,10 +212,17 @@ def _producer(a_ptr, a_idx_row, a_bstride, a_page, a_rows, b_ptr, b_idx_row, b_b
             _fill_stage(j, s, idx, nblk_a, nblk, a_ptr, a_bstride, a_page, b_ptr, b_bstride,
                         b_page, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring,
                         ready, SRC_A, SRC_B, HAS_B)
-            # block j + 1's ids: their latency passes under the next wait and this block's
-            # copies
-            a0, b0 = _load_idx_raw(j + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row, lo_b,
-                                   hi_b, HAS_B, LI)
+            if AHEAD == 2:
+                # block j + 2's ids: a whole block passes before their use
+                a0 = a1
+                b0 = b1
+                a1, b1 = _load_idx_raw(j + 2, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row,
+                                       lo_b, hi_b, HAS_B, LI)
+            else:
+                # block j + 1's ids: their latency passes under the next wait and this block's
+                # copies
+                a0, b0 = _load_idx_raw(j + 1, nblk_a, nblk, a_idx_row, lo_a, hi_a, b_idx_row,
+                                       lo_b, hi_b, HAS_B, LI)
 
 
 @gluon.jit

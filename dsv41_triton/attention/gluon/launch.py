@@ -242,13 +242,13 @@ FEW_DS = False
 #: its own power-of-two units, one ``cvt`` and one multiply per two bytes); override key
 #: ``ds_f16``. Off until its GPU tests have run (perf/NOTES.md, "Session 31")
 FEW_DS_F16 = False
-#: that form's fp16 tiles in each key's own units (its largest scale byte) instead of the
-#: block's, so no conversion waits on a block-wide maximum; override key ``ds_keyr``
-FEW_DS_KEY_R = False
 #: that form's key tiles freed and retaken in two parts (0: off; 1 or 4: groups ``0 .. n - 1``
 #: once their ``O^T`` products are done, then the rest), so a block's first conversion
 #: overlaps the products of the block two back; override key ``ds_split``
 FEW_DS_FREE_SPLIT = 0
+#: the producer's slot-id lead in blocks for that form with fp16 operands and 584 records (1 or
+#: 2; the preload, 0, does not fit beside the RoPE group's bf16 P); override key ``ds_ahead``
+FEW_DS_F16_AHEAD = 1
 
 #: whether ``launch(prior=True)`` runs the few-heads ws kernel on a persistent grid (at most
 #: one CTA per SM looping over tokens: a token's first gathers overlap the previous token's
@@ -409,10 +409,10 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
             from .decode_few_ds import _sparse_mla_decode_few_ds_kernel as kern
             f16 = bool(over.get("ds_f16", FEW_DS_F16))
             kind, form = "few_ds", dict(MODE=over.get("dsmode", 0), F16=f16,
-                                        KEY_R=f16 and bool(over.get("ds_keyr", FEW_DS_KEY_R)),
                                         FREE_SPLIT=int(over.get("ds_split", FEW_DS_FREE_SPLIT)))
             if f16 and a.src == 584:
-                ahead = 1  # the bf16 P of the RoPE group takes the preload's shared memory
+                # the bf16 P of the RoPE group takes the preload's shared memory
+                ahead = int(over.get("ds_ahead", FEW_DS_F16_AHEAD))
         else:
             kern, kind = _sparse_mla_decode_few_ws_kernel, "few_ws"
             form = dict(NS=stages, NT=nt, PERSIST=persist, MODE=mode)
