@@ -12,8 +12,9 @@
 # call; "persist" the few-heads decode on its per-token and persistent grids at decode batch
 # sizes; "ds" the record kernel's dequant + S form: its GPU tests and the top-k probe beside
 # the record kernel; "dslayer" the layer chunk at 8K with it off and on, and its memcheck;
-# "dsf16" the form with fp16 operands: its GPU tests, the probe beside the record kernel, the
-# layer chunk at 8K off / on / f16, memcheck)
+# "dsf16" the form with fp16 operands: the probe beside the record kernel with its tiles freed
+# in two parts and the slot ids one / two blocks ahead, their GPU tests, the layer chunk at 8K,
+# memcheck)
 # picks the parts to run and
 # TESTS_K narrows the GPU tests to a pytest -k expression, so a short device call can run only
 # what changed, e.g.
@@ -35,12 +36,16 @@ $PY -c "import flash_mla; print('flash_mla: importable')" 2>/dev/null || echo "f
 
 PARTS=${PARTS:-tests harness decode prefill}
 part() { case " $PARTS " in *" $1 "*) return 0 ;; *) echo "(skipped: not in PARTS)"; return 1 ;; esac; }
-# the layer chunk at 8K with the paged prefill's top-k form FORM (bench_prefill --few-ds): LABEL FORM
+# the layer chunk at 8K with the paged prefill's top-k form FORM (bench_prefill --few-ds) and
+# more bench_prefill arguments: LABEL FORM [ARGS...]
 layer_8k() {
-  timeout 120 $PY perf/bench_prefill.py --layer-only --contexts 8192 --few-ds "$2" \
-    > "$OUTDIR/$1_layer_$2.log" 2>&1
-  grep -E "graph" "$OUTDIR/$1_layer_$2.log" | grep -E "paged-window |workspace |auto" | sort -u \
-    | sed "s/^/ds=$2 /"
+  local label=$1 form=$2 tag
+  shift 2
+  tag=$(echo "$form $*" | tr -d ' -')
+  timeout 120 $PY perf/bench_prefill.py --layer-only --contexts 8192 --few-ds "$form" "$@" \
+    > "$OUTDIR/${label}_layer_$tag.log" 2>&1
+  grep -E "graph" "$OUTDIR/${label}_layer_$tag.log" | grep -E "paged-window |workspace |auto" \
+    | sort -u | sed "s/^/ds=$form $* /"
 }
 # compute-sanitizer memcheck of test_decode_gluon.py tests: LABEL KEXPR
 gluon_memcheck() {
@@ -151,17 +156,17 @@ fi
 
 echo "== the dequant + S form with fp16 operands (decode_few_ds F16, launch.FEW_DS_F16)"
 if part dsf16; then
-  timeout 100 $PY perf/paged_topk_probe.py --tokens 2048 --check \
-    --rows "decode,decode ds,decode ds f16" > "$OUTDIR/dsf16_probe.log" 2>&1
-  grep -v "^$" "$OUTDIR/dsf16_probe.log" | tail -8
-  timeout 200 $PY -m pytest tests/attention/test_decode_gluon.py tests/attention/test_prefill_shared.py \
-    -q -p no:cacheprovider -k "few_ds_f16_gpu or (paged_topk_few_ds_gpu and True)" \
+  timeout 150 $PY perf/paged_topk_probe.py --tokens 2048 --check --rows "decode,decode ds f16,decode ds f16 split4,decode ds f16 split4 ahead2" \
+    > "$OUTDIR/dsf16_probe.log" 2>&1
+  grep -v "^$" "$OUTDIR/dsf16_probe.log" | tail -12
+  timeout 200 $PY -m pytest tests/attention/test_decode_gluon.py -q -p no:cacheprovider \
+    -k "few_ds_f16_gpu and (4-2-584 or 4-2-528 or 4-1-584-584 or 4-1-528)" \
     > "$OUTDIR/dsf16_tests.log" 2>&1
   echo "dsf16 tests rc=$?: $(tail -n 1 "$OUTDIR/dsf16_tests.log")"
   grep -E "^(FAILED|ERROR)" "$OUTDIR/dsf16_tests.log" | head -10
-  layer_8k dsf16 0
-  layer_8k dsf16 f16
-  gluon_memcheck dsf16 "few_ds_f16_gpu and (-8-5 or -8-300)"
+  layer_8k dsf16 f16 --ds-split 4 --ds-ahead 1
+  layer_8k dsf16 f16 --ds-split 4 --ds-ahead 2
+  gluon_memcheck dsf16 "few_ds_f16_gpu and 4-2-584 and (-8-5 or -8-300)"
 fi
 
 echo "== Hopper prefill (tl vs Gluon vs FlashMLA's flash_mla_sparse_fwd, issue 11's table)"
