@@ -17,9 +17,9 @@ Rows (µs, CUDA graph, 512 MB L2 flush before each replay, median):
   bytes stored unconverted, no S^T products, both, the fp16 operands' conversion instead);
   ``decode ds f16``: the form with fp16 operands (``launch.FEW_DS_F16``), its ``no reads``
   row, ``no convert`` / ``neither`` (``MODE`` 1 / 3) and ``no max`` (``MODE`` 5: ``R = 127``
-  instead of each block's largest scale byte), ``split4`` / ``split1`` (``launch.FEW_DS_FREE_SPLIT``: the key tiles freed in
-  two parts, after group 3 / group 0), ``ahead2`` (``launch.FEW_DS_F16_AHEAD``: the producer's
-  slot ids two blocks ahead);
+  instead of each block's largest scale byte), ``split4`` / ``split1``
+  (``launch.FEW_DS_FREE_SPLIT``: the key tiles freed in two parts, after group 3 / group 0),
+  ``ahead2`` (``launch.FEW_DS_F16_AHEAD``: the producer's slot ids two blocks ahead);
 * ``prefill few``: the bf16 kernel with its prior on a 32768-row workspace, read at the same
   positions (random rows, not the records' values; ``prefill_launch.launch(..., FEW,
   prior=True)``).

@@ -156,7 +156,8 @@ fi
 
 echo "== the dequant + S form with fp16 operands (decode_few_ds F16, launch.FEW_DS_F16)"
 if part dsf16; then
-  timeout 150 $PY perf/paged_topk_probe.py --tokens 2048 --check --rows "decode,decode ds f16,decode ds f16 split4,decode ds f16 split4 ahead2" \
+  timeout 150 $PY perf/paged_topk_probe.py --tokens 2048 --check \
+    --rows "decode,decode ds f16,decode ds f16 split4,decode ds f16 split4 ahead2" \
     > "$OUTDIR/dsf16_probe.log" 2>&1
   grep -v "^$" "$OUTDIR/dsf16_probe.log" | tail -12
   timeout 200 $PY -m pytest tests/attention/test_decode_gluon.py -q -p no:cacheprovider \

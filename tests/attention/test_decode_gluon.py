@@ -943,10 +943,11 @@ def test_gluon_few_ds_gpu(device, monkeypatch, shape, T, H, swa_rec, extra_rec):
 @pytest.mark.parametrize("split,ahead", [(0, 1), (1, 1), (4, 1), (4, 2)])
 def test_gluon_few_ds_f16_gpu(device, monkeypatch, T, H, swa_rec, extra_rec, split, ahead):
     """The dequant + S form with fp16 operands (override key ``ds_f16``: each block's tiles in
-    its own power-of-two units, the MMA warpgroup's running exponent; ``ds_split``: the key tiles freed in two parts; ``ds_ahead``: the producer's ids
-    that many blocks ahead with 584 records): ragged and empty rows, 1..13
-    heads, split keys at T <= 5, and every other page's keys 2**12 smaller (blocks and keys of
-    different exponents: the accumulators rescaled between blocks)."""
+    its own power-of-two units, the MMA warpgroup's running exponent; ``ds_split``: the key
+    tiles freed in two parts; ``ds_ahead``: the producer's ids that many blocks ahead with 584
+    records): ragged and empty rows, 1..13 heads, split keys at T <= 5, and every other page's
+    keys 2**12 smaller (blocks of different exponents: the accumulators rescaled between
+    blocks)."""
     _need_gluon_gpu()
     from dsv41_triton.attention.gluon import launch as gl_launch
     monkeypatch.setattr(gl_launch, "OVERRIDE", {**gl_launch.parse_shape("4:8:2:W:0"),

@@ -128,14 +128,8 @@ def _ds_convert(g: gl.constexpr, raw3, sb, SRC: gl.constexpr, MODE: gl.constexpr
                                       is_pure=True, pack=4)
         x = gl.convert_layout(gl.reshape(x, [64, 64]), _ds_layout())
     elif MODE == 4:
-        # fp16 operands' conversion cost: one cvt per two bytes, one multiply by a per-key
-        # power of two (the values as bf16 bits: timing only)
-        sc = gl.broadcast(gl.expand_dims(_exp2i(sb.to(gl.int32) - 127).to(gl.float16), 2),
-                          raw3)[0]
-        x = gl.inline_asm_elementwise(_E4M3_F16_ASM, "=r,=r,r,r,r", [raw3, sc],
-                                      dtype=gl.float16, is_pure=True, pack=4)
-        x = gl.convert_layout(gl.reshape(x, [64, 64]), _ds_layout())
-        x = x.to(gl.bfloat16, bitcast=True)
+        # fp16 operands' conversion cost (the values as bf16 bits: timing only)
+        x = _ds_convert_f16(g, raw3, sb, 127, SRC).to(gl.bfloat16, bitcast=True)
     else:
         sc = gl.broadcast(gl.expand_dims(_ue8m0_f32(sb), 2), raw3)[0]
         x = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r,r,r,r,r", [raw3, sc],
@@ -156,15 +150,15 @@ def _ds_block(K: gl.constexpr, G, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, sca
     (before groups 6 and 7 are converted). ``PREFETCH``: each group's bytes are loaded one
     group ahead. ``MODE`` (benchmarks only): 1 no conversion, 2 no ``S^T`` products (``S^T``
     zero), 3 neither, 4 the fp16 operands' conversion (wrong values), 5 (``F16``) ``R = 127``
-    without the block's maximum (wrong values where a scale byte exceeds it). ``F16``: fp16 key tiles
-    holding ``value * 2**(127 - R)`` (``R``: the block's largest scale byte, at least
-    ``R_MIN``, stored to ``r_buf[K]``) against the fp16 Q groups of ``qp`` (each head times
-    ``1 / cqh``); 584 records' bf16 RoPE group against the bf16 Q tail ``qr`` in an
-    accumulator of its own; ``S^T`` stored in true units.
-    ``FREE_SPLIT`` (1..7, 0 off): tile ``K`` is taken in two parts, groups ``0 ..
-    FREE_SPLIT - 1`` (with ``kid[K]``) after ``tfree[K]``, the rest after ``tfree_b[K]`` (the
-    MMA warpgroup's ``FREE_SPLIT``), so the block's first loads, conversion and products
-    overlap the ``O^T`` products still reading the tile."""
+    without the block's maximum (wrong values where a scale byte exceeds it). ``F16``: fp16
+    key tiles holding ``value * 2**(127 - R)`` (``R``: the block's largest scale byte, at
+    least ``R_MIN``, stored to ``r_buf[K]``) against the fp16 Q groups of ``qp`` (each head
+    times ``1 / cqh``); 584 records' bf16 RoPE group against the bf16 Q tail ``qr`` in an
+    accumulator of its own; ``S^T`` stored in true units. ``FREE_SPLIT`` (1 or 4; 0 off): tile
+    ``K`` is taken in two parts, groups ``0 .. FREE_SPLIT - 1`` (with ``kid[K]``) after
+    ``tfree[K]``, the rest after ``tfree_b[K]`` (the MMA warpgroup's ``FREE_SPLIT``), so the
+    block's first loads, conversion and products overlap the ``O^T`` products still reading
+    the tile."""
     ACC: gl.constexpr = _acc_layout(BH, 4)
     ROPE: gl.constexpr = F16 and SRC == 584
     LI: gl.constexpr = gl.BlockedLayout([1], [32], [DS_WARPS], [0])
@@ -370,7 +364,8 @@ def _sparse_mla_decode_few_ds_kernel(
     tiles; 8-head tiles; e4m3 records, 584 or 528); ``DEQ_PREFETCH``: the dequant + S
     warpgroups load each group's bytes one group ahead; ``MODE`` (benchmarks only): see
     ``_ds_block``; ``F16``: fp16 operands in each block's own units (``_ds_block``,
-    ``decode_few_ws._mma_part``'s ``S_F16``; with 584 records it needs ``IDX_AHEAD = 1`` to fit);
+    ``decode_few_ws._mma_part``'s ``S_F16``; with 584 records it fits with ``IDX_AHEAD`` 1 or
+    2, not the preload);
     ``FREE_SPLIT``: each key tile freed and retaken in two parts (``_ds_block``)."""
     gl.static_assert(BH == 8, "8-head tiles")
     gl.static_assert(FREE_SPLIT == 0 or FREE_SPLIT == 1 or FREE_SPLIT == 4, "FREE_SPLIT 0, 1, 4")

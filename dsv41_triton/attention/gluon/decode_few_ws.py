@@ -145,9 +145,10 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
     2**(127 - r_buf[t])`` (the block's own exponent); ``O^T`` is kept in units of ``2**(127 -
     R)`` with ``R`` the running maximum of the blocks' exponents (``P * 2**(r - R)`` in fp16 in
     ``p_smem``, the accumulators rescaled with ``alpha`` when ``R`` grows); ``F16_ROPE``: group
-    7 is the bf16 RoPE tile against ``P * 2**(127 - R)`` in bf16 (``p_r``). ``FREE_SPLIT`` (1 or 4; 0 off): the tile is freed in
-    two parts, ``tfree[t]`` once the ``O^T`` products of groups ``0 .. FREE_SPLIT - 1`` are
-    done, ``tfree_b[t]`` after all (its next writer waits for each part before storing it)."""
+    7 is the bf16 RoPE tile against ``P * 2**(127 - R)`` in bf16 (``p_r``). ``FREE_SPLIT`` (1
+    or 4; 0 off): the tile is freed in two parts, ``tfree[t]`` once the ``O^T`` products of
+    groups ``0 .. FREE_SPLIT - 1`` are done, ``tfree_b[t]`` after all (its next writer waits
+    for each part before storing it)."""
     ACC: gl.constexpr = _acc_layout(BH, MMA_WARPS)
     LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [MMA_WARPS, 1], [1, 0])
     SINK_GIVEN: gl.constexpr = SINK_AHEAD and HAS_SINK and not SPLIT
