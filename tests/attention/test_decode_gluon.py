@@ -240,8 +240,8 @@ def test_few_ds_split_decode_merges_its_splits(monkeypatch):
     (2048, 8, 584, 0, True, "4:8:2:W:0:p"), (2048, 8, 528, 0, True, "4:8:2:W:0:p"),
     (300, 13, 584, 584, False, "4:8:2:W"), (1, 3, 528, 528, False, "4:8:2:W:0")])
 def test_gluon_few_ds_launch_compiles(T, H, src_a, src_b, prior, shape):
-    """The few-heads kernel's dequant + S form (override key ``ds``) as ``launch.launch``
-    starts it (the paged prefill's top-k launch with its prior, decodes of two head tiles and
+    """The few-heads kernel's dequant + S form with bf16 operands (override keys ``ds``,
+    ``ds_f16`` off, ``ds_split`` 0) as ``launch.launch`` starts it (the paged prefill's top-k launch with its prior, decodes of two head tiles and
     of split keys), compiled as the GPU builds it: one CTA's shared memory, no spill in the
     producer's block loop (at most one word on the stack outside it), and in each
     dequant + S warpgroup's block loop (the two loops with ``HGMMA`` and no ``LDGSTS`` beside
@@ -254,8 +254,10 @@ def test_gluon_few_ds_launch_compiles(T, H, src_a, src_b, prior, shape):
     import json
     rows = _compile_facts("launch", json.dumps(dict(T=T, H=H, src_a=src_a, src_b=src_b,
                                                     prior=prior, persist=True, ds=True,
+                                                    form={"ds_f16": False, "ds_split": 0},
                                                     shape=shape, loop_ops=True)))
     (r,) = rows
+    assert (r["form"]["F16"], r["form"]["FREE_SPLIT"]) == (False, 0), r["form"]
     # the form is persistent by construction: it has no PERSIST constexpr for the row to read
     assert r["kernel"].startswith("decode_few_ds") and r["persist"] is False, r["kernel"]
     # ptxas may keep one producer word on the stack across the partitions' register split
@@ -276,6 +278,37 @@ def test_gluon_few_ds_launch_compiles(T, H, src_a, src_b, prior, shape):
         assert "SHFL" not in ops, ops
         assert ops.get("STS", 0) <= 2 * 16 + 4 and ops.get("LDS", 0) <= 2 * 8 + 16 + 8, ops
     assert mma[0]["hgmma"] == 32 and mma[0]["local_ld_st"] == 0, mma[0]["ops"]
+
+
+@pytest.mark.parametrize("src", [584, 528])
+def test_gluon_few_ds_default_launch_compiles(src):
+    """The paged prefill's top-k launch at the package's defaults (``launch.FEW_DS``,
+    ``FEW_DS_F16``, ``FEW_DS_FREE_SPLIT``, ``FEW_DS_F16_AHEAD`` for 584 records) starts the
+    dequant + S form with fp16 operands on the persistent grid, and it compiles as the GPU
+    builds it: one CTA's shared memory, each dequant + S warpgroup's block loop with its 32
+    ``HGMMA`` of ``S^T``, one ``HMUL2`` per two e4m3 bytes and at most one stack reload, the
+    MMA warpgroup's with its 32 ``HGMMA`` of ``O^T`` and no spills."""
+    if not gluon_pkg.AVAILABLE:
+        pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
+    import json
+
+    from dsv41_triton.attention.gluon import launch as gl_launch
+    (r,) = _compile_facts("launch", json.dumps(dict(T=2048, H=8, src_a=src, src_b=0,
+                                                    prior=True, loop_ops=True)))
+    assert r["kernel"].startswith("decode_few_ds"), r["kernel"]
+    assert r["form"] == {"F16": gl_launch.FEW_DS_F16, "FREE_SPLIT": gl_launch.FEW_DS_FREE_SPLIT,
+                         "IDX_AHEAD": gl_launch.FEW_DS_F16_AHEAD if src == 584 else 1}, r["form"]
+    assert 0 < r["shared"] <= 227 * 1024 and r["grid"] == [132], r
+    loops = [lp for lp in r["loop_ops"] if lp["instructions"] > 150 and lp["hgmma"]]
+    inner = [lp for lp in loops if not any(o is not lp and int(o["start"], 16) > int(
+        lp["start"], 16) and int(o["end"], 16) < int(lp["end"], 16) for o in loops)]
+    ds = [lp for lp in inner if lp["ops"].get("HMUL2", 0)]
+    mma = [lp for lp in inner if lp not in ds]
+    assert len(ds) == 2 and len(mma) == 1, [(lp["start"], lp["ops"]) for lp in inner]
+    for lp in ds:
+        assert lp["hgmma"] == 32 and lp["ops"]["HMUL2"] == 16 * (7 if src == 584 else 8), lp
+        assert lp["local_ld_st"] <= 1, lp
+    assert mma[0]["hgmma"] == 32 and mma[0]["local_ld_st"] == 0, mma[0]
 
 
 @pytest.mark.parametrize("mode", [1, 2, 3, 4])

@@ -382,7 +382,7 @@ def test_shared_window_paged_topk_bad_inputs(device):
 def test_shared_window_paged_topk_v41_gpu(device, monkeypatch, rec, H, persist):
     """V4.1 sizes; on sm_90 the top-k records run on the Gluon decode kernel with its prior
     (584 / 528 records; 288 alone: the ``tl`` kernel), on its per-token or persistent grid
-    (``PRIOR_PERSIST``)."""
+    (``PRIOR_PERSIST``; there, at <= 8 heads, its dequant + S form)."""
     from dsv41_triton.attention import gluon as gluon_pkg
     from dsv41_triton.attention.gluon import launch as dl
     monkeypatch.setattr(dl, "PRIOR_PERSIST", persist)
@@ -393,7 +393,9 @@ def test_shared_window_paged_topk_v41_gpu(device, monkeypatch, rec, H, persist):
     gluon = (gluon_pkg.AVAILABLE and torch.cuda.get_device_capability() == (9, 0)
              and rec != 288)
     got = dl.LAST_LAUNCH.get("fwd", (None, ()))[1]
-    assert (bool(got) and got[-1] == "few_ws" and got[1] == 1) == gluon, got
+    # the dequant + S form (``FEW_DS``) takes 8-head tiles on the persistent grid
+    kind = "few_ds" if dl.FEW_DS and persist and H <= 8 else "few_ws"
+    assert (bool(got) and got[-1] == kind and got[1] == 1) == gluon, got
     assert dl.LAST_LAUNCH.get("persist", False) == (gluon and persist)
 
 

@@ -140,7 +140,8 @@ def _recording(kernels, sms: int, run) -> list:
 
 def capture_decode(T: int, H: int, src_a: int, src_b: int, shape: str = "", W: int = 128,
                    K: int = 512, page: int = 64, sms: int = 132, prior: bool = False,
-                   persist: bool | None = None, ds: bool | None = None) -> list:
+                   persist: bool | None = None, ds: bool | None = None,
+                   form: dict | None = None) -> list:
     """The kernel launches ``launch.launch`` makes for a decode of ``T`` tokens x ``H`` heads
     (``W`` window slot ids of ``src_a`` records, ``K`` extra ones of ``src_b`` (0: none), lens
     and a sink; caches of ``perf/bench_decode_hopper.py``'s sizes) on an sm_90 GPU of ``sms``
@@ -148,7 +149,8 @@ def capture_decode(T: int, H: int, src_a: int, src_b: int, shape: str = "", W: i
     ``prior``, on the few-heads ws kernel's persistent grid with ``persist`` True, on its
     per-item grid with False (at the pick table's shape when ``shape`` is empty), on the
     launch's default grid with None; ``ds``: its dequant + S form forced on / off
-    (``launch.FEW_DS``; None: the default). Runs on the CPU
+    (``launch.FEW_DS``; None: the default); ``form``: more override keys of that form
+    (``ds_f16``, ``ds_split``, ``ds_ahead``; absent: the defaults). Runs on the CPU
     (``_recording``). Each launch: ``{kernel, real, grid, args, kwargs}``."""
     import torch
 
@@ -175,6 +177,7 @@ def capture_decode(T: int, H: int, src_a: int, src_b: int, shape: str = "", W: i
                 gl_launch.OVERRIDE["persist"] = bool(persist)
             if ds is not None:
                 gl_launch.OVERRIDE["ds"] = bool(ds)
+            gl_launch.OVERRIDE.update(form or {})
             q = torch.empty(T, H, 512, dtype=torch.bfloat16)
             lse = torch.empty(T, H, dtype=torch.float32)
             gl_launch.launch(q, a, b, torch.zeros(H), 512 ** -0.5, torch.empty_like(q), lse,
@@ -592,8 +595,9 @@ if __name__ == "__main__":
     import json
     if len(sys.argv) == 3 and sys.argv[1] == "launch":
         # python -m ...compile_check launch JSON -> JSON line: the launches of a decode
-        # {"T", "H", "src_a", "src_b", "shape", "prior", "persist", "ds"} (``capture_decode``; with
-        # "load_waits": true also ``loops_sass`` and ``early_load_waits``) or of a
+        # {"T", "H", "src_a", "src_b", "shape", "prior", "persist", "ds", "form"}
+        # (``capture_decode``; with "load_waits": true also ``loops_sass`` and
+        # ``early_load_waits``) or of a
         # prefill {"kind": "prefill", "T", "H", "S", "K", "variant", "has_len"}
         # (``capture_prefill``)
         # compiled as the GPU builds them: kernel, grid, registers and stack bytes of each
@@ -604,7 +608,8 @@ if __name__ == "__main__":
         else:
             recs = capture_decode(c["T"], c["H"], c["src_a"], c["src_b"], c.get("shape", ""),
                                   prior=bool(c.get("prior", False)),
-                                  persist=c.get("persist"), ds=c.get("ds"))
+                                  persist=c.get("persist"), ds=c.get("ds"),
+                                  form=c.get("form"))
         rows = []
         for rec in recs:
             k = compile_launch(rec)
@@ -612,7 +617,9 @@ if __name__ == "__main__":
             row = {"kernel": rec["kernel"], "grid": list(rec["grid"]), "regs": regs,
                    "stack": stack, "prior": rec["kwargs"].get("PRIOR", False),
                    "persist": rec["kwargs"].get("PERSIST", False),
-                   "split": rec["kwargs"].get("SPLIT")}
+                   "split": rec["kwargs"].get("SPLIT"),
+                   "form": {f: rec["kwargs"][f] for f in ("F16", "FREE_SPLIT", "IDX_AHEAD")
+                            if f in rec["kwargs"]}}
             if c.get("load_waits"):  # the loops and the loads waited where they are issued
                 rows_k = sass_instructions(k)
                 row["loops"] = loops_sass(k, rows_k)

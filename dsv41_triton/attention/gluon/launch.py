@@ -234,21 +234,22 @@ OVERRIDE = {}
 #: e4m3 record width runs the few-heads ws kernel's dequant + S form on its persistent grid
 #: (``decode_few_ds.py``: the dequant warpgroups compute the logits from the registers they
 #: converted, so K is read from shared memory once, for O^T); decodes take it only through the
-#: override key ``ds``. Off: with bf16 operands it measured no faster than the record kernel
-#: (perf/NOTES.md, "Session 31")
-FEW_DS = False
+#: override key ``ds``. On with the three settings below: H100, 2048 tokens x 512 records,
+#: 228.7 us against 238.2 for the record kernel; layer chunk at 8K 270.8 against 281.8
+#: (perf/NOTES.md, "Session 33")
+FEW_DS = True
 
 #: whether that form runs with fp16 operands (``decode_few_ds``'s ``F16``: each block's tiles in
 #: its own power-of-two units, one ``cvt`` and one multiply per two bytes); override key
-#: ``ds_f16``. Off until its GPU tests have run (perf/NOTES.md, "Session 31")
-FEW_DS_F16 = False
+#: ``ds_f16``. With bf16 operands the form is no faster than the record kernel
+FEW_DS_F16 = True
 #: that form's key tiles freed and retaken in two parts (0: off; 1 or 4: groups ``0 .. n - 1``
 #: once their ``O^T`` products are done, then the rest), so a block's first conversion
 #: overlaps the products of the block two back; override key ``ds_split``
-FEW_DS_FREE_SPLIT = 0
+FEW_DS_FREE_SPLIT = 4
 #: the producer's slot-id lead in blocks for that form with fp16 operands and 584 records (1 or
 #: 2; the preload, 0, does not fit beside the RoPE group's bf16 P); override key ``ds_ahead``
-FEW_DS_F16_AHEAD = 1
+FEW_DS_F16_AHEAD = 2
 
 #: whether ``launch(prior=True)`` runs the few-heads ws kernel on a persistent grid (at most
 #: one CTA per SM looping over tokens: a token's first gathers overlap the previous token's
