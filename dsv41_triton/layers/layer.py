@@ -79,11 +79,12 @@ PREFILL_PATHS = ("paged", "workspace")
 #: hold more than this many rows per chunk token and local head, else the workspace; with the
 #: paged path's window rows gathered (``paged_window_rows``). The paged chunk takes about the same
 #: time at every context, the workspace's grows with its rows. 2048 tokens x 8 heads, CUDA-graph
-#: GPU time, paged vs workspace, us (perf/NOTES.md, "Session 28"): H100 280.6 / 287.0 / 302.4
-#: vs 228.1 / 259.7 / 558.8 at 8K / 128K / 1M context (4.3K / 35K / 264K rows), the workspace's
-#: time growing ~1.3 ns a row past 35K: the two meet near 56K rows, 3.4 rows per token and head.
-#: (Before the few-heads kernel's faster copies, "Session 23" / "Session 26": 1.6 on the H200,
-#: 1.0 on the H100.)
+#: GPU time, paged vs workspace, us (perf/NOTES.md, "Session 33", the top-k records on the
+#: fp16 dequant + S form): H100 272.3 / 274.8 / 305.5 vs 225.7 / 259.2 / 560.9 at 8K / 128K /
+#: 1M context (4.3K / 35K / 264K rows), the workspace's time growing ~1.3 ns a row past 35K and
+#: the paged one's ~0.13: the two meet near 48K rows, 2.9 rows per token and head. (Session 28,
+#: the record kernel: 3.4; before the few-heads kernel's faster copies, sessions 23 / 26: 1.6
+#: on the H200, 1.0 on the H100.)
 AUTO_PAGED_ROWS_PER_TOKEN_HEAD = 3.0
 #: the same for the paged path with every key a slot id (``paged_window_rows = False``): H200
 #: (perf/NOTES.md "Session 16"): the workspace costs ~0.6 ns per gathered row more, its

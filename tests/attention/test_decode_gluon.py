@@ -953,13 +953,15 @@ def test_gluon_few_ws_persistent_gpu(device, monkeypatch, shape, T, H, swa_rec, 
 @pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, 528), (584, None),
                                                (528, None)])
 def test_gluon_few_ds_gpu(device, monkeypatch, shape, T, H, swa_rec, extra_rec):
-    """The few-heads kernel's dequant + S form (``decode_few_ds.py``: two dequant warpgroups
-    taking the blocks in turn, S^T from the registers they converted) on its persistent grid:
-    ragged and empty rows (len 0, only -1, only slots past the cache) among more items than
-    SMs, 1..13 heads (two head tiles at 13), split keys at T <= 5, a CUDA-graph replay."""
+    """The few-heads kernel's dequant + S form with bf16 operands (``decode_few_ds.py``: two
+    dequant warpgroups taking the blocks in turn, S^T from the registers they converted) on its
+    persistent grid: ragged and empty rows (len 0, only -1, only slots past the cache) among
+    more items than SMs, 1..13 heads (two head tiles at 13), split keys at T <= 5, a CUDA-graph
+    replay. (The fp16 form, the paged prefill's default: ``test_gluon_few_ds_f16_gpu``.)"""
     _need_gluon_gpu()
     from dsv41_triton.attention.gluon import launch as gl_launch
-    monkeypatch.setattr(gl_launch, "OVERRIDE", {**gl_launch.parse_shape(shape), "ds": True})
+    monkeypatch.setattr(gl_launch, "OVERRIDE", {**gl_launch.parse_shape(shape), "ds": True,
+                                                "ds_f16": False, "ds_split": 0})
     _check_empty_rows(_empty_rows_case(device, T, H, swa_rec, extra_rec))
     assert gl_launch.LAST_LAUNCH["fwd"][1][4] == "few_ds"
     _check(_case(device, T, H, swa_rec, extra_rec))
