@@ -17,9 +17,10 @@ import triton.language as tl
 from .._utils import (INT_DTYPES, call_op, check_int, check_same_device, check_tensor,
                       next_power_of_2, use_reference)
 
-#: tokens per program (one warp each) and compressed columns per step
+#: tokens per program (one warp each) and at most this many compressed columns per step (a
+#: whole top-k row of V4.1 at once, so its loads are in flight together)
 SLOT_BLOCK_T = 4
-SLOT_BLOCK_K = 128
+SLOT_BLOCK_K = 512
 
 
 @triton.jit
@@ -272,7 +273,8 @@ def _launch(positions, token_to_req, seq_lens, swa_block_table, swa_page_size, w
         glen.stride(0),
         W=window_size, WP=next_power_of_2(window_size), SPAGE=swa_page_size,
         CPAGE=compressed_page_size, RATIO=compress_ratio, WIN_ROWS=win_rows,
-        BLOCK_T=SLOT_BLOCK_T, BLOCK_K=SLOT_BLOCK_K, num_warps=4,
+        BLOCK_T=SLOT_BLOCK_T, BLOCK_K=min(next_power_of_2(max(K, 1)), SLOT_BLOCK_K),
+        num_warps=4,
     )
 
 

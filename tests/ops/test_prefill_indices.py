@@ -35,7 +35,7 @@ def _same(a, b):
 
 
 @pytest.mark.parametrize("T,W,K,r", [(37, 20, 45, 4), (1, 128, 512, 4), (9, 7, 130, 1),
-                                     (13, 33, 1, 128), (5, 16, 0, 4)])
+                                     (13, 33, 1, 128), (5, 16, 0, 4), (6, 9, 700, 4)])
 def test_prefill_slot_indices_matches_ref(device, T, W, K, r):
     args = _case(device, T=T, W=W, K=K, r=r)
     _same(prefill_slot_indices(**args), prefill_slot_indices_ref(**args))
@@ -115,7 +115,8 @@ def _window_case(device, T=37, W=20, K=45, r=4, G=60, first=1):
 
 @pytest.mark.parametrize("T,W,K,r,G,first", [(37, 20, 45, 4, 60, 1), (1, 128, 512, 4, 300, 0),
                                              (9, 7, 130, 1, 5, 0), (13, 33, 1, 128, 40, 2),
-                                             (5, 16, 0, 4, 16, 0), (21, 24, 40, 0, 70, 1)])
+                                             (5, 16, 0, 4, 16, 0), (21, 24, 40, 0, 70, 1),
+                                             (6, 9, 700, 4, 20, 0)])
 def test_prefill_window_slot_indices_matches_ref(device, T, W, K, r, G, first):
     args = _window_case(device, T=T, W=W, K=K, r=r, G=G, first=first)
     if r == 0:
