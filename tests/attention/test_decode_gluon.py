@@ -43,6 +43,19 @@ def _compile_facts(*argv):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def _ds_block_loops(loop_ops, is_ds):
+    """The dequant + S form's innermost block loops (over 150 instructions, with ``HGMMA``):
+    ``(ds, mma)``, the two dequant + S warpgroups' loops (``is_ds(ops)``) and the MMA
+    warpgroup's; asserts there are two and one."""
+    loops = [lp for lp in loop_ops if lp["instructions"] > 150 and lp["hgmma"]]
+    inner = [lp for lp in loops if not any(o is not lp and int(o["start"], 16) > int(
+        lp["start"], 16) and int(o["end"], 16) < int(lp["end"], 16) for o in loops)]
+    ds = [lp for lp in inner if is_ds(lp["ops"])]
+    mma = [lp for lp in inner if lp not in ds]
+    assert len(ds) == 2 and len(mma) == 1, [(lp["start"], lp["ops"]) for lp in inner]
+    return ds, mma
+
+
 def _need_gluon_gpu():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
@@ -266,12 +279,7 @@ def test_gluon_few_ds_launch_compiles(T, H, src_a, src_b, prior, shape):
     assert 0 < r["grid"][0] <= 132 and (T < 132 or r["grid"] == [132]), r["grid"]
     copies = [lp for lp in r["loop_ops"] if lp["ldgsts"] and lp["instructions"] > 100]
     assert copies and min(copies, key=lambda lp: lp["instructions"])["local_ld_st"] == 0, copies
-    loops = [lp for lp in r["loop_ops"] if lp["instructions"] > 150 and lp["hgmma"]]
-    inner = [lp for lp in loops if not any(o is not lp and int(o["start"], 16) > int(
-        lp["start"], 16) and int(o["end"], 16) < int(lp["end"], 16) for o in loops)]
-    ds = [lp for lp in inner if lp["ops"].get("F2FP", 0) >= 100]
-    mma = [lp for lp in inner if lp not in ds]
-    assert len(ds) == 2 and len(mma) == 1, [(lp["start"], lp["ops"]) for lp in inner]
+    ds, mma = _ds_block_loops(r["loop_ops"], lambda ops: ops.get("F2FP", 0) >= 100)
     for lp in ds:
         ops = lp["ops"]
         assert lp["hgmma"] == 32 and lp["local_ld_st"] == 0, ops
@@ -299,12 +307,7 @@ def test_gluon_few_ds_default_launch_compiles(src):
     assert r["form"] == {"F16": gl_launch.FEW_DS_F16, "FREE_SPLIT": gl_launch.FEW_DS_FREE_SPLIT,
                          "IDX_AHEAD": gl_launch.FEW_DS_F16_AHEAD if src == 584 else 1}, r["form"]
     assert 0 < r["shared"] <= 227 * 1024 and r["grid"] == [132], r
-    loops = [lp for lp in r["loop_ops"] if lp["instructions"] > 150 and lp["hgmma"]]
-    inner = [lp for lp in loops if not any(o is not lp and int(o["start"], 16) > int(
-        lp["start"], 16) and int(o["end"], 16) < int(lp["end"], 16) for o in loops)]
-    ds = [lp for lp in inner if lp["ops"].get("HMUL2", 0)]
-    mma = [lp for lp in inner if lp not in ds]
-    assert len(ds) == 2 and len(mma) == 1, [(lp["start"], lp["ops"]) for lp in inner]
+    ds, mma = _ds_block_loops(r["loop_ops"], lambda ops: ops.get("HMUL2", 0) > 0)
     for lp in ds:
         assert lp["hgmma"] == 32 and lp["ops"]["HMUL2"] == 16 * (7 if src == 584 else 8), lp
         assert lp["local_ld_st"] <= 1, lp
@@ -343,12 +346,7 @@ def test_gluon_few_ds_f16_compiles(src, split, free_split, ahead):
     r = _compile_facts("ds_f16", src, split, free_split, ahead)
     assert 0 < r["shared"] <= 227 * 1024, r["shared"]
     assert r["ops"].get("HMUL2", 0) == 2 * 16 * (7 if src == 584 else 8), r["ops"]
-    loops = [lp for lp in r["loop_ops"] if lp["instructions"] > 150 and lp["hgmma"]]
-    inner = [lp for lp in loops if not any(o is not lp and int(o["start"], 16) > int(
-        lp["start"], 16) and int(o["end"], 16) < int(lp["end"], 16) for o in loops)]
-    ds = [lp for lp in inner if lp["ops"].get("HMUL2", 0)]
-    mma = [lp for lp in inner if lp not in ds]
-    assert len(ds) == 2 and len(mma) == 1, [(lp["start"], lp["ops"]) for lp in inner]
+    ds, mma = _ds_block_loops(r["loop_ops"], lambda ops: ops.get("HMUL2", 0) > 0)
     for lp in ds:
         assert lp["hgmma"] == 32 and lp["ops"]["HMUL2"] == 16 * (7 if src == 584 else 8), lp
         # no fp32 round trip: the e4m3 unpacking and the few packs of the loop's bookkeeping
