@@ -17,10 +17,11 @@ import triton.language as tl
 from .._utils import (INT_DTYPES, call_op, check_int, check_same_device, check_tensor,
                       next_power_of_2, use_reference)
 
-#: tokens per program (one warp each) and at most this many compressed columns per step (a
-#: whole top-k row of V4.1 at once, so its loads are in flight together)
+#: tokens per program (one warp each) and compressed columns per step (512-column steps
+#: measured slower: 8.7 against 7.8 us for 2048 x 512 ids on the H100, perf/NOTES.md
+#: "Session 33")
 SLOT_BLOCK_T = 4
-SLOT_BLOCK_K = 512
+SLOT_BLOCK_K = 128
 
 
 @triton.jit
@@ -273,8 +274,7 @@ def _launch(positions, token_to_req, seq_lens, swa_block_table, swa_page_size, w
         glen.stride(0),
         W=window_size, WP=next_power_of_2(window_size), SPAGE=swa_page_size,
         CPAGE=compressed_page_size, RATIO=compress_ratio, WIN_ROWS=win_rows,
-        BLOCK_T=SLOT_BLOCK_T, BLOCK_K=min(next_power_of_2(max(K, 1)), SLOT_BLOCK_K),
-        num_warps=4,
+        BLOCK_T=SLOT_BLOCK_T, BLOCK_K=SLOT_BLOCK_K, num_warps=4,
     )
 
 
