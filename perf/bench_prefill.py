@@ -504,16 +504,14 @@ def main(argv=None):
                          "1048576)")
     args = ap.parse_args(argv)
     contexts = tuple(int(c) for c in args.contexts.split(",")) if args.contexts else CONTEXTS
+    from dsv41_triton.attention.gluon import launch as gl_launch
     if args.few_ds is not None:
-        from dsv41_triton.attention.gluon import launch as gl_launch
         gl_launch.FEW_DS = args.few_ds != "0"
         gl_launch.FEW_DS_F16 = args.few_ds == "f16"
-    if args.ds_split is not None or args.ds_ahead is not None:
-        from dsv41_triton.attention.gluon import launch as gl_launch
-        if args.ds_split is not None:
-            gl_launch.FEW_DS_FREE_SPLIT = args.ds_split
-        if args.ds_ahead is not None:
-            gl_launch.FEW_DS_F16_AHEAD = args.ds_ahead
+    if args.ds_split is not None:
+        gl_launch.FEW_DS_FREE_SPLIT = args.ds_split
+    if args.ds_ahead is not None:
+        gl_launch.FEW_DS_F16_AHEAD = args.ds_ahead
     global PAGED_CANDIDATES, PAGED_RECORDS, NO_SHARED, QUICK, HEADS
     NO_SHARED = args.no_shared
     PAGED_CANDIDATES = args.paged_candidates

@@ -56,6 +56,18 @@ def _ds_block_loops(loop_ops, is_ds):
     return ds, mma
 
 
+def _f16_ds_block_loops(loop_ops, src):
+    """``_ds_block_loops`` of the form with fp16 operands, checked: each dequant + S loop with
+    its 32 ``HGMMA`` of ``S^T``, one ``HMUL2`` per two e4m3 bytes (7 or 8 groups x 16) and at
+    most one stack access, the MMA warpgroup's with its 32 ``HGMMA`` of ``O^T`` and none."""
+    ds, mma = _ds_block_loops(loop_ops, lambda ops: ops.get("HMUL2", 0) > 0)
+    for lp in ds:
+        assert lp["hgmma"] == 32 and lp["ops"]["HMUL2"] == 16 * (7 if src == 584 else 8), lp
+        assert lp["local_ld_st"] <= 1, lp
+    assert mma[0]["hgmma"] == 32 and mma[0]["local_ld_st"] == 0, mma[0]
+    return ds, mma
+
+
 def _need_gluon_gpu():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
@@ -254,8 +266,8 @@ def test_few_ds_split_decode_merges_its_splits(monkeypatch):
     (300, 13, 584, 584, False, "4:8:2:W"), (1, 3, 528, 528, False, "4:8:2:W:0")])
 def test_gluon_few_ds_launch_compiles(T, H, src_a, src_b, prior, shape):
     """The few-heads kernel's dequant + S form with bf16 operands (override keys ``ds``,
-    ``ds_f16`` off, ``ds_split`` 0) as ``launch.launch`` starts it (the paged prefill's top-k launch with its prior, decodes of two head tiles and
-    of split keys), compiled as the GPU builds it: one CTA's shared memory, no spill in the
+    ``ds_f16`` off, ``ds_split`` 0) as ``launch.launch`` starts it (the paged prefill's top-k
+    launch with its prior, decodes of two head tiles and of split keys), compiled as the GPU builds it: one CTA's shared memory, no spill in the
     producer's block loop (at most one word on the stack outside it), and in each
     dequant + S warpgroup's block loop (the two loops with ``HGMMA`` and no ``LDGSTS`` beside
     the MMA warpgroup's) the 32 ``HGMMA`` of ``S^T`` with A from registers and no shuffles or
@@ -307,11 +319,7 @@ def test_gluon_few_ds_default_launch_compiles(src):
     assert r["form"] == {"F16": gl_launch.FEW_DS_F16, "FREE_SPLIT": gl_launch.FEW_DS_FREE_SPLIT,
                          "IDX_AHEAD": gl_launch.FEW_DS_F16_AHEAD if src == 584 else 1}, r["form"]
     assert 0 < r["shared"] <= 227 * 1024 and r["grid"] == [132], r
-    ds, mma = _ds_block_loops(r["loop_ops"], lambda ops: ops.get("HMUL2", 0) > 0)
-    for lp in ds:
-        assert lp["hgmma"] == 32 and lp["ops"]["HMUL2"] == 16 * (7 if src == 584 else 8), lp
-        assert lp["local_ld_st"] <= 1, lp
-    assert mma[0]["hgmma"] == 32 and mma[0]["local_ld_st"] == 0, mma[0]
+    _f16_ds_block_loops(r["loop_ops"], src)
 
 
 @pytest.mark.parametrize("mode", [1, 2, 3, 4])
@@ -346,13 +354,11 @@ def test_gluon_few_ds_f16_compiles(src, split, free_split, ahead):
     r = _compile_facts("ds_f16", src, split, free_split, ahead)
     assert 0 < r["shared"] <= 227 * 1024, r["shared"]
     assert r["ops"].get("HMUL2", 0) == 2 * 16 * (7 if src == 584 else 8), r["ops"]
-    ds, mma = _ds_block_loops(r["loop_ops"], lambda ops: ops.get("HMUL2", 0) > 0)
+    ds, mma = _f16_ds_block_loops(r["loop_ops"], src)
     for lp in ds:
-        assert lp["hgmma"] == 32 and lp["ops"]["HMUL2"] == 16 * (7 if src == 584 else 8), lp
         # no fp32 round trip: the e4m3 unpacking and the few packs of the loop's bookkeeping
-        assert lp["ops"].get("F2FP", 0) <= 16 * 8 + 8 and lp["local_ld_st"] <= 1, lp
+        assert lp["ops"].get("F2FP", 0) <= 16 * 8 + 8, lp
         assert lp["mbar_wait"] == 2 + bool(free_split), lp
-    assert mma[0]["hgmma"] == 32 and mma[0]["local_ld_st"] == 0, mma[0]
     assert mma[0]["mbar_arrive"] == 1 + bool(free_split), mma[0]
 
 
