@@ -1,6 +1,7 @@
 """Prefill paths on V4.1 shapes: workspace vs shared window vs paged, and a layer chunk.
 
     python perf/bench_prefill.py [--warm 8] [--kernels-only | --layer-only] [--quick]
+    python perf/bench_prefill.py --profile [--contexts 8192]
 
 Kernels: 4096 query tokens of one request x 640 keys each (the V4.1 pattern: the token's
 128-position window, contiguous, plus 512 random top-k compressed entries of 32768), sink on,
@@ -399,6 +400,40 @@ def build_layer_case(ctx: int, device="cuda", seed=0):
     return layers, md, q, tk
 
 
+def profile_layer(lines: List[str], contexts=CONTEXTS, paths=("paged-window", "workspace"),
+                  calls: int = 10):
+    """Per-kernel GPU time of one layer chunk per path (``torch.profiler``, warm, no flush):
+    where a path's time goes, the paged-only launches included."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for ctx in contexts:
+        layers, md, q, tk = build_layer_case(ctx)
+        for path in paths:
+            lay = layers[path]
+            out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+            for _ in range(3):
+                lay.forward_mqa(q, None, md.positions, out, metadata=md, topk_indices=tk)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(calls):
+                    lay.forward_mqa(q, None, md.positions, out, metadata=md, topk_indices=tk)
+                torch.cuda.synchronize()
+            per: Dict[str, List[float]] = {}
+            for ev in prof.events():
+                if ev.device_type == torch.autograd.DeviceType.CUDA:
+                    per.setdefault(ev.name[:60], []).append(ev.device_time)
+            rows = sorted(((sum(v) / calls, len(v) // calls, k) for k, v in per.items()),
+                          reverse=True)
+            lines.append(f"profile ctx={ctx:<8d} {path:12s} total {sum(r[0] for r in rows):7.1f}"
+                         f" us per chunk")
+            lines.extend(f"profile ctx={ctx:<8d} {path:12s} {us:7.1f} us  x{n}  {name}"
+                         for us, n, name in rows)
+            for line in lines[-len(rows) - 1:]:
+                print(line, flush=True)
+        del layers, md, q, tk
+        torch.cuda.empty_cache()
+
+
 def run_layer(lines: List[str], contexts=CONTEXTS):
     for ctx in contexts:
         layers, md, q, tk = build_layer_case(ctx)
@@ -499,6 +534,9 @@ def main(argv=None):
                     help="with --few-ds: launch.FEW_DS_FREE_SPLIT (0, 1 or 4)")
     ap.add_argument("--ds-ahead", type=int, default=None,
                     help="with --few-ds f16: launch.FEW_DS_F16_AHEAD (1 or 2)")
+    ap.add_argument("--profile", action="store_true",
+                    help="per-kernel GPU times of the layer chunk (paged-window, workspace) at "
+                         "--contexts instead of the tables")
     ap.add_argument("--contexts", default="",
                     help="layer rows: comma-separated context lengths (default 8192,131072,"
                          "1048576)")
@@ -535,6 +573,9 @@ def main(argv=None):
         if args.warm_only:
             return 0
     lines: List[str] = []
+    if args.profile:
+        profile_layer(lines, contexts)
+        return 0
     if kernels:
         run_kernels(lines)
     if layer:
