@@ -411,12 +411,16 @@ def profile_layer(lines: List[str], contexts=CONTEXTS, paths=("paged-window", "w
         for path in paths:
             lay = layers[path]
             out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
-            for _ in range(3):
+
+            def fn(lay=lay, out=out, q=q, md=md, tk=tk):
                 lay.forward_mqa(q, None, md.positions, out, metadata=md, topk_indices=tk)
+
+            for _ in range(3):
+                fn()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(calls):
-                    lay.forward_mqa(q, None, md.positions, out, metadata=md, topk_indices=tk)
+                    fn()
                 torch.cuda.synchronize()
             per: Dict[str, List[float]] = {}
             for ev in prof.events():

@@ -267,9 +267,9 @@ def test_few_ds_split_decode_merges_its_splits(monkeypatch):
 def test_gluon_few_ds_launch_compiles(T, H, src_a, src_b, prior, shape):
     """The few-heads kernel's dequant + S form with bf16 operands (override keys ``ds``,
     ``ds_f16`` off, ``ds_split`` 0) as ``launch.launch`` starts it (the paged prefill's top-k
-    launch with its prior, decodes of two head tiles and of split keys), compiled as the GPU builds it: one CTA's shared memory, no spill in the
-    producer's block loop (at most one word on the stack outside it), and in each
-    dequant + S warpgroup's block loop (the two loops with ``HGMMA`` and no ``LDGSTS`` beside
+    launch with its prior, decodes of two head tiles and of split keys), compiled as the GPU
+    builds it: one CTA's shared memory, no spill in the producer's block loop (at most one word
+    on the stack outside it), and in each dequant + S warpgroup's block loop (the two loops with ``HGMMA`` and no ``LDGSTS`` beside
     the MMA warpgroup's) the 32 ``HGMMA`` of ``S^T`` with A from registers and no shuffles or
     extra shared-memory round trips: 7 or 8 groups of two 16-byte raw loads per thread (584:
     7 e4m3 groups, two 16-byte loads of the RoPE tile), four 16-byte key-tile stores per group;
