@@ -538,6 +538,12 @@ def main(argv=None):
                     help="with --few-ds: launch.FEW_DS_FREE_SPLIT (0, 1 or 4)")
     ap.add_argument("--ds-ahead", type=int, default=None,
                     help="with --few-ds f16: launch.FEW_DS_F16_AHEAD (1 or 2)")
+    ap.add_argument("--ds-pvsync", choices=("0", "1"), default=None,
+                    help="the dequant + S form's MMA warpgroup: softmax per warp and O^T by "
+                         "mma.sync (launch.FEW_DS_PV_SYNC; default: the package's)")
+    ap.add_argument("--ds-smask", choices=("0", "1"), default=None,
+                    help="the dequant + S form's logits masked by its dequant warpgroups "
+                         "(launch.FEW_DS_S_MASK; default: the package's)")
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel GPU times of the layer chunk (paged-window, workspace) at "
                          "--contexts instead of the tables")
@@ -554,6 +560,10 @@ def main(argv=None):
         gl_launch.FEW_DS_FREE_SPLIT = args.ds_split
     if args.ds_ahead is not None:
         gl_launch.FEW_DS_F16_AHEAD = args.ds_ahead
+    if args.ds_pvsync is not None:
+        gl_launch.FEW_DS_PV_SYNC = args.ds_pvsync == "1"
+    if args.ds_smask is not None:
+        gl_launch.FEW_DS_S_MASK = args.ds_smask == "1"
     global PAGED_CANDIDATES, PAGED_RECORDS, NO_SHARED, QUICK, HEADS
     NO_SHARED = args.no_shared
     PAGED_CANDIDATES = args.paged_candidates

@@ -19,7 +19,10 @@ Rows (µs, CUDA graph, 512 MB L2 flush before each replay, median):
   row, ``no convert`` / ``neither`` (``MODE`` 1 / 3) and ``no max`` (``MODE`` 5: ``R = 127``
   instead of each block's largest scale byte), ``split4`` / ``split1``
   (``launch.FEW_DS_FREE_SPLIT``: the key tiles freed in two parts, after group 3 / group 0),
-  ``ahead2`` (``launch.FEW_DS_F16_AHEAD``: the producer's slot ids two blocks ahead);
+  ``ahead2`` (``launch.FEW_DS_F16_AHEAD``: the producer's slot ids two blocks ahead), ``pvsync``
+  (``launch.FEW_DS_PV_SYNC``: the MMA warpgroup's softmax per warp and ``O^T`` by
+  ``mma.sync``), ``smask`` (``launch.FEW_DS_S_MASK``: the logits masked by the dequant + S
+  warpgroups); the rows without ``pvsync`` / ``smask`` run with both off;
 * ``prefill few``: the bf16 kernel with its prior on a 32768-row workspace, read at the same
   positions (random rows, not the records' values; ``prefill_launch.launch(..., FEW,
   prior=True)``).
@@ -90,7 +93,8 @@ def fns(inp):
         out.copy_(inp["prior_out"])
         lse.copy_(inp["prior_lse"])
 
-    def decode(mode, slot_ids, ds=False, dsmode=0, f16=False, split=0, ahead=1):
+    def decode(mode, slot_ids, ds=False, dsmode=0, f16=False, split=0, ahead=1, pv=False,
+               sm=False):
         def fn():
             prior()
             old = dict(dl.OVERRIDE)
@@ -98,7 +102,7 @@ def fns(inp):
             dl.OVERRIDE.update({**dl.parse_shape(dl.FEW_WS_PRELOAD_PREFETCH_SHAPE),
                                 "persist": True, "mode": mode, "ds": ds, "dsmode": dsmode,
                                 "ds_f16": f16, "ds_split": split,
-                                "ds_ahead": ahead})
+                                "ds_ahead": ahead, "ds_pvsync": pv, "ds_smask": sm})
             try:
                 dl.launch(q, _keyset(cache, slot_ids, inp["el"]), None, sink, scale, out, lse,
                           prior=True)
@@ -137,7 +141,12 @@ def fns(inp):
             ("decode ds f16 split1", decode(0, ids, True, 0, True, 1)),
             ("decode ds split4", decode(0, ids, True, 0, False, 4)),
             ("decode ds f16 split4 ahead2", decode(0, ids, True, 0, True, 4, 2)),
-            ("decode ds f16 ahead2", decode(0, ids, True, 0, True, 0, 2))]
+            ("decode ds f16 ahead2", decode(0, ids, True, 0, True, 0, 2)),
+            ("decode ds f16 split4 ahead2 pvsync", decode(0, ids, True, 0, True, 4, 2, True)),
+            ("decode ds f16 split4 ahead2 pvsync smask",
+             decode(0, ids, True, 0, True, 4, 2, True, True)),
+            ("decode ds f16 split4 ahead2 pvsync smask no reads",
+             decode(0, none, True, 0, True, 4, 2, True, True))]
 
 
 def main(argv=None):
@@ -171,7 +180,8 @@ def main(argv=None):
             ref = [x.clone() for x in dict(rows)["decode"]()]
             for lab in ("decode ds", "decode ds f16", "decode ds f16 split4",
                         "decode ds f16 split1", "decode ds split4",
-                        "decode ds f16 split4 ahead2"):
+                        "decode ds f16 split4 ahead2", "decode ds f16 split4 ahead2 pvsync",
+                        "decode ds f16 split4 ahead2 pvsync smask"):
                 dl.LAST_LAUNCH.pop("fwd", None)
                 o, lse = dict(rows)[lab]()
                 kind = dl.LAST_LAUNCH["fwd"][1][4] if "fwd" in dl.LAST_LAUNCH else "-"

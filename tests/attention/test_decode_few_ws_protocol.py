@@ -160,7 +160,7 @@ def test_few_ws_persistent_item_ahead_loads_reach_their_items(two_ahead):
 
 # ---- the dequant + S form (``decode_few_ds.py``) -------------------------------------------
 def run_ds(nblks, seed, no_q_barrier=False, s_before_wait=False, free_before_read=False,
-           split_free=False, second_early=False):
+           split_free=False, second_early=False, pv_sync=False):
     """One CTA of the dequant + S form over items of ``nblks[k]`` blocks: the producer (ring
     stage ``G % 2``), two dequant + S warpgroups (group ``k`` takes the blocks ``G`` with ``G %
     2 == k``, stage and key tile ``k``; it rewrites its own Q copy at the start of an item it
@@ -172,7 +172,10 @@ def run_ds(nblks, seed, no_q_barrier=False, s_before_wait=False, free_before_rea
     ``split_free`` (``FREE_SPLIT``): the MMA warpgroup frees each tile's first groups (with
     the slot ids beside it) once their products are done and the rest after them; the
     dequant + S warpgroup stores each part after its own wait (``second_early``: the second
-    part stored after the first wait only, to be caught)."""
+    part stored after the first wait only, to be caught). ``pv_sync`` (``PV_SYNC`` with
+    ``S_MASK``): the slot ids are not stored beside the tile nor read by the MMA warpgroup (the
+    dequant + S warpgroup reads them with the stage), and P stays in registers (no barrier
+    between the softmax and the products)."""
     bars = {}
     for s in range(2):
         bars[f"ready{s}"] = Bar(PW)
@@ -206,7 +209,8 @@ def run_ds(nblks, seed, no_q_barrier=False, s_before_wait=False, free_before_rea
                 yield ("wait", f"ready{k}", G // 2)
                 if not split_free:
                     yield ("wait", f"tfree{k}", G // 2 - 1)
-                    yield ("write", ("ids", k, w), G)
+                    if not pv_sync:
+                        yield ("write", ("ids", k, w), G)
                 # the first group's wgmma reads every warp's Q stores before the stage's
                 # release barrier
                 yield from rd(("Q", k), item, GW)
@@ -216,7 +220,8 @@ def run_ds(nblks, seed, no_q_barrier=False, s_before_wait=False, free_before_rea
                 yield from rd(("ring", k), G, PW)
                 if split_free:
                     yield ("wait", f"tfree{k}", G // 2 - 1)
-                    yield ("write", ("ids", k, w), G)
+                    if not pv_sync:
+                        yield ("write", ("ids", k, w), G)
                     yield ("write", ("tile", k, w), G)
                     if not second_early:
                         yield ("wait", f"tfreeb{k}", G // 2 - 1)
@@ -240,8 +245,9 @@ def run_ds(nblks, seed, no_q_barrier=False, s_before_wait=False, free_before_rea
                 t = g % 2
                 yield ("wait", f"tready{t}", g // 2)
                 yield from rd(("S", t), g, GW)
-                yield from rd(("ids", t), g, GW)
-                yield ("tb", 2)  # P stored
+                if not pv_sync:
+                    yield from rd(("ids", t), g, GW)
+                    yield ("tb", 2)  # P stored
                 yield from rd(("tile", t), g, GW)  # O of groups 0..3
                 if split_free:
                     yield ("tb", 2)
@@ -261,21 +267,25 @@ def run_ds(nblks, seed, no_q_barrier=False, s_before_wait=False, free_before_rea
     assert bars["tready0"].done == -(-n // 2) and bars["tready1"].done == n // 2
 
 
+@pytest.mark.parametrize("pv_sync", [False, True])
 @pytest.mark.parametrize("split_free", [False, True])
-def test_few_ds_protocol_random_schedules(split_free):
+def test_few_ds_protocol_random_schedules(split_free, pv_sync):
     rnd = random.Random(11)
+    kw = dict(split_free=split_free, pv_sync=pv_sync)
     for seed in range(400):
-        run_ds(_items(rnd), seed, split_free=split_free)
-    run_ds([0] * 9, 1, split_free=split_free)
-    run_ds([1] * 9, 2, split_free=split_free)  # one block per item: the groups alternate items
-    run_ds([1, 0, 1, 2, 1, 1, 3], 3, split_free=split_free)
-    run_ds([10, 0, 10, 0, 1], 4, split_free=split_free)
+        run_ds(_items(rnd), seed, **kw)
+    run_ds([0] * 9, 1, **kw)
+    run_ds([1] * 9, 2, **kw)  # one block per item: the groups alternate items
+    run_ds([1, 0, 1, 2, 1, 1, 3], 3, **kw)
+    run_ds([10, 0, 10, 0, 1], 4, **kw)
 
 
 @pytest.mark.parametrize("flags", [dict(no_q_barrier=True), dict(s_before_wait=True),
                                    dict(free_before_read=True),
                                    dict(split_free=True, second_early=True),
-                                   dict(split_free=True, s_before_wait=True)])
+                                   dict(split_free=True, s_before_wait=True),
+                                   dict(split_free=True, pv_sync=True, second_early=True),
+                                   dict(split_free=True, pv_sync=True, free_before_read=True)])
 def test_few_ds_protocol_model_catches_mutations(flags):
     """The model fails for a group's products started before all its warps stored the item's
     Q, for an S^T stored before the tile it sits beside was freed, for a ring stage freed

@@ -44,10 +44,11 @@ def _compile_facts(*argv):
 
 
 def _ds_block_loops(loop_ops, is_ds):
-    """The dequant + S form's innermost block loops (over 150 instructions, with ``HGMMA``):
-    ``(ds, mma)``, the two dequant + S warpgroups' loops (``is_ds(ops)``) and the MMA
+    """The dequant + S form's innermost block loops (over 150 instructions, with ``HGMMA`` or
+    ``HMMA``): ``(ds, mma)``, the two dequant + S warpgroups' loops (``is_ds(ops)``) and the MMA
     warpgroup's; asserts there are two and one."""
-    loops = [lp for lp in loop_ops if lp["instructions"] > 150 and lp["hgmma"]]
+    loops = [lp for lp in loop_ops
+             if lp["instructions"] > 150 and (lp["hgmma"] or lp["ops"].get("HMMA", 0))]
     inner = [lp for lp in loops if not any(o is not lp and int(o["start"], 16) > int(
         lp["start"], 16) and int(o["end"], 16) < int(lp["end"], 16) for o in loops)]
     ds = [lp for lp in inner if is_ds(lp["ops"])]
@@ -59,12 +60,14 @@ def _ds_block_loops(loop_ops, is_ds):
 def _f16_ds_block_loops(loop_ops, src):
     """``_ds_block_loops`` of the form with fp16 operands, checked: each dequant + S loop with
     its 32 ``HGMMA`` of ``S^T``, one ``HMUL2`` per two e4m3 bytes (7 or 8 groups x 16) and at
-    most one stack access, the MMA warpgroup's with its 32 ``HGMMA`` of ``O^T`` and none."""
+    most one stack access, the MMA warpgroup's with its ``O^T`` products (32 ``HGMMA``, or with
+    ``launch.FEW_DS_PV_SYNC`` 32 ``HMMA`` and no ``HGMMA``) and none."""
     ds, mma = _ds_block_loops(loop_ops, lambda ops: ops.get("HMUL2", 0) > 0)
     for lp in ds:
         assert lp["hgmma"] == 32 and lp["ops"]["HMUL2"] == 16 * (7 if src == 584 else 8), lp
         assert lp["local_ld_st"] <= 1, lp
-    assert mma[0]["hgmma"] == 32 and mma[0]["local_ld_st"] == 0, mma[0]
+    products = (mma[0]["hgmma"], mma[0]["ops"].get("HMMA", 0))
+    assert products in ((32, 0), (0, 32)) and mma[0]["local_ld_st"] == 0, mma[0]
     return ds, mma
 
 
@@ -297,17 +300,19 @@ def test_gluon_few_ds_launch_compiles(T, H, src_a, src_b, prior, shape):
         assert lp["hgmma"] == 32 and lp["local_ld_st"] == 0, ops
         assert "SHFL" not in ops, ops
         assert ops.get("STS", 0) <= 2 * 16 + 4 and ops.get("LDS", 0) <= 2 * 8 + 16 + 8, ops
-    assert mma[0]["hgmma"] == 32 and mma[0]["local_ld_st"] == 0, mma[0]["ops"]
+    products = (mma[0]["hgmma"], mma[0]["ops"].get("HMMA", 0))  # wgmma, or mma.sync (PV_SYNC)
+    assert products in ((32, 0), (0, 32)) and mma[0]["local_ld_st"] == 0, mma[0]
 
 
 @pytest.mark.parametrize("src", [584, 528])
 def test_gluon_few_ds_default_launch_compiles(src):
     """The paged prefill's top-k launch at the package's defaults (``launch.FEW_DS``,
-    ``FEW_DS_F16``, ``FEW_DS_FREE_SPLIT``, ``FEW_DS_F16_AHEAD`` for 584 records) starts the
-    dequant + S form with fp16 operands on the persistent grid, and it compiles as the GPU
-    builds it: one CTA's shared memory, each dequant + S warpgroup's block loop with its 32
-    ``HGMMA`` of ``S^T``, one ``HMUL2`` per two e4m3 bytes and at most one stack reload, the
-    MMA warpgroup's with its 32 ``HGMMA`` of ``O^T`` and no spills."""
+    ``FEW_DS_F16``, ``FEW_DS_FREE_SPLIT``, ``FEW_DS_F16_AHEAD`` for 584 records,
+    ``FEW_DS_PV_SYNC``, ``FEW_DS_S_MASK``) starts the dequant + S form with fp16 operands on
+    the persistent grid, and it compiles as the GPU builds it: one CTA's shared memory, each
+    dequant + S warpgroup's block loop with its 32 ``HGMMA`` of ``S^T``, one ``HMUL2`` per two
+    e4m3 bytes and at most one stack reload, the MMA warpgroup's with its 32 ``O^T`` products
+    (``HMMA`` with ``FEW_DS_PV_SYNC``) and no spills."""
     if not gluon_pkg.AVAILABLE:
         pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
     import json
@@ -317,9 +322,13 @@ def test_gluon_few_ds_default_launch_compiles(src):
                                                     prior=True, loop_ops=True)))
     assert r["kernel"].startswith("decode_few_ds"), r["kernel"]
     assert r["form"] == {"F16": gl_launch.FEW_DS_F16, "FREE_SPLIT": gl_launch.FEW_DS_FREE_SPLIT,
-                         "IDX_AHEAD": gl_launch.FEW_DS_F16_AHEAD if src == 584 else 1}, r["form"]
+                         "IDX_AHEAD": gl_launch.FEW_DS_F16_AHEAD if src == 584 else 1,
+                         "PV_SYNC": gl_launch.FEW_DS_PV_SYNC,
+                         "S_MASK": gl_launch.FEW_DS_S_MASK}, r["form"]
     assert 0 < r["shared"] <= 227 * 1024 and r["grid"] == [132], r
-    _f16_ds_block_loops(r["loop_ops"], src)
+    _, mma = _f16_ds_block_loops(r["loop_ops"], src)
+    # the MMA warpgroup's O^T products: mma.sync with FEW_DS_PV_SYNC
+    assert (mma[0]["ops"].get("HMMA", 0) == 32) == gl_launch.FEW_DS_PV_SYNC, mma[0]
 
 
 @pytest.mark.parametrize("mode", [1, 2, 3, 4])
@@ -371,23 +380,29 @@ def test_gluon_prior_launch_compiles(T, H, src, persist):
     """``launch.launch(..., prior=True)`` over one key set (the shared-window prefill's top-k
     records) starts the warp-specialized few-heads kernel once, unsplit (one CTA per token and
     head tile, or with ``persist`` at most one per SM: 132 here; ``None``: the launch's
-    default, ``PRIOR_PERSIST``), with ``PRIOR``; compiled as the GPU builds it, nothing
-    spills."""
+    default, ``PRIOR_PERSIST``), with ``PRIOR``; persistent 8-head tiles take its dequant + S
+    form (``launch.FEW_DS``; its block loops are checked by the ``few_ds`` compile tests);
+    compiled as the GPU builds it, nothing spills."""
     if not gluon_pkg.AVAILABLE:
         pytest.skip(f"installed Triton lacks the Gluon API the kernel uses: {gluon_pkg.REASON}")
     import json
     rows = _compile_facts("launch", json.dumps(dict(T=T, H=H, src_a=src, src_b=0, prior=True,
                                                     persist=persist)))
+    from dsv41_triton.attention.gluon import launch as gl_launch
     if persist is None:
-        from dsv41_triton.attention.gluon import launch as gl_launch
         persist = gl_launch.PRIOR_PERSIST
     bh = 8 if H <= 8 else 16
     items = T * -(-H // bh)
-    assert [r["kernel"].split(".")[0] for r in rows] == ["decode_few_ws"], rows
+    ds = persist and bh == 8 and gl_launch.FEW_DS
+    assert [r["kernel"].split(".")[0] for r in rows] == [
+        "decode_few_ds" if ds else "decode_few_ws"], rows
     r = rows[0]
-    assert r["prior"] is True and r["split"] is False and r["persist"] is persist, r
+    # the dequant + S form is persistent by construction (no PERSIST for the row to read)
+    assert r["prior"] is True and r["split"] is False and r["persist"] is (persist and not ds), r
     assert r["grid"] == [min(132, items) if persist else items], r
-    assert 0 < r["regs"] <= 255 and r["stack"] == 0, r
+    # the dequant + S form: ptxas keeps a few producer words on the stack across the
+    # partitions' register split (reloaded once an item, outside the block loops)
+    assert 0 < r["regs"] <= 255 and r["stack"] <= (32 if ds else 0), r
 
 
 @pytest.mark.parametrize("shape,H,src_a,src_b", [
@@ -994,6 +1009,33 @@ def test_gluon_few_ds_f16_gpu(device, monkeypatch, T, H, swa_rec, extra_rec, spl
                                                 "ds_ahead": ahead})
     _check_empty_rows(_empty_rows_case(device, T, H, swa_rec, extra_rec))
     assert gl_launch.LAST_LAUNCH["fwd"][1][4] == "few_ds"
+    args = _case(device, T, H, swa_rec, extra_rec)
+    ca = args["swa_cache"]
+    ca[1::2].copy_(random_k_cache(ca.shape[0], ca.shape[1], swa_rec, device,
+                                  scale=2.0 ** -12)[1::2])
+    _check(args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 300])
+@pytest.mark.parametrize("H", [1, 8, 13])
+@pytest.mark.parametrize("swa_rec,extra_rec", [(584, 584), (528, None)])
+@pytest.mark.parametrize("split,ahead", [(0, 1), (4, 2)])
+@pytest.mark.parametrize("pv,sm", [(True, True), (True, False), (False, True)])
+def test_gluon_few_ds_sync_gpu(device, monkeypatch, T, H, swa_rec, extra_rec, split, ahead, pv,
+                               sm):
+    """The fp16 dequant + S form with its MMA warpgroup's softmax per warp and ``O^T`` by
+    ``mma.sync`` on or off (override key ``ds_pvsync``) and its logits masked by the dequant +
+    S warpgroups on or off (``ds_smask``): as ``test_gluon_few_ds_f16_gpu``."""
+    _need_gluon_gpu()
+    from dsv41_triton.attention.gluon import launch as gl_launch
+    monkeypatch.setattr(gl_launch, "OVERRIDE", {**gl_launch.parse_shape("4:8:2:W:0"),
+                                                "ds": True, "ds_f16": True, "ds_split": split,
+                                                "ds_ahead": ahead, "ds_pvsync": pv,
+                                                "ds_smask": sm})
+    _check_empty_rows(_empty_rows_case(device, T, H, swa_rec, extra_rec))
+    k = gl_launch.LAST_LAUNCH["fwd"]
+    assert k[1][4] == "few_ds"
     args = _case(device, T, H, swa_rec, extra_rec)
     ca = args["swa_cache"]
     ca[1::2].copy_(random_k_cache(ca.shape[0], ca.shape[1], swa_rec, device,

@@ -618,7 +618,8 @@ if __name__ == "__main__":
                    "stack": stack, "prior": rec["kwargs"].get("PRIOR", False),
                    "persist": rec["kwargs"].get("PERSIST", False),
                    "split": rec["kwargs"].get("SPLIT"),
-                   "form": {f: rec["kwargs"][f] for f in ("F16", "FREE_SPLIT", "IDX_AHEAD")
+                   "form": {f: rec["kwargs"][f] for f in ("F16", "FREE_SPLIT", "IDX_AHEAD",
+                                                          "PV_SYNC", "S_MASK")
                             if f in rec["kwargs"]}}
             if c.get("load_waits"):  # the loops and the loads waited where they are issued
                 rows_k = sass_instructions(k)

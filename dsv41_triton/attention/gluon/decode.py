@@ -48,8 +48,9 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
+                                                              warpgroup_mma, warpgroup_mma_wait)
 
 from ._api import barrier, reinterpret
 from .common import _finish_rows
@@ -124,11 +125,13 @@ def _qk(k0, k1, k2, k3, k4, k5, k6, k7, q_smem, zero):
 
 
 @gluon.jit
-def _online_softmax(sT, ok, m_i, l_part):
+def _online_softmax(sT, ok, m_i, l_part, MASK: gl.constexpr = True):
     """One key block's online-softmax step on the swap-AB logits ``sT [64 keys, BH]`` (scaled,
-    log2 domain; ``ok [64]``: the keys that count): ``(p, alpha, m_new, l_part)`` with the
-    running max ``m_i [BH]`` and the per-key partial sums ``l_part [64, BH]`` rescaled."""
-    sT = gl.where(ok[:, None], sT, float("-inf"))
+    log2 domain; ``ok [64]``: the keys that count, unless not ``MASK``: then ``sT`` is ``-inf``
+    where they do not): ``(p, alpha, m_new, l_part)`` with the running max ``m_i [BH]`` and the
+    per-key partial sums ``l_part [64, BH]`` rescaled."""
+    if MASK:
+        sT = gl.where(ok[:, None], sT, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(sT, axis=0))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_safe)
@@ -159,6 +162,56 @@ def _pv(k0, k1, k2, k3, k4, k5, k6, k7, rope_s, p16, p_r, o0, o1, o2, o3, o4, o5
     if WAIT:
         o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(
             0, deps=[o0, o1, o2, o3, o4, o5, o6, o7])
+    return o0, o1, o2, o3, o4, o5, o6, o7
+
+
+#: ``mma.sync`` ``m16n8k16`` over ``[64 dims, 8 heads]``: 16 dims a warp, the same registers
+#: as the 8-head wgmma accumulator (``_acc_layout(8, 4)``), so the two convert for free
+MMA2_8 = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1],
+                                                 instr_shape=[16, 8]))
+A2_8 = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA2_8, k_width=2))
+B2_8 = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA2_8, k_width=2))
+#: ``[64 keys, 8 heads]`` as ``B2_8`` places them (every warp all of them): logits and P of a
+#: block in the layout of the ``O^T`` products' B operand
+P_B8 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[1, 0], [8, 0], [16, 0], [32, 0]], lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2],
+                                                              [0, 4]],
+    warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[64, 8]))
+
+
+@gluon.jit
+def _o_sync(kt, pb, o, alpha, ACC: gl.constexpr):
+    """``O^T_g * alpha + K_g^T P^T`` by ``mma.sync`` (A: the key tile ``kt [64 keys, 64]``
+    transposed, from shared memory; ``pb``: ``P^T`` as the B operand), in ``ACC``."""
+    a = kt.permute((1, 0)).load(A2_8)
+    return gl.convert_layout(mma_v2(a, pb, gl.convert_layout(o * alpha[None, :], MMA2_8)), ACC)
+
+
+@gluon.jit
+def _pv_sync(k0, k1, k2, k3, k4, k5, k6, k7, pb, pr, o0, o1, o2, o3, o4, o5, o6, o7, alpha,
+             tfree_t, ACC: gl.constexpr, ROPE: gl.constexpr, FREE_SPLIT: gl.constexpr):
+    """``_pv`` at 8 heads by ``mma.sync``: each warp's 16 dims of every group against all 64
+    keys (32 ``HMMA`` and their ``ldmatrix`` a warp), done when it returns; ``pb``: ``P^T
+    [64 keys, 8]`` as the B operand (``B2_8``). ``FREE_SPLIT`` (1 / 4): ``tfree_t`` is arrived
+    on once every warp has read groups ``0 .. FREE_SPLIT - 1`` (0: not at all). With ``ROPE``
+    group 7 is the bf16 tile ``k7`` against ``pr``."""
+    o0 = _o_sync(k0, pb, o0, alpha, ACC)
+    if FREE_SPLIT == 1:
+        barrier()
+        mbarrier.arrive(tfree_t)
+    o1 = _o_sync(k1, pb, o1, alpha, ACC)
+    o2 = _o_sync(k2, pb, o2, alpha, ACC)
+    o3 = _o_sync(k3, pb, o3, alpha, ACC)
+    if FREE_SPLIT == 4:
+        barrier()
+        mbarrier.arrive(tfree_t)
+    o4 = _o_sync(k4, pb, o4, alpha, ACC)
+    o5 = _o_sync(k5, pb, o5, alpha, ACC)
+    o6 = _o_sync(k6, pb, o6, alpha, ACC)
+    if ROPE:
+        o7 = _o_sync(k7, pr, o7, alpha, ACC)
+    else:
+        o7 = _o_sync(k7, pb, o7, alpha, ACC)
     return o0, o1, o2, o3, o4, o5, o6, o7
 
 

@@ -7,12 +7,15 @@ of the CTA's run: warpgroup ``G % 2``, ring stage and key tile ``G % 2``):
 * **dequant + S** (two 4-warp workers): waits ``ready[k]`` and ``tfree[k]``, converts each 64-dim
   group of the stage's records in registers, stores it into the bf16 key tile (the ``O^T``
   product's operand) and feeds the same registers to ``S^T = K Q^T`` as the wgmma's A operand
-  (no shared-memory read of K for S), then stores ``S^T [64 keys, BH]`` fp32 beside the tile and
-  hands both over (``tready[k]``). Each warpgroup keeps its own copy of Q, loaded one item
-  ahead, in the permuted dim order below.
+  (no shared-memory read of K for S), then stores ``S^T [64 keys, BH]`` fp32 beside the tile
+  (``S_MASK``: ``-inf`` at the keys that do not count) and hands both over (``tready[k]``).
+  Each warpgroup keeps its own copy of Q, loaded one item ahead, in the permuted dim order
+  below.
 * **MMA** (the default warpgroup, ``decode_few_ws._mma_items`` with ``S_GIVEN``): per block the
   online softmax of the handed-over ``S^T`` and ``O^T += K^T P^T``, then the prior merge and
-  the epilogue.
+  the epilogue. ``PV_SYNC``: every warp runs the softmax on all 64 keys (P stays in registers
+  as the B operand) and its own 16 dims of each group's ``O^T`` by ``mma.sync``, so a block
+  has no cross-warp reduction, no P store and no wgmma chain to wait for.
 
 A thread of a dequant warpgroup holds, per group, keys ``16 w + l // 4`` and ``+ 8`` and the 16
 consecutive dims ``16 (l % 4) ..`` (``_ds_layout``): one 16-byte read of the raw group, two
@@ -22,7 +25,7 @@ c + e`` <-> dim ``16 c + 4 i + 2 h + e`` (``_ds_perm``), Q stored in that order.
 same; the register tensor is only renamed (``_ds_a``: no data moves).
 
 Shared memory (584 records): the ring 2 x 37.8 KB, two key tiles of 64 KB, two Q copies of 8 KB,
-``S^T`` 2 x 2 KB, P 1 KB: ~222 KB, one CTA per SM.
+``S^T`` 2 x 2 KB, P 1 KB (none with ``PV_SYNC``): ~222 KB, one CTA per SM.
 """
 from __future__ import annotations
 
@@ -143,7 +146,7 @@ def _ds_block(K: gl.constexpr, G, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, sca
               idx_ring, k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf, ready, free, tready,
               tfree, SRC: gl.constexpr, BH: gl.constexpr, PREFETCH: gl.constexpr,
               MODE: gl.constexpr = 0, F16: gl.constexpr = False, qr=None, r_buf=None, cqh=1.0,
-              FREE_SPLIT: gl.constexpr = 0, tfree_b=None):
+              FREE_SPLIT: gl.constexpr = 0, tfree_b=None, S_MASK: gl.constexpr = False):
     """Block ``G`` (``G % 2 == K``): stage ``K``'s records -> bf16 key tile ``K`` and ``S^T``
     (raw dot products, fp32) into ``s_buf[K]``; ``free[K]`` once the stage is read,
     ``tready[K]`` once both are stored. The stage is freed as soon as its last group is loaded
@@ -158,15 +161,19 @@ def _ds_block(K: gl.constexpr, G, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, sca
     ``K`` is taken in two parts, groups ``0 .. FREE_SPLIT - 1`` (with ``kid[K]``) after
     ``tfree[K]``, the rest after ``tfree_b[K]`` (the MMA warpgroup's ``FREE_SPLIT``), so the
     block's first loads, conversion and products overlap the ``O^T`` products still reading
-    the tile."""
+    the tile. ``S_MASK``: ``S^T`` stored ``-inf`` at the keys that do not count (their ids read
+    from the stage before it is freed) and ``kid[K]`` not written."""
     ACC: gl.constexpr = _acc_layout(BH, 4)
     ROPE: gl.constexpr = F16 and SRC == 584
     LI: gl.constexpr = gl.BlockedLayout([1], [32], [DS_WARPS], [0])
     mbarrier.wait(ready.index(K), (G // 2) & 1)
     scale_s = scale_ring.index(K)
+    if S_MASK:
+        okk = idx_ring.index(K).load(gl.SliceLayout(1, ACC)) >= 0
     if FREE_SPLIT == 0:
         mbarrier.wait(tfree.index(K), ((G // 2) & 1) ^ 1)
-        kid.index(K).store(idx_ring.index(K).load(LI))
+        if not S_MASK:
+            kid.index(K).store(idx_ring.index(K).load(LI))
     acc = gl.full([64, BH], 0.0, gl.float32, layout=ACC)
     acr = acc
     prev = acc
@@ -207,7 +214,8 @@ def _ds_block(K: gl.constexpr, G, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, sca
             # used only by the store would be sunk past them)
             if g == 0:
                 mbarrier.wait(tfree.index(K), ((G // 2) & 1) ^ 1)
-                kid.index(K).store(idx_ring.index(K).load(LI))
+                if not S_MASK:
+                    kid.index(K).store(idx_ring.index(K).load(LI))
             if g == FREE_SPLIT:
                 mbarrier.wait(tfree_b.index(K), ((G // 2) & 1) ^ 1)
             _pick(g, k0, k1, k2, k3, k4, k5, k6, k7).index(K).store(x)
@@ -231,8 +239,10 @@ def _ds_block(K: gl.constexpr, G, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, sca
         if ROPE:
             acc = acc + acr
         r_buf.index(K).store(gl.full([BH], 0, gl.int32, layout=gl.SliceLayout(0, ACC)) + R)
+    if S_MASK:
+        acc = gl.where(okk[:, None], acc, float("-inf"))
     s_buf.index(K).store(acc)
-    fence_async_shared()  # the key tiles are read by the MMA partition's wgmmas
+    fence_async_shared()  # the key tiles are read by the MMA partition's products
     barrier()  # every thread's tile and S^T stores precede the hand-over
     mbarrier.arrive(tready.index(K))
 
@@ -299,7 +309,7 @@ def _ds_items(K: gl.constexpr, num_items, num_ht, num_splits, a_len_ptr, a_len_s
               HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, SPLIT: gl.constexpr,
               BH: gl.constexpr, PREFETCH: gl.constexpr, MODE: gl.constexpr = 0,
               F16: gl.constexpr = False, r_buf=None, FREE_SPLIT: gl.constexpr = 0,
-              tfree_b=None):
+              tfree_b=None, S_MASK: gl.constexpr = False):
     """Dequant + S warpgroup ``K`` over this CTA's items: the blocks ``G`` of the CTA's run with
     ``G % 2 == K``, all of one record width ``SRC``. Its Q copy ``qp`` is rewritten at the
     start of an item it has blocks in (its previous wgmmas were waited), from registers loaded
@@ -331,7 +341,7 @@ def _ds_items(K: gl.constexpr, num_items, num_ht, num_splits, a_len_ptr, a_len_s
             _ds_block(K, g + j, r0, r1, r2, r3, r4, r5, r6, r7, rope_ring, scale_ring, idx_ring,
                       k0, k1, k2, k3, k4, k5, k6, k7, kid, qp, s_buf, ready, free, tready, tfree,
                       SRC, BH, PREFETCH, MODE, F16, qr, r_buf, cqh, FREE_SPLIT,
-                      tfree_b)
+                      tfree_b, S_MASK)
         g += nblk
         q0 = n0
         q1 = n1
@@ -356,7 +366,8 @@ def _sparse_mla_decode_few_ds_kernel(
     HAS_LEN_A: gl.constexpr, HAS_LEN_B: gl.constexpr, HAS_SINK: gl.constexpr,
     SPLIT: gl.constexpr, BH: gl.constexpr, IDX_AHEAD: gl.constexpr = 1,
     DEQ_PREFETCH: gl.constexpr = True, PRIOR: gl.constexpr = False, MODE: gl.constexpr = 0,
-    F16: gl.constexpr = False, FREE_SPLIT: gl.constexpr = 0,
+    F16: gl.constexpr = False, FREE_SPLIT: gl.constexpr = 0, PV_SYNC: gl.constexpr = False,
+    S_MASK: gl.constexpr = False,
 ):
     """Persistent grid of at most one CTA per SM over the ``num_items = T * num_splits *
     num_ht`` items (``decode_few_ws``'s ``PERSIST``); launch with ``num_warps=MMA_WARPS``.
@@ -366,7 +377,10 @@ def _sparse_mla_decode_few_ds_kernel(
     ``_ds_block``; ``F16``: fp16 operands in each block's own units (``_ds_block``,
     ``decode_few_ws._mma_part``'s ``S_F16``; with 584 records it fits with ``IDX_AHEAD`` 1 or
     2, not the preload);
-    ``FREE_SPLIT``: each key tile freed and retaken in two parts (``_ds_block``)."""
+    ``FREE_SPLIT``: each key tile freed and retaken in two parts (``_ds_block``); ``PV_SYNC``:
+    the MMA warpgroup's softmax per warp and its ``O^T`` products by ``mma.sync``
+    (``decode_few_ws._mma_part``); ``S_MASK``: the keys that do not count masked in ``S^T``
+    by the dequant + S warpgroups, not by the MMA warpgroup."""
     gl.static_assert(BH == 8, "8-head tiles")
     gl.static_assert(FREE_SPLIT == 0 or FREE_SPLIT == 1 or FREE_SPLIT == 4, "FREE_SPLIT 0, 1, 4")
     gl.static_assert(SRC_A != 288 and (not HAS_B or SRC_B != 288), "e4m3 records")
@@ -392,13 +406,16 @@ def _sparse_mla_decode_few_ds_kernel(
     qp1 = gl.allocate_shared_memory(KDT, [8, BH, 64], QL)
     s_buf = gl.allocate_shared_memory(gl.float32, [2, 64, BH],
                                       gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    p_smem = gl.allocate_shared_memory(KDT, [BH, 64], QL)
+    if PV_SYNC:  # P stays in registers
+        p_smem = s_buf
+    else:
+        p_smem = gl.allocate_shared_memory(KDT, [BH, 64], QL)
     if F16:
         r_buf = gl.allocate_shared_memory(gl.int32, [2, BH],
                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
     else:
         r_buf = kid
-    if ROPE:
+    if ROPE and not PV_SYNC:
         p_r = gl.allocate_shared_memory(gl.bfloat16, [BH, 64],
                                         gl.NVMMASharedLayout.get_default_for([BH, 64],
                                                                              gl.bfloat16))
@@ -428,7 +445,7 @@ def _sparse_mla_decode_few_ds_kernel(
                       po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid, p_smem, p_smem,
                       tready, tfree, HAS_B, HAS_LEN_A, HAS_LEN_B, HAS_SINK, SPLIT, BH, 2, PRIOR,
                       0, s_buf, True, p_r, r_buf, F16, ROPE, FREE_SPLIT,
-                      tfree_b)),
+                      tfree_b, PV_SYNC, S_MASK)),
         (_producer_items, (num_items, num_ht, num_splits, a_ptr, a_idx_ptr, a_idx_st,
                            a_len_ptr, a_len_st, a_width, a_bstride, a_page, a_rows, b_ptr,
                            b_idx_ptr, b_idx_st, b_len_ptr, b_len_st, b_width, b_bstride,
@@ -440,12 +457,12 @@ def _sparse_mla_decode_few_ds_kernel(
                        r5, r6, r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6,
                        k7, kid, qp0, s_buf, ready, free, tready, tfree, SRC_A, HAS_B,
                        HAS_LEN_A, HAS_LEN_B, SPLIT, BH, DEQ_PREFETCH, MODE, F16, r_buf,
-                       FREE_SPLIT, tfree_b)),
+                       FREE_SPLIT, tfree_b, S_MASK)),
         (_ds_items, (1, num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_len_ptr,
                        b_len_st, b_width, q_ptr, stride_qt, stride_qh, H, r0, r1, r2, r3, r4,
                        r5, r6, r7, rope_ring, scale_ring, idx_ring, k0, k1, k2, k3, k4, k5, k6,
                        k7, kid, qp1, s_buf, ready, free, tready, tfree, SRC_A, HAS_B,
                        HAS_LEN_A, HAS_LEN_B, SPLIT, BH, DEQ_PREFETCH, MODE, F16, r_buf,
-                       FREE_SPLIT, tfree_b)),
+                       FREE_SPLIT, tfree_b, S_MASK)),
     ], [PRODUCER_WARPS, DS_WARPS, DS_WARPS],
         [PRODUCER_REGS_DS, DS_REGS, DS_REGS])

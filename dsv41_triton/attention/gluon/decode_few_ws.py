@@ -39,8 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ._api import barrier
 from .common import _load_sink, _merge_prior, _prior_tiles
-from .decode import (_acc_layout, _few_heads_epilogue, _online_softmax, _pv, _q_group, _q_rows,
-                     _qk, _store_q)
+from .decode import (B2_8, P_B8, _acc_layout, _few_heads_epilogue, _online_softmax, _pv,
+                     _pv_sync, _q_group, _q_rows, _qk, _store_q)
 from .dequant import R_MIN, _convert_group, _dequant_group, _exp2i, _load_group
 from .gather import (_alloc_rings, _item_ids, _key_ranges, _lens_ranges, _load_lens,
                      _program_ids, _put)
@@ -134,7 +134,8 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
               q0=0, q1=0, q2=0, q3=0, q4=0, q5=0, q6=0, q7=0, SINK_AHEAD: gl.constexpr = False,
               MODE: gl.constexpr = 0, s_buf=None, S_GIVEN: gl.constexpr = False,
               p_r=None, r_buf=None, S_F16: gl.constexpr = False,
-              F16_ROPE: gl.constexpr = False, FREE_SPLIT: gl.constexpr = 0, tfree_b=None):
+              F16_ROPE: gl.constexpr = False, FREE_SPLIT: gl.constexpr = 0, tfree_b=None,
+              PV_SYNC: gl.constexpr = False, S_MASKED: gl.constexpr = False):
     """One warpgroup: Q, then both swap-AB wgmmas and the softmax of every block (key tile
     ``(g0 + j) % NT``), then the epilogue. ``QREGS``: Q's eight 64-dim groups are ``q0..q7``
     (``_load_q``, loaded by the caller ahead of time). ``SINK_AHEAD``: the sink is loaded
@@ -148,7 +149,13 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
     7 is the bf16 RoPE tile against ``P * 2**(127 - R)`` in bf16 (``p_r``). ``FREE_SPLIT`` (1
     or 4; 0 off): the tile is freed in two parts, ``tfree[t]`` once the ``O^T`` products of
     groups ``0 .. FREE_SPLIT - 1`` are done, ``tfree_b[t]`` after all (its next writer waits
-    for each part before storing it)."""
+    for each part before storing it). ``PV_SYNC`` (8-head tiles, ``S_GIVEN``): the softmax in
+    each warp on all of the block's logits (``decode.P_B8``: P stays in registers as the
+    products' B operand; no cross-warp reduction, no P through shared memory) and the ``O^T``
+    products by ``mma.sync`` (``decode._pv_sync``) instead of wgmma. ``S_MASKED`` (with
+    ``S_GIVEN``): the handed-over ``S^T`` is ``-inf`` at the keys that do not count (``kid``
+    not read)."""
+    gl.static_assert(not PV_SYNC or (S_GIVEN and BH == 8), "PV_SYNC: 8-head tiles, S given")
     ACC: gl.constexpr = _acc_layout(BH, MMA_WARPS)
     LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [MMA_WARPS, 1], [1, 0])
     SINK_GIVEN: gl.constexpr = SINK_AHEAD and HAS_SINK and not SPLIT
@@ -183,9 +190,11 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
         fence_async_shared()
         barrier()
 
-    m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ACC))
+    SL: gl.constexpr = P_B8 if PV_SYNC else ACC  # the softmax's layout
+    m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, SL))
     zero = gl.full([64, BH], 0.0, gl.float32, layout=ACC)
-    l_part = zero  # per-thread partial sums of p, reduced once after the loop
+    # per-thread partial sums of p, reduced once after the loop
+    l_part = gl.full([64, BH], 0.0, gl.float32, layout=SL)
     o0 = zero
     o1 = zero
     o2 = zero
@@ -194,7 +203,7 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
     o5 = zero
     o6 = zero
     o7 = zero
-    r_run = gl.full([BH], R_MIN, gl.int32, layout=gl.SliceLayout(0, ACC))
+    r_run = gl.full([BH], R_MIN, gl.int32, layout=gl.SliceLayout(0, SL))
     for j in range(nblk):
         t = (g0 + j) % NT
         mbarrier.wait(tready.index(t), ((g0 + j) // NT) & 1)
@@ -208,12 +217,29 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
             kt6 = k6.index(t)
             kt7 = k7.index(t)
             if S_GIVEN:
-                sT = s_buf.index(t).load(ACC)
+                sT = s_buf.index(t).load(SL)
             else:
                 sT = _qk(kt0, kt1, kt2, kt3, kt4, kt5, kt6, kt7, q_smem, zero)  # [64 keys, BH]
-            kidx = kid.index(t).load(gl.SliceLayout(1, ACC))
-            p, alpha, m_i, l_part = _online_softmax(sT * qk_scale, kidx >= 0, m_i, l_part)
-            if S_F16:
+            if S_MASKED:
+                ok = None
+            else:
+                ok = kid.index(t).load(gl.SliceLayout(1, SL)) >= 0
+            p, alpha, m_i, l_part = _online_softmax(sT * qk_scale, ok, m_i, l_part,
+                                                    not S_MASKED)
+            if S_F16 and PV_SYNC:
+                rb = r_buf.index(t).load(gl.SliceLayout(0, SL))
+                r_new = gl.maximum(r_run, rb)
+                pb = gl.convert_layout((p * _exp2i(rb - r_new)[None, :]).to(gl.float16), B2_8)
+                pr = pb
+                if F16_ROPE:
+                    pr = gl.convert_layout((p * _exp2i(127 - r_new)[None, :]).to(gl.bfloat16),
+                                           B2_8)
+                alpha = alpha * _exp2i(r_run - r_new)
+                r_run = r_new
+            elif PV_SYNC:
+                pb = gl.convert_layout(p.to(gl.bfloat16), B2_8)
+                pr = pb
+            elif S_F16:
                 rb = r_buf.index(t).load(gl.SliceLayout(0, ACC))
                 r_new = gl.maximum(r_run, rb)
                 p_smem.store(gl.permute((p * _exp2i(rb - r_new)[None, :]).to(gl.float16),
@@ -225,10 +251,16 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
                 r_run = r_new
             else:
                 p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
-            fence_async_shared()
-            barrier()
+            if not PV_SYNC:
+                fence_async_shared()
+                barrier()
             # O^T_g = O^T_g * alpha + K_g^T P^T (waited: the tile and P are free after it)
-            if F16_ROPE:
+            if PV_SYNC:
+                o0, o1, o2, o3, o4, o5, o6, o7 = _pv_sync(
+                    kt0, kt1, kt2, kt3, kt4, kt5, kt6, kt7, pb, pr, o0, o1, o2, o3, o4, o5, o6,
+                    o7, gl.convert_layout(alpha, gl.SliceLayout(0, ACC)), tfree.index(t), ACC,
+                    F16_ROPE, FREE_SPLIT)
+            elif F16_ROPE:
                 o0, o1, o2, o3, o4, o5, o6, o7 = _pv(kt0, kt1, kt2, kt3, kt4, kt5, kt6, kt7,
                                                      kt7, p_smem, p_r, o0, o1, o2, o3, o4, o5,
                                                      o6, o7, alpha, True, FREE_SPLIT == 0)
@@ -236,13 +268,13 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
                 o0, o1, o2, o3, o4, o5, o6, o7 = _pv(kt0, kt1, kt2, kt3, kt4, kt5, kt6, kt7,
                                                      kt7, p_smem, p_smem, o0, o1, o2, o3, o4,
                                                      o5, o6, o7, alpha, False, FREE_SPLIT == 0)
-            if FREE_SPLIT == 1:
+            if FREE_SPLIT == 1 and not PV_SYNC:
                 o0 = warpgroup_mma_wait(7, deps=[o0])
                 barrier()  # every warp's products of group 0 are done
                 mbarrier.arrive(tfree.index(t))
                 o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(
                     0, deps=[o1, o2, o3, o4, o5, o6, o7])
-            elif FREE_SPLIT == 4:
+            elif FREE_SPLIT == 4 and not PV_SYNC:
                 o0, o1, o2, o3 = warpgroup_mma_wait(4, deps=[o0, o1, o2, o3])
                 barrier()  # every warp's products of groups 0..3 are done
                 mbarrier.arrive(tfree.index(t))
@@ -255,6 +287,10 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
         else:
             mbarrier.arrive(tfree.index(t))
     l_i = gl.sum(l_part, axis=0)
+    if PV_SYNC:
+        l_i = gl.convert_layout(l_i, gl.SliceLayout(0, ACC))
+        m_i = gl.convert_layout(m_i, gl.SliceLayout(0, ACC))
+        r_run = gl.convert_layout(r_run, gl.SliceLayout(0, ACC))
     o_unit = 1.0
     if S_F16:
         o_unit = _exp2i(r_run - 127)
@@ -416,14 +452,16 @@ def _mma_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_le
                HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BH: gl.constexpr,
                NT: gl.constexpr, PRIOR: gl.constexpr, MODE: gl.constexpr = 0, s_buf=None,
                S_GIVEN: gl.constexpr = False, p_r=None, r_buf=None, S_F16: gl.constexpr = False,
-               F16_ROPE: gl.constexpr = False, FREE_SPLIT: gl.constexpr = 0, tfree_b=None):
+               F16_ROPE: gl.constexpr = False, FREE_SPLIT: gl.constexpr = 0, tfree_b=None,
+               PV_SYNC: gl.constexpr = False, S_MASKED: gl.constexpr = False):
     """``PERSIST``: the MMA warpgroup over this CTA's items, with the next item's lens (and,
     for 8-head tiles, its Q) loaded into registers while it works on this one (Q stored
     again per item: the previous item's products that read it were waited before its last
     block's warpgroup barrier; an item without blocks reads no Q). A 16-head tile's next Q
     (32 more registers) would spill the partition's 240 registers, so it loads Q per item.
-    ``S_GIVEN`` / ``S_F16`` / ``F16_ROPE``: ``_mma_part``'s (no Q; each block's S^T from
-    ``s_buf``; fp16 key tiles in the block's own units)."""
+    ``S_GIVEN`` / ``S_F16`` / ``F16_ROPE`` / ``PV_SYNC`` / ``S_MASKED``: ``_mma_part``'s (no Q;
+    each block's S^T from ``s_buf``; fp16 key tiles in the block's own units; the softmax per
+    warp and ``O^T`` by ``mma.sync``; ``S^T`` masked)."""
     QAHEAD: gl.constexpr = BH <= 8 and not S_GIVEN
     pid = gl.program_id(0)
     grid = gl.num_programs(0)
@@ -454,7 +492,7 @@ def _mma_items(num_items, num_ht, num_splits, a_len_ptr, a_len_st, a_width, b_le
                   stride_lh, po_ptr, pl_ptr, k0, k1, k2, k3, k4, k5, k6, k7, kid, q_smem,
                   p_smem, tready, tfree, HAS_SINK, SPLIT, BH, NT, PRIOR, g, QAHEAD, q0, q1,
                   q2, q3, q4, q5, q6, q7, True, MODE, s_buf, S_GIVEN, p_r, r_buf, S_F16,
-                  F16_ROPE, FREE_SPLIT, tfree_b)
+                  F16_ROPE, FREE_SPLIT, tfree_b, PV_SYNC, S_MASKED)
         g += nblk
         if QAHEAD:
             q0 = n0

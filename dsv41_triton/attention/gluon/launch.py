@@ -250,6 +250,16 @@ FEW_DS_FREE_SPLIT = 4
 #: the producer's slot-id lead in blocks for that form with fp16 operands and 584 records (1 or
 #: 2; the preload, 0, does not fit beside the RoPE group's bf16 P); override key ``ds_ahead``
 FEW_DS_F16_AHEAD = 2
+#: that form's MMA warpgroup: the softmax in each warp on all of a block's logits (P stays in
+#: registers) and the ``O^T`` products by ``mma.sync`` (``decode._pv_sync``: each warp's 16
+#: dims of a group against the block's 64 keys) instead of a cross-warp softmax, P through
+#: shared memory and 32 m64n8k16 wgmmas waited as one chain; override key ``ds_pvsync``.
+#: H100, 2048 tokens x 512 records: 220.2 against 230.8 us (perf/NOTES.md, "Session 35")
+FEW_DS_PV_SYNC = True
+#: that form's logits masked (``-inf`` where a key does not count) by the dequant + S
+#: warpgroups, so the MMA warpgroup reads no key ids; override key ``ds_smask``. With
+#: ``FEW_DS_PV_SYNC``: 218.5 against 220.9 us
+FEW_DS_S_MASK = True
 
 #: whether ``launch(prior=True)`` runs the few-heads ws kernel on a persistent grid (at most
 #: one CTA per SM looping over tokens: a token's first gathers overlap the previous token's
@@ -410,7 +420,9 @@ def launch(q: torch.Tensor, a, b, sink: Optional[torch.Tensor], softmax_scale: f
             from .decode_few_ds import _sparse_mla_decode_few_ds_kernel as kern
             f16 = bool(over.get("ds_f16", FEW_DS_F16))
             kind, form = "few_ds", dict(MODE=over.get("dsmode", 0), F16=f16,
-                                        FREE_SPLIT=int(over.get("ds_split", FEW_DS_FREE_SPLIT)))
+                                        FREE_SPLIT=int(over.get("ds_split", FEW_DS_FREE_SPLIT)),
+                                        PV_SYNC=bool(over.get("ds_pvsync", FEW_DS_PV_SYNC)),
+                                        S_MASK=bool(over.get("ds_smask", FEW_DS_S_MASK)))
             if f16 and a.src == 584:
                 # the bf16 P of the RoPE group takes the preload's shared memory
                 ahead = int(over.get("ds_ahead", FEW_DS_F16_AHEAD))
