@@ -79,13 +79,13 @@ PREFILL_PATHS = ("paged", "workspace")
 #: hold more than this many rows per chunk token and local head, else the workspace; with the
 #: paged path's window rows gathered (``paged_window_rows``). The paged chunk takes about the same
 #: time at every context, the workspace's grows with its rows. 2048 tokens x 8 heads, CUDA-graph
-#: GPU time, paged vs workspace, us (perf/NOTES.md, "Session 33", the top-k records on the
-#: fp16 dequant + S form): H100 272.3 / 274.8 / 305.5 vs 225.7 / 259.2 / 560.9 at 8K / 128K /
-#: 1M context (4.3K / 35K / 264K rows), the workspace's time growing ~1.3 ns a row past 35K and
-#: the paged one's ~0.13: the two meet near 48K rows, 2.9 rows per token and head. (Session 28,
-#: the record kernel: 3.4; before the few-heads kernel's faster copies, sessions 23 / 26: 1.6
-#: on the H200, 1.0 on the H100.)
-AUTO_PAGED_ROWS_PER_TOKEN_HEAD = 3.0
+#: GPU time, paged vs workspace, us (perf/NOTES.md, "Session 35", the top-k records on the
+#: fp16 dequant + S form with its softmax per warp): H100 261.6 / 263.9 / 298.7 vs 227.2 /
+#: 261.5 / 561.6 at 8K / 128K / 1M context (4.3K / 35K / 264K rows), the workspace's time
+#: growing ~1.3 ns a row past 35K and the paged one's ~0.15: the two meet near 37K rows, 2.3
+#: rows per token and head. (Session 33: 2.9; session 28, the record kernel: 3.4; before the
+#: few-heads kernel's faster copies, sessions 23 / 26: 1.6 on the H200, 1.0 on the H100.)
+AUTO_PAGED_ROWS_PER_TOKEN_HEAD = 2.3
 #: the same for the paged path with every key a slot id (``paged_window_rows = False``): H200
 #: (perf/NOTES.md "Session 16"): the workspace costs ~0.6 ns per gathered row more, its
 #: attention ~(3.5 x heads) rows' worth per token less than the paged kernel; at 8 heads and
