@@ -226,32 +226,27 @@ def _mma_part(q_ptr, stride_qt, stride_qh, t_tok, split, ht, H, qk_scale, num_sp
                 ok = kid.index(t).load(gl.SliceLayout(1, SL)) >= 0
             p, alpha, m_i, l_part = _online_softmax(sT * qk_scale, ok, m_i, l_part,
                                                     not S_MASKED)
-            if S_F16 and PV_SYNC:
+            if S_F16:
                 rb = r_buf.index(t).load(gl.SliceLayout(0, SL))
                 r_new = gl.maximum(r_run, rb)
-                pb = gl.convert_layout((p * _exp2i(rb - r_new)[None, :]).to(gl.float16), B2_8)
-                pr = pb
-                if F16_ROPE:
-                    pr = gl.convert_layout((p * _exp2i(127 - r_new)[None, :]).to(gl.bfloat16),
-                                           B2_8)
-                alpha = alpha * _exp2i(r_run - r_new)
-                r_run = r_new
-            elif PV_SYNC:
-                pb = gl.convert_layout(p.to(gl.bfloat16), B2_8)
-                pr = pb
-            elif S_F16:
-                rb = r_buf.index(t).load(gl.SliceLayout(0, ACC))
-                r_new = gl.maximum(r_run, rb)
-                p_smem.store(gl.permute((p * _exp2i(rb - r_new)[None, :]).to(gl.float16),
-                                        (1, 0)))
-                if F16_ROPE:
-                    p_r.store(gl.permute((p * _exp2i(127 - r_new)[None, :]).to(gl.bfloat16),
-                                         (1, 0)))
+                p16 = (p * _exp2i(rb - r_new)[None, :]).to(gl.float16)  # the tiles' units
+                p_rope = p16
+                if F16_ROPE:  # against the bf16 RoPE tile: P * 2**(127 - R)
+                    p_rope = (p * _exp2i(127 - r_new)[None, :]).to(gl.bfloat16)
                 alpha = alpha * _exp2i(r_run - r_new)
                 r_run = r_new
             else:
-                p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
-            if not PV_SYNC:
+                p16 = p.to(gl.bfloat16)
+                p_rope = p16
+            if PV_SYNC:  # P stays in registers, as the products' B operand
+                pb = gl.convert_layout(p16, B2_8)
+                pr = pb
+                if F16_ROPE:
+                    pr = gl.convert_layout(p_rope, B2_8)
+            else:
+                p_smem.store(gl.permute(p16, (1, 0)))
+                if F16_ROPE:
+                    p_r.store(gl.permute(p_rope, (1, 0)))
                 fence_async_shared()
                 barrier()
             # O^T_g = O^T_g * alpha + K_g^T P^T (waited: the tile and P are free after it)
